@@ -1,0 +1,53 @@
+"""Fast Mixture-of-Experts layers for mlx-lm and mlx-vlm.
+
+    import mlx_moe_fix
+    mlx_moe_fix.apply()
+
+Every supported MoE layer then runs on the package's ops (kernels where the backend has them,
+pure-MLX references otherwise); anything unsupported runs the original code.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from .kernels import current_backend
+from .kernels.moe_decode import moe_decode_implementation
+from .kernels.moe_prefill import moe_prefill_implementation
+from .patches import TARGETS, apply, disabled_by_env, is_applied, options, patched, revert, target_state
+from .patches.activations import known_activation_names
+from .trace import path_counts, reset_path_counts
+
+__version__ = "0.1.0"
+
+_DISTRIBUTIONS = ("mlx", "mlx-lm", "mlx-vlm", "wrapt", "mlx-moe-fix")
+
+
+def _version(distribution: str):
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def status() -> dict:
+    """What is patched, deferred, missing or unsupported and why, the backend and the versions."""
+    implementations = {
+        "moe_prefill": moe_prefill_implementation(),
+        "moe_decode": moe_decode_implementation(),
+    }
+    return {
+        "applied": is_applied(),
+        "disabled_by_env": disabled_by_env(),
+        "phases": options.current(),
+        "backend": current_backend(),
+        "versions": {name: _version(name) for name in _DISTRIBUTIONS},
+        "ops": {name: {"path": impl.path, "reason": impl.reason} for name, impl in implementations.items()},
+        "targets": [
+            dict(zip(("target", "state", "reason"), (t.name, *target_state(t)))) for t in TARGETS
+        ],
+        "activations": known_activation_names(),
+    }
+
+
+__all__ = ["apply", "revert", "patched", "status", "path_counts", "reset_path_counts", "__version__"]

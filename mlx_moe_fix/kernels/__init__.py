@@ -1,0 +1,56 @@
+"""MoE ops: each has `<op>_reference` (pure MLX), a dispatcher `<op>` with the same signature,
+and `<op>_implementation()` saying which one the current backend runs.
+
+`plan()` picks the op for a call: the sorted grouped prefill when many (token, expert) pairs are
+present, the fused decode otherwise, or none (stock code) when the call is not supported.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import mlx.core as mx
+
+from .backend import current_backend
+from .experts import Activation, ExpertLinear, MoEExperts
+from .moe_decode import moe_decode, moe_decode_implementation, moe_decode_reference
+from .moe_prefill import moe_prefill, moe_prefill_implementation, moe_prefill_reference
+
+# mlx-lm's SwitchGLU sorts at this many pairs; the references follow it so that they reproduce
+# stock numerics exactly.
+PREFILL_MIN_PAIRS = 64
+
+
+class Plan(NamedTuple):
+    phase: str  # "prefill" or "decode"
+    path: str  # "kernel", "reference" or "stock"
+    reason: str
+    function: Optional[Callable]  # None: run the original code
+
+
+def plan(
+    x: mx.array, indices: mx.array, experts: MoEExperts, *, prefill: bool = True, decode: bool = True
+) -> Plan:
+    phase = "prefill" if indices.size >= PREFILL_MIN_PAIRS else "decode"
+    reason = experts.unsupported_reason(x, indices)
+    if reason is None and not (prefill if phase == "prefill" else decode):
+        reason = f"{phase} disabled by apply({phase}=False)"
+    if reason is not None:
+        return Plan(phase, "stock", reason, None)
+    implementation = moe_prefill_implementation() if phase == "prefill" else moe_decode_implementation()
+    return Plan(phase, implementation.path, implementation.reason, implementation.function)
+
+
+__all__ = [
+    "Activation",
+    "ExpertLinear",
+    "MoEExperts",
+    "PREFILL_MIN_PAIRS",
+    "Plan",
+    "current_backend",
+    "moe_decode",
+    "moe_decode_reference",
+    "moe_prefill",
+    "moe_prefill_reference",
+    "plan",
+]

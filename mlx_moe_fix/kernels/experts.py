@@ -1,0 +1,163 @@
+"""What an MoE expert layer is, independent of which library built it.
+
+The ops in this package take these plain descriptions rather than mlx-lm / mlx-vlm modules, so that
+a kernel, its reference and the patch layer agree on one contract and the ops can be tested without
+any model class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+SUPPORTED_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertLinear:
+    """One projection of every expert: `weight` is [E, out, in], or mx.quantize's packed
+    [E, out, in * bits / 32] with `scales` / `biases` of [E, out, in / group_size]."""
+
+    weight: mx.array
+    scales: Optional[mx.array] = None
+    biases: Optional[mx.array] = None
+    bias: Optional[mx.array] = None
+    group_size: int = 0
+    bits: int = 0
+    mode: str = "affine"
+    global_scale: Optional[mx.array] = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.scales is not None
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def output_dims(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def input_dims(self) -> int:
+        if self.quantized:
+            return self.scales.shape[-1] * self.group_size
+        return self.weight.shape[2]
+
+    @classmethod
+    def from_module(cls, module) -> Optional["ExpertLinear"]:
+        """Reads an mlx-lm / mlx-vlm `SwitchLinear` or `QuantizedSwitchLinear`; None for
+        anything else (an offloaded or custom projection), which then stays on stock code."""
+        if "weight" not in module or getattr(module["weight"], "ndim", 0) != 3:
+            return None
+        bias = module["bias"] if "bias" in module else None
+        if "scales" not in module:
+            return cls(module["weight"], bias=bias)
+        return cls(
+            module["weight"],
+            module["scales"],
+            module.get("biases"),
+            bias,
+            group_size=module.group_size,
+            bits=module.bits,
+            mode=getattr(module, "mode", "affine"),
+            global_scale=getattr(module, "global_scale", None),
+        )
+
+    def unsupported_reason(self) -> Optional[str]:
+        if not self.quantized:
+            return None
+        if self.mode != "affine" or self.biases is None or self.global_scale is not None:
+            return f"quantization mode {self.mode!r} is not supported yet (affine only)"
+        if self.bits not in SUPPORTED_BITS:
+            return f"{self.bits}-bit experts are not supported (supported: {SUPPORTED_BITS})"
+        if self.group_size not in SUPPORTED_GROUP_SIZES:
+            return f"group size {self.group_size} is not supported (supported: {SUPPORTED_GROUP_SIZES})"
+        return None
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The activation between the first and last expert projections.
+
+    kind:
+      "swiglu"      silu(gate) * up; with `limit`, DeepSeek-V4's clamp stage first:
+                    gate = min(gate, limit), up = clip(up, -limit, limit)
+      "swiglu_oai"  gpt-oss: gate = min(gate, limit), up = clip(up, -limit, limit),
+                    (up + 1) * gate * sigmoid(alpha * gate)
+      "gelu", "gelu_approx", "gelu_fast"   for two-projection (SwitchMLP) experts
+    """
+
+    kind: str
+    limit: Optional[float] = None
+    alpha: Optional[float] = None
+
+    GATED = ("swiglu", "swiglu_oai")
+    UNGATED = ("gelu", "gelu_approx", "gelu_fast")
+
+    @property
+    def gated(self) -> bool:
+        return self.kind in self.GATED
+
+    def __post_init__(self):
+        if self.kind not in self.GATED + self.UNGATED:
+            raise ValueError(f"unknown activation kind {self.kind!r}")
+        if self.kind == "swiglu_oai" and (self.limit is None or self.alpha is None):
+            raise ValueError("swiglu_oai needs both limit and alpha")
+
+
+@dataclass(frozen=True, eq=False)
+class MoEExperts:
+    """A routed expert block.
+
+    projections: (linear,) one expert matmul; (fc1, fc2) an MLP with an ungated activation;
+    (gate, up, down) a GLU with a gated activation. gate_scale / out_scale: optional [E]
+    per-expert factors applied to the gate projection's output and to the block's output
+    (Inkling)."""
+
+    projections: tuple
+    activation: Optional[Activation] = None
+    gate_scale: Optional[mx.array] = None
+    out_scale: Optional[mx.array] = None
+
+    def __post_init__(self):
+        n = len(self.projections)
+        if n not in (1, 2, 3):
+            raise ValueError(f"expected 1, 2 or 3 projections, got {n}")
+        if (n == 1) != (self.activation is None):
+            raise ValueError("an activation goes with 2 or 3 projections, and only with them")
+        if n > 1 and self.activation.gated != (n == 3):
+            raise ValueError(f"{self.activation.kind!r} does not fit {n} projections")
+        if self.gate_scale is not None and n != 3:
+            raise ValueError("gate_scale needs a gate projection")
+
+    @property
+    def output_dims(self) -> int:
+        return self.projections[-1].output_dims
+
+    @property
+    def input_dims(self) -> int:
+        return self.projections[0].input_dims
+
+    @property
+    def num_experts(self) -> int:
+        return self.projections[0].num_experts
+
+    def unsupported_reason(self, x: mx.array, indices: mx.array) -> Optional[str]:
+        """Why the ops cannot take this call, or None when they can."""
+        for projection in self.projections:
+            reason = projection.unsupported_reason()
+            if reason:
+                return reason
+        if x.dtype not in SUPPORTED_DTYPES:
+            return f"activations of dtype {x.dtype} are not supported"
+        if x.shape[:-1] != indices.shape[:-1]:
+            return f"x {tuple(x.shape)} and indices {tuple(indices.shape)} do not pair up token by token"
+        if x.shape[-1] != self.input_dims:
+            return f"x has {x.shape[-1]} features, the experts take {self.input_dims}"
+        return None

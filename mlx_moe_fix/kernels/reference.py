@@ -1,0 +1,92 @@
+"""Pure-MLX building blocks of the reference ops.
+
+They call the same MLX primitives as mlx-lm's switch layers (`gather_qmm` / `gather_mm`) and
+apply activations with the same operation order as the upstream activation modules, so the
+references reproduce stock outputs exactly on every backend; the kernels are tested against them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .experts import Activation, ExpertLinear, MoEExperts
+
+
+def activate(activation: Activation, up: mx.array, gate: Optional[mx.array] = None) -> mx.array:
+    """`up` is the first projection's output (the only one for ungated kinds)."""
+    kind = activation.kind
+    if kind == "swiglu":
+        limit = activation.limit
+        if limit:
+            gate = mx.minimum(gate, limit)
+            up = mx.clip(up, -limit, limit)
+        return nn.silu(gate) * up
+    if kind == "swiglu_oai":
+        gate = mx.minimum(gate, activation.limit)
+        up = mx.clip(up, -activation.limit, activation.limit)
+        return (up + 1.0) * (gate * mx.sigmoid(activation.alpha * gate))
+    if kind == "gelu":
+        return nn.gelu(up)
+    if kind == "gelu_approx":
+        return nn.gelu_approx(up)
+    return nn.gelu_fast_approx(up)
+
+
+def project(x: mx.array, linear: ExpertLinear, indices: mx.array, sorted_indices: bool) -> mx.array:
+    """x: [..., 1, in] rows broadcast against indices; returns [..., 1, out]."""
+    if linear.quantized:
+        y = mx.gather_qmm(
+            x,
+            linear.weight,
+            linear.scales,
+            linear.biases,
+            rhs_indices=indices,
+            transpose=True,
+            group_size=linear.group_size,
+            bits=linear.bits,
+            mode=linear.mode,
+            sorted_indices=sorted_indices,
+        )
+    else:
+        y = mx.gather_mm(
+            x, linear.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
+        )
+    if linear.bias is not None:
+        y = y + mx.expand_dims(linear.bias[indices], -2)
+    return y
+
+
+def _per_expert(scale: mx.array, indices: mx.array, like: mx.array) -> mx.array:
+    s = scale[indices].astype(like.dtype)
+    return s.reshape(s.shape + (1,) * (like.ndim - s.ndim))
+
+
+def expert_chain(x: mx.array, indices: mx.array, experts: MoEExperts, sorted_indices: bool) -> mx.array:
+    """Every projection, the activation and the per-expert scales, for rows x [..., 1, in]
+    paired with indices; returns [..., 1, out]."""
+    projections = experts.projections
+    if len(projections) == 1:
+        return project(x, projections[0], indices, sorted_indices)
+    if len(projections) == 2:
+        fc1, fc2 = projections
+        hidden = activate(experts.activation, project(x, fc1, indices, sorted_indices))
+        return project(hidden, fc2, indices, sorted_indices)
+    gate_proj, up_proj, down_proj = projections
+    up = project(x, up_proj, indices, sorted_indices)
+    gate = project(x, gate_proj, indices, sorted_indices)
+    if experts.gate_scale is not None:
+        gate = gate * _per_expert(experts.gate_scale, indices, gate)
+    y = project(activate(experts.activation, up, gate), down_proj, indices, sorted_indices)
+    if experts.out_scale is not None:
+        y = y * _per_expert(experts.out_scale, indices, y)
+    return y
+
+
+def combine(y: mx.array, weights: Optional[mx.array]) -> mx.array:
+    """y: [..., k, out]; the routing-weighted sum over k, or y itself without weights."""
+    if weights is None:
+        return y
+    return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)

@@ -1,0 +1,126 @@
+"""Reversible patches of upstream MoE layers.
+
+apply() replaces each target method on its class with a wrapt FunctionWrapper (model files import
+the classes by name, so the class attribute is what must change). Modules not imported yet are
+patched by a post-import hook when they are; apply() never imports them itself. revert() puts the
+original function objects back and makes the hooks inert (wrapt cannot unregister a hook).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+from typing import Dict, Optional
+
+import wrapt
+
+from . import mlx_lm, mlx_vlm, options
+from .targets import Target
+
+TARGETS = mlx_lm.TARGETS + mlx_vlm.TARGETS
+MODULES = tuple(dict.fromkeys(t.module for t in TARGETS))
+
+_originals: Dict[str, object] = {}  # target name -> the original function, while patched
+_missing: Dict[str, str] = {}  # target name -> why it could not be patched
+_hooked: set = set()  # modules with a post-import hook registered in this process
+_applied = False
+
+
+def disabled_by_env() -> bool:
+    return os.environ.get("MLX_MOE_FIX_DISABLE", "") not in ("", "0")
+
+
+def _installed(module_name: str) -> bool:
+    try:
+        return importlib.util.find_spec(module_name.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _patch_module(module) -> None:
+    for target in TARGETS:
+        if target.module != module.__name__ or target.wrapper is None or target.name in _originals:
+            continue
+        cls = getattr(module, target.cls, None)
+        original = None if cls is None else cls.__dict__.get(target.method)
+        if original is None:
+            _missing[target.name] = f"{target.module} has no {target.cls}.{target.method} in this version"
+            continue
+        setattr(cls, target.method, wrapt.FunctionWrapper(original, target.wrapper))
+        _originals[target.name] = original
+
+
+def _on_import(module) -> None:
+    if _applied:
+        _patch_module(module)
+
+
+def apply(prefill: bool = True, decode: bool = True) -> None:
+    """Route every supported MoE layer call through the ops; idempotent. prefill / decode choose
+    which phases use them (the other phase stays on stock code)."""
+    global _applied
+    if disabled_by_env():
+        return
+    options.set_phases(prefill, decode)
+    _applied = True
+    for module_name in MODULES:
+        module = sys.modules.get(module_name)
+        if module is not None:
+            _patch_module(module)
+        elif module_name not in _hooked:
+            wrapt.register_post_import_hook(_on_import, module_name)
+            _hooked.add(module_name)
+
+
+def revert() -> None:
+    """Restore every original method exactly (the same function objects)."""
+    global _applied
+    _applied = False
+    for target in TARGETS:
+        original = _originals.pop(target.name, None)
+        if original is not None:
+            setattr(getattr(sys.modules[target.module], target.cls), target.method, original)
+    _missing.clear()
+    options.set_phases(True, True)
+
+
+@contextlib.contextmanager
+def patched(prefill: bool = True, decode: bool = True):
+    """apply() for the block, then back to the state before it."""
+    was_applied = _applied
+    previous = options.current()
+    apply(prefill=prefill, decode=decode)
+    try:
+        yield
+    finally:
+        if was_applied:
+            options.set_phases(**previous)
+        else:
+            revert()
+
+
+def is_applied() -> bool:
+    return _applied
+
+
+def target_state(target: Target) -> tuple:
+    """(state, reason): patched / deferred / missing / unsupported / not applied."""
+    if not _installed(target.module):
+        return "missing", f"{target.module.split('.')[0]} is not installed"
+    if target.wrapper is None:
+        return "unsupported", target.note
+    if target.name in _missing:
+        return "missing", _missing[target.name]
+    if target.name in _originals:
+        return "patched", "calls go through mlx_moe_fix ops when supported"
+    if disabled_by_env():
+        return "not applied", "MLX_MOE_FIX_DISABLE is set"
+    if not _applied:
+        return "not applied", "apply() has not been called (or revert() was)"
+    return "deferred", f"patched when {target.module} is imported"
+
+
+def original_of(target_name: str) -> Optional[object]:
+    return _originals.get(target_name)

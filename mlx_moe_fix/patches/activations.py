@@ -1,0 +1,59 @@
+"""Upstream activation modules that the ops know, matched by exact type.
+
+A subclass could change the math, so only the listed classes themselves are recognised; anything
+else leaves its layer on stock code. Classes are looked up in modules that are already imported
+(an instance exists only if its module was), so recognising never imports a package.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+from ..kernels import Activation
+
+
+def _gelu(module) -> Activation:
+    approx = module._approx
+    if approx == "none":
+        return Activation("gelu")
+    return Activation("gelu_approx" if approx in ("precise", "tanh") else "gelu_fast")
+
+
+def _limited_swiglu(module) -> Activation:
+    # DeepSeek-V4 clamps only for a positive limit (`if limit and limit > 0`).
+    limit = module.limit
+    return Activation("swiglu", limit=float(limit) if limit and limit > 0 else None)
+
+
+# (module, class name, how to read its parameters)
+KNOWN_ACTIVATIONS: tuple = (
+    ("mlx_lm.models.switch_layers", "SwiGLU", lambda m: Activation("swiglu")),
+    ("mlx_vlm.models.switch_layers", "SwiGLU", lambda m: Activation("swiglu")),
+    ("mlx_vlm.models.deepseek_v4.language", "LimitedSwiGLU", _limited_swiglu),
+    (
+        "mlx_lm.models.activations",
+        "SwigluOAI",
+        lambda m: Activation("swiglu_oai", limit=float(m._limit), alpha=float(m._alpha)),
+    ),
+    # mlx-vlm's gpt-oss SwiGLU calls its module-level swiglu with the defaults 1.702 / 7.0.
+    ("mlx_vlm.models.gpt_oss.language", "SwiGLU", lambda m: Activation("swiglu_oai", limit=7.0, alpha=1.702)),
+    ("mlx.nn.layers.activations", "GELU", _gelu),
+)
+
+
+def _reader(cls) -> Optional[Callable]:
+    for module_name, class_name, read in KNOWN_ACTIVATIONS:
+        module = sys.modules.get(module_name)
+        if module is not None and getattr(module, class_name, None) is cls:
+            return read
+    return None
+
+
+def recognise(activation) -> Optional[Activation]:
+    read = _reader(type(activation))
+    return None if read is None else read(activation)
+
+
+def known_activation_names() -> list:
+    return [f"{module}.{name}" for module, name, _ in KNOWN_ACTIVATIONS]

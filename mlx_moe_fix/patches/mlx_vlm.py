@@ -1,0 +1,58 @@
+"""Patch targets in mlx-vlm: its switch layers (with the weights / shared / residual combine and
+the decode-block path of its SwitchGLU), and Inkling's experts with per-expert scales.
+DeepSeek-V4's experts are mlx-vlm SwitchGLUs with a LimitedSwiGLU activation (see activations)."""
+
+import sys
+
+from . import switch_layers
+from .switch_layers import GLU_PROJECTIONS, bind, choose, describe, stock
+from .targets import Target
+
+SWITCH_LAYERS = "mlx_vlm.models.switch_layers"
+INKLING = "mlx_vlm.models.inkling.language"
+
+
+def switch_glu(wrapped, instance, args, kwargs):
+    """SwitchGLU.__call__(x, indices, weights=None, shared=None, residual=None)"""
+    x, indices, weights, shared, residual = bind(
+        args, kwargs, ("x", "indices", "weights", "shared", "residual")
+    )
+    decode_block = sys.modules[SWITCH_LAYERS].DECODE_BLOCK_SIZE
+    if not instance.training and x.ndim == 3 and 1 < x.shape[1] <= decode_block:
+        reason = f"mlx-vlm's decode-block path (1 < L <= {decode_block}) keeps its exact verifier kernels"
+        return stock("SwitchGLU[vlm]", x, indices, reason, wrapped, args, kwargs)
+    experts, why_not = describe(instance, GLU_PROJECTIONS)
+    chosen = choose("SwitchGLU[vlm]", x, indices, experts, why_not)
+    if chosen.function is None:
+        return wrapped(*args, **kwargs)
+    routed = chosen.function(x, indices, experts, weights)
+    return instance._combine(routed, None, shared, residual)
+
+
+def inkling_switch_glu(wrapped, instance, args, kwargs):
+    """InklingSwitchGLU.__call__(x, indices): SwitchGLU with per-expert gate_scale / out_scale."""
+    if instance.scales_trivial():
+        # Upstream then calls SwitchGLU.__call__, which is patched and traced itself.
+        return wrapped(*args, **kwargs)
+    x, indices = bind(args, kwargs, ("x", "indices"))
+    experts, why_not = describe(instance, GLU_PROJECTIONS, instance.gate_scale, instance.out_scale)
+    chosen = choose("InklingSwitchGLU", x, indices, experts, why_not)
+    if chosen.function is None:
+        return wrapped(*args, **kwargs)
+    return chosen.function(x, indices, experts)
+
+
+TARGETS = (
+    Target(SWITCH_LAYERS, "SwitchGLU", "__call__", switch_glu),
+    Target(SWITCH_LAYERS, "SwitchMLP", "__call__", switch_layers.switch_mlp),
+    Target(SWITCH_LAYERS, "QuantizedSwitchLinear", "__call__", switch_layers.quantized_switch_linear),
+    Target(INKLING, "InklingSwitchGLU", "__call__", inkling_switch_glu),
+    Target(
+        INKLING,
+        "InklingSparseMoE",
+        "__call__",
+        None,
+        "its routing and decode down-combine kernels are Metal-only upstream; on other backends it "
+        "runs upstream's MLX routing, and its experts go through the patched InklingSwitchGLU",
+    ),
+)

@@ -1,0 +1,120 @@
+"""Wrappers of the switch layers that mlx-lm and mlx-vlm both define.
+
+Each wrapper describes the layer as `MoEExperts`, asks `kernels.plan` which op takes the call and
+either runs it or calls the original method. No math happens here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from .. import trace
+from ..kernels import PREFILL_MIN_PAIRS, ExpertLinear, MoEExperts, Plan, plan
+from . import options
+from .activations import recognise
+
+GLU_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MLP_PROJECTIONS = ("fc1", "fc2")
+
+
+def bind(args: tuple, kwargs: dict, names: tuple, defaults: tuple = ()) -> list:
+    """Positional-or-keyword arguments of the wrapped method, in `names` order."""
+    values = list(args) + [None] * (len(names) - len(args))
+    for i, name in enumerate(names):
+        if name in kwargs:
+            values[i] = kwargs[name]
+        elif i >= len(args) and i >= len(names) - len(defaults):
+            values[i] = defaults[i - (len(names) - len(defaults))]
+    return values
+
+
+def describe(layer, projection_names: tuple, gate_scale=None, out_scale=None):
+    """(MoEExperts, None) for a layer the ops can run, else (None, why not)."""
+    activation = None
+    if len(projection_names) > 1:
+        activation = recognise(layer.activation)
+        if activation is None:
+            return None, f"activation {type(layer.activation).__qualname__} is not recognised"
+    projections = tuple(
+        ExpertLinear.from_module(layer[name]) if name in layer else None for name in projection_names
+    )
+    if any(p is None for p in projections):
+        return None, "expert projections are not SwitchLinear / QuantizedSwitchLinear"
+    try:
+        return MoEExperts(projections, activation, gate_scale, out_scale), None
+    except ValueError as error:
+        return None, str(error)
+
+
+def shape_class(phase: str, x, indices, experts: Optional[MoEExperts]) -> tuple:
+    if experts is None:
+        return (phase, str(x.dtype), tuple(x.shape[-1:]), indices.shape[-1])
+    first = experts.projections[0]
+    return (
+        phase,
+        str(x.dtype),
+        f"{first.bits}bit/g{first.group_size}" if first.quantized else str(first.weight.dtype),
+        f"{experts.input_dims}->{experts.output_dims}",
+        f"E{experts.num_experts}",
+        f"k{indices.shape[-1]}",
+    )
+
+
+def choose(layer_kind: str, x, indices, experts: Optional[MoEExperts], why_not: Optional[str]) -> Plan:
+    """The plan for one call, counted and traced."""
+    if experts is None:
+        chosen = Plan("prefill" if indices.size >= PREFILL_MIN_PAIRS else "decode", "stock", why_not, None)
+    else:
+        chosen = plan(x, indices, experts, **options.current())
+    trace.record(layer_kind, chosen.phase, chosen.path, chosen.reason, shape_class(chosen.phase, x, indices, experts))
+    return chosen
+
+
+def stock(layer_kind: str, x, indices, reason: str, original: Callable, args: tuple, kwargs: dict):
+    choose(layer_kind, x, indices, None, reason)
+    return original(*args, **kwargs)
+
+
+def switch_glu(wrapped, instance, args, kwargs):
+    """SwitchGLU.__call__(x, indices) -> [..., k, D]"""
+    x, indices = bind(args, kwargs, ("x", "indices"))
+    experts, why_not = describe(instance, GLU_PROJECTIONS)
+    chosen = choose("SwitchGLU", x, indices, experts, why_not)
+    if chosen.function is None:
+        return wrapped(*args, **kwargs)
+    return chosen.function(x, indices, experts)
+
+
+def switch_mlp(wrapped, instance, args, kwargs):
+    """SwitchMLP.__call__(x, indices) -> [..., k, D]"""
+    x, indices = bind(args, kwargs, ("x", "indices"))
+    experts, why_not = describe(instance, MLP_PROJECTIONS)
+    chosen = choose("SwitchMLP", x, indices, experts, why_not)
+    if chosen.function is None:
+        return wrapped(*args, **kwargs)
+    return chosen.function(x, indices, experts)
+
+
+def quantized_switch_linear(wrapped, instance, args, kwargs):
+    """QuantizedSwitchLinear.__call__(x, indices, sorted_indices=False): x [..., 1, in] rows
+    broadcast against indices, as the switch layers call it; returns [..., 1, out]."""
+    x, indices = bind(args, kwargs, ("x", "indices"))
+    linear = ExpertLinear.from_module(instance)
+    experts = None if linear is None else MoEExperts((linear,))
+    rows_per_pair = x.ndim >= 2 and x.shape[-2] == 1 and x.shape[:-2] == indices.shape
+    rows_per_token = (
+        x.ndim >= 2 and x.shape[-2] == 1 and x.shape[:-2] == (*indices.shape[:-1], 1)
+    )
+    if experts is None or not (rows_per_pair or rows_per_token):
+        why_not = "not a quantized expert projection" if experts is None else (
+            f"x {tuple(x.shape)} is not one row per token or per (token, expert) pair of indices {tuple(indices.shape)}"
+        )
+        return stock("QuantizedSwitchLinear", x, indices, why_not, wrapped, args, kwargs)
+    if rows_per_pair:
+        tokens, pairs = x.reshape(-1, x.shape[-1]), indices.reshape(-1, 1)
+    else:
+        tokens, pairs = x.reshape(*indices.shape[:-1], x.shape[-1]), indices
+    chosen = choose("QuantizedSwitchLinear", tokens, pairs, experts, None)
+    if chosen.function is None:
+        return wrapped(*args, **kwargs)
+    return chosen.function(tokens, pairs, experts).reshape(*indices.shape, 1, linear.output_dims)
