@@ -1,0 +1,31 @@
+import mlx.core as mx
+import pytest
+
+import mlx_moe_fix
+
+
+def gpu_available() -> bool:
+    return mx.cuda.is_available() or mx.metal.is_available()
+
+
+NO_GPU = "no GPU: MLX reports neither CUDA nor Metal on this machine"
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def device(request):
+    """Runs a test on the CPU and, where one exists, on the GPU (skipped visibly elsewhere)."""
+    if request.param == "gpu" and not gpu_available():
+        pytest.skip(NO_GPU)
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu if request.param == "cpu" else mx.gpu)
+    yield request.param
+    mx.set_default_device(previous)
+
+
+@pytest.fixture(autouse=True)
+def unpatched():
+    """Every test starts and ends with nothing patched and no counted paths."""
+    mlx_moe_fix.revert()
+    mlx_moe_fix.reset_path_counts()
+    yield
+    mlx_moe_fix.revert()

@@ -1,0 +1,120 @@
+"""Random MoE layer cases: a stock upstream layer, its inputs, and its MoEExperts description."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from hypothesis import strategies as st
+
+from mlx_moe_fix.kernels import ExpertLinear, MoEExperts
+from mlx_moe_fix.patches.activations import recognise
+
+PRIMES = (3, 5, 7, 11, 13, 37)
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+QUANTIZATIONS = (None, (4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128))
+
+
+@dataclass
+class Case:
+    layer: nn.Module
+    experts: MoEExperts
+    x: mx.array
+    indices: mx.array
+    weights: Optional[mx.array]
+    dtype: object
+    label: str
+
+    def stock(self) -> mx.array:
+        y = self.layer(self.x, self.indices)
+        if self.weights is None:
+            return y
+        return (y * self.weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+
+def stock_activation(kind: str, limit: float):
+    from mlx_lm.models.activations import SwigluOAI
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    if kind == "swiglu":
+        return SwiGLU()
+    if kind == "swiglu_limited":
+        from mlx_vlm.models.deepseek_v4.language import LimitedSwiGLU
+
+        return LimitedSwiGLU(limit)
+    if kind == "swiglu_oai":
+        return SwigluOAI(alpha=1.702, limit=limit)
+    return nn.GELU(approx={"gelu": "none", "gelu_approx": "precise", "gelu_fast": "fast"}[kind])
+
+
+def build_layer(glu: bool, kind: str, limit: float, dims: int, hidden: int, experts: int, scaled: bool):
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+    if scaled:
+        from mlx_vlm.models.inkling.language import InklingSwitchGLU
+
+        layer = InklingSwitchGLU(dims, hidden, experts)
+        layer.gate_scale = mx.random.uniform(0.5, 2.0, (experts,))
+        layer.out_scale = mx.random.uniform(0.5, 2.0, (experts,))
+        return layer
+    if glu:
+        return SwitchGLU(dims, hidden, experts, activation=stock_activation(kind, limit))
+    return SwitchMLP(dims, hidden, experts, activation=stock_activation(kind, limit))
+
+
+def describe(layer, glu: bool, scaled: bool) -> MoEExperts:
+    names = ("gate_proj", "up_proj", "down_proj") if glu else ("fc1", "fc2")
+    return MoEExperts(
+        tuple(ExpertLinear.from_module(layer[n]) for n in names),
+        recognise(layer.activation),
+        layer.gate_scale if scaled else None,
+        layer.out_scale if scaled else None,
+    )
+
+
+@st.composite
+def layer_cases(draw, max_pairs: int = 200) -> Case:
+    dtype = draw(st.sampled_from(DTYPES))
+    quantization = draw(st.sampled_from(QUANTIZATIONS))
+    if quantization is None and mx.default_device() == mx.cpu:
+        dtype = mx.float32  # MLX's CPU gather_mm (stock's unquantized path) supports only float32
+    glu = draw(st.booleans())
+    kind = draw(st.sampled_from(("swiglu", "swiglu_limited", "swiglu_oai") if glu else ("gelu", "gelu_approx", "gelu_fast")))
+    # A limit of 0.25 binds for most gate / up values here, 50 for none.
+    limit = draw(st.sampled_from((0.25, 50.0)))
+    scaled = glu and kind == "swiglu" and draw(st.booleans())
+    if quantization is None:
+        dims, hidden = draw(st.sampled_from(PRIMES + (16, 64))), draw(st.sampled_from(PRIMES + (24, 64)))
+    else:
+        group = quantization[1]
+        dims, hidden = group * draw(st.integers(1, 3)), group * draw(st.integers(1, 2))
+    num_experts = draw(st.sampled_from((1, 2, 3, 5, 7, 8)))
+    top_k = draw(st.integers(1, num_experts))
+    batch = draw(st.integers(1, 3))
+    tokens = draw(st.integers(1, max(1, max_pairs // (batch * top_k))))
+    routing = draw(st.sampled_from(("random", "one_expert", "few_experts")))
+    seed = draw(st.integers(0, 2**16))
+
+    mx.random.seed(seed)
+    layer = build_layer(glu, kind, limit, dims, hidden, num_experts, scaled)
+    if quantization is not None:
+        nn.quantize(layer, group_size=quantization[1], bits=quantization[0])
+    layer.set_dtype(dtype)
+    layer.eval()
+
+    scores = mx.random.uniform(shape=(batch, tokens, num_experts))
+    if routing == "one_expert":  # every token's first choice is expert 0
+        scores = scores + mx.where(mx.arange(num_experts) == 0, 2.0, 0.0)
+    elif routing == "few_experts":  # the upper half of the experts gets no pairs unless k needs them
+        scores = scores + mx.where(mx.arange(num_experts) < max(top_k, num_experts // 2), 2.0, 0.0)
+    indices = mx.argsort(-scores, axis=-1)[..., :top_k].astype(mx.uint32)
+    x = mx.random.normal((batch, tokens, dims)).astype(dtype)
+    weights = mx.softmax(mx.random.normal((batch, tokens, top_k)), axis=-1).astype(dtype) if draw(st.booleans()) else None
+    label = (
+        f"{'glu' if glu else 'mlp'}/{kind}{'(limit %g)' % limit if 'swiglu_' in kind else ''}"
+        f"{'/scaled' if scaled else ''} q={quantization} {dtype} D={dims} F={hidden} E={num_experts} "
+        f"k={top_k} B={batch} T={tokens} pairs={indices.size} {routing} weights={weights is not None}"
+    )
+    return Case(layer, describe(layer, glu, scaled), x, indices, weights, dtype, label)

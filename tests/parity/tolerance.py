@@ -1,0 +1,26 @@
+"""Per-dtype tolerances for ‖out − ref‖ / ‖ref‖.
+
+Stock and reference call the same MLX primitives, so on one device they agree far inside these;
+kernels accumulate in fp32 in another order, and bf16 / fp16 outputs round once at the end."""
+
+import mlx.core as mx
+import numpy as np
+
+RELATIVE_TOLERANCE = {
+    mx.float32: 1e-5,
+    mx.float16: 2e-3,
+    mx.bfloat16: 1.6e-2,
+}
+
+
+def relative_error(out: mx.array, ref: mx.array) -> float:
+    a = np.asarray(out.astype(mx.float32))
+    b = np.asarray(ref.astype(mx.float32))
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert np.isfinite(a).all(), "non-finite output"
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_close(out: mx.array, ref: mx.array, dtype) -> None:
+    error = relative_error(out, ref)
+    assert error <= RELATIVE_TOLERANCE[dtype], f"relative error {error:.3g} > {RELATIVE_TOLERANCE[dtype]} for {dtype}"

@@ -1,0 +1,212 @@
+"""Patch lifecycle: replaced, idempotent, reverted exactly, deferred, disabled, falls through."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+import wrapt
+
+import mlx_moe_fix
+from mlx_moe_fix.patches import TARGETS
+from mlx_moe_fix.trace import PathRecord
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": REPO, **env}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=environment, timeout=300
+    )
+
+
+def imported_classes():
+    import mlx_lm.models.switch_layers  # noqa: F401
+    import mlx_vlm.models.inkling.language  # noqa: F401
+    import mlx_vlm.models.switch_layers  # noqa: F401
+
+    return {t.name: (getattr(sys.modules[t.module], t.cls), t) for t in TARGETS}
+
+
+def test_apply_replaces_and_revert_restores_the_same_objects():
+    classes = imported_classes()
+    originals = {name: cls.__dict__[t.method] for name, (cls, t) in classes.items()}
+    mlx_moe_fix.apply()
+    for name, (cls, t) in classes.items():
+        method = cls.__dict__[t.method]
+        if t.wrapper is None:
+            assert method is originals[name], name
+        else:
+            assert isinstance(method, wrapt.FunctionWrapper) and method.__wrapped__ is originals[name], name
+    mlx_moe_fix.revert()
+    for name, (cls, t) in classes.items():
+        assert cls.__dict__[t.method] is originals[name], name
+
+
+def test_apply_is_idempotent():
+    classes = imported_classes()
+    mlx_moe_fix.apply()
+    first = {name: cls.__dict__[t.method] for name, (cls, t) in classes.items()}
+    mlx_moe_fix.apply()
+    mlx_moe_fix.apply(prefill=False)
+    for name, (cls, t) in classes.items():
+        assert cls.__dict__[t.method] is first[name], name
+    assert mlx_moe_fix.status()["phases"] == {"prefill": False, "decode": True}
+    mlx_moe_fix.revert()
+    for name, (cls, t) in classes.items():
+        assert not isinstance(cls.__dict__[t.method], wrapt.FunctionWrapper), name
+
+
+def test_patched_context_restores_the_previous_state():
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    original = SwitchGLU.__dict__["__call__"]
+    with mlx_moe_fix.patched():
+        assert SwitchGLU.__dict__["__call__"] is not original
+    assert SwitchGLU.__dict__["__call__"] is original
+    mlx_moe_fix.apply()
+    with mlx_moe_fix.patched(decode=False):
+        assert mlx_moe_fix.status()["phases"]["decode"] is False
+    assert mlx_moe_fix.status()["applied"] and mlx_moe_fix.status()["phases"]["decode"] is True
+
+
+def test_status_reports_every_target_with_a_reason():
+    imported_classes()
+    mlx_moe_fix.apply()
+    status = mlx_moe_fix.status()
+    states = {t["target"]: t["state"] for t in status["targets"]}
+    assert states["mlx_lm.models.switch_layers.SwitchGLU.__call__"] == "patched"
+    assert states["mlx_vlm.models.inkling.language.InklingSparseMoE.__call__"] == "unsupported"
+    assert all(t["reason"] for t in status["targets"])
+    assert status["backend"] in ("cpu", "cuda", "metal")
+    assert status["versions"]["mlx"] == mx.__version__
+    mlx_moe_fix.revert()
+    assert {t["state"] for t in mlx_moe_fix.status()["targets"]} <= {"not applied", "unsupported"}
+
+
+def test_deferred_import_is_patched_and_apply_does_not_import_mlx_vlm():
+    result = run_python(
+        """
+        import sys, wrapt, mlx_moe_fix
+        mlx_moe_fix.apply()
+        assert not any(m.startswith("mlx_vlm") for m in sys.modules), "apply() imported mlx_vlm"
+        states = {t["target"]: t["state"] for t in mlx_moe_fix.status()["targets"]}
+        assert states["mlx_vlm.models.switch_layers.SwitchGLU.__call__"] == "deferred", states
+        from mlx_vlm.models.switch_layers import SwitchGLU
+        assert isinstance(SwitchGLU.__dict__["__call__"], wrapt.FunctionWrapper)
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+def test_revert_makes_deferred_hooks_inert():
+    result = run_python(
+        """
+        import wrapt, mlx_moe_fix
+        mlx_moe_fix.apply()
+        mlx_moe_fix.revert()
+        from mlx_vlm.models.switch_layers import SwitchGLU
+        assert not isinstance(SwitchGLU.__dict__["__call__"], wrapt.FunctionWrapper)
+        assert all(t["state"] in ("not applied", "unsupported") for t in mlx_moe_fix.status()["targets"])
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+def test_disable_env_makes_apply_a_no_op():
+    result = run_python(
+        """
+        import wrapt, mlx_moe_fix
+        from mlx_lm.models.switch_layers import SwitchGLU
+        mlx_moe_fix.apply()
+        assert not isinstance(SwitchGLU.__dict__["__call__"], wrapt.FunctionWrapper)
+        status = mlx_moe_fix.status()
+        assert status["disabled_by_env"] and not status["applied"]
+        print("ok")
+        """,
+        MLX_MOE_FIX_DISABLE="1",
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+def test_trace_env_logs_each_path_once_per_shape_class():
+    result = run_python(
+        """
+        import mlx.core as mx, mlx.nn as nn, mlx_moe_fix
+        from mlx_lm.models.switch_layers import SwitchGLU
+        layer = SwitchGLU(64, 64, 4); nn.quantize(layer, group_size=64, bits=4)
+        mlx_moe_fix.apply()
+        for _ in range(3):
+            mx.eval(layer(mx.random.normal((1, 1, 64)), mx.array([[[0, 2]]], dtype=mx.uint32)))
+        mx.eval(layer(mx.random.normal((1, 40, 64)), mx.zeros((1, 40, 2), dtype=mx.uint32)))
+        """,
+        MLX_MOE_FIX_TRACE="1",
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("[mlx-moe-fix]")]
+    assert len(lines) == 2, result.stderr
+    assert "SwitchGLU decode" in lines[0] and "-> reference" in lines[0]
+    assert "SwitchGLU prefill" in lines[1]
+
+
+class ReluGLU(nn.Module):
+    """An activation the ops do not know."""
+
+    def __call__(self, x, gate):
+        return nn.relu(gate) * x
+
+
+def quantized_glu(mode="affine", bits=4, activation=None):
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    layer = SwitchGLU(64, 64, 4) if activation is None else SwitchGLU(64, 64, 4, activation=activation)
+    nn.quantize(layer, group_size=32, bits=bits, mode=mode)
+    return layer
+
+
+@pytest.mark.parametrize(
+    "make_layer, reason_part",
+    [
+        (lambda: quantized_glu(mode="mxfp4"), "mxfp4"),
+        (lambda: quantized_glu(bits=3), "3-bit"),
+        (lambda: quantized_glu(activation=ReluGLU()), "not recognised"),
+    ],
+    ids=["mxfp4", "3-bit", "unknown-activation"],
+)
+def test_unsupported_layers_fall_through_to_stock_and_say_why(make_layer, reason_part):
+    layer = make_layer()
+    x = mx.random.normal((1, 3, 64))
+    indices = mx.array([[[0, 1], [2, 3], [1, 2]]], dtype=mx.uint32)
+    expected = layer(x, indices)
+    with mlx_moe_fix.patched():
+        out = layer(x, indices)
+    assert mx.array_equal(out, expected).item()
+    stock = [r for r in mlx_moe_fix.path_counts() if r.layer == "SwitchGLU" and r.path == "stock"]
+    assert stock and reason_part in stock[0].reason, mlx_moe_fix.path_counts()
+
+
+def test_supported_layer_takes_the_ops_not_stock():
+    layer = quantized_glu()
+    x = mx.random.normal((1, 3, 64))
+    indices = mx.array([[[0, 1], [2, 3], [1, 2]]], dtype=mx.uint32)
+    expected = layer(x, indices)
+    with mlx_moe_fix.patched():
+        out = layer(x, indices)
+    assert mx.array_equal(out, expected).item()
+    records = mlx_moe_fix.path_counts()
+    assert set(records) == {PathRecord("SwitchGLU", "decode", "reference", records and next(iter(records)).reason)}
+
+
+def test_decode_disabled_leaves_decode_on_stock():
+    layer = quantized_glu()
+    with mlx_moe_fix.patched(decode=False):
+        layer(mx.random.normal((1, 1, 64)), mx.array([[[0, 1]]], dtype=mx.uint32))
+    records = mlx_moe_fix.path_counts()
+    assert {r.layer for r in records} == {"SwitchGLU", "QuantizedSwitchLinear"}
+    assert all(r.path == "stock" and "decode disabled" in r.reason for r in records), records
