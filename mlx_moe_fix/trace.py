@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 logger = logging.getLogger("mlx_moe_fix")
 
@@ -29,10 +29,14 @@ def tracing_enabled() -> bool:
     return os.environ.get("MLX_MOE_FIX_TRACE", "") not in ("", "0")
 
 
-def record(layer: str, phase: str, path: str, reason: str, shape_class: tuple) -> None:
+def record(layer: str, phase: str, path: str, reason: str, shape_class: Callable[[], tuple]) -> None:
+    """shape_class is called only when tracing, to keep the per-call cost off the hot path."""
     _counts[PathRecord(layer, phase, path, reason)] += 1
-    key = (layer, shape_class, path)
-    if key in _logged or not tracing_enabled():
+    if not tracing_enabled():
+        return
+    shape = shape_class()
+    key = (layer, shape, path)
+    if key in _logged:
         return
     _logged.add(key)
     if not logger.handlers:
@@ -40,7 +44,7 @@ def record(layer: str, phase: str, path: str, reason: str, shape_class: tuple) -
         handler.setFormatter(logging.Formatter("[mlx-moe-fix] %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-    logger.info("%s %s %s -> %s (%s)", layer, phase, shape_class, path, reason)
+    logger.info("%s %s %s -> %s (%s)", layer, phase, shape, path, reason)
 
 
 def path_counts() -> dict:

@@ -66,7 +66,9 @@ def choose(layer_kind: str, x, indices, experts: Optional[MoEExperts], why_not: 
         chosen = Plan("prefill" if indices.size >= PREFILL_MIN_PAIRS else "decode", "stock", why_not, None)
     else:
         chosen = plan(x, indices, experts, **options.current())
-    trace.record(layer_kind, chosen.phase, chosen.path, chosen.reason, shape_class(chosen.phase, x, indices, experts))
+    trace.record(
+        layer_kind, chosen.phase, chosen.path, chosen.reason, lambda: shape_class(chosen.phase, x, indices, experts)
+    )
     return chosen
 
 

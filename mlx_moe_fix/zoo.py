@@ -1,0 +1,432 @@
+"""A zoo of small, random-weight, quantized MoE language models.
+
+Every model is built from the libraries' own model classes (``mlx_lm`` for
+mixtral / qwen3_moe / deepseek_v3 / gpt_oss / phimoe, ``mlx_vlm`` language
+models for deepseek_v4 / inkling), re-initialised with seeded normals scaled so
+that a greedy decode is not degenerate, and quantized (affine, group size 64)
+the way the libraries' converters do it. Every MoE layer routes through the
+library's ``SwitchGLU`` (or ``InklingSwitchGLU``) with ``QuantizedSwitchLinear``
+experts.
+
+API::
+
+    FAMILIES                                  # the 7 family names
+    build(family, bits, *, seed=0, dtype=mx.float32) -> model
+    prompt_for(family) -> list[int]           # fixed prompt, >= 64 (token, expert) pairs
+    greedy_tokens(model, prompt, n=32) -> list[int]
+    greedy_decode(model, prompt, n=32) -> (tokens, logits [n, vocab] float32)
+    moe_layers(model) -> [(path, SwitchGLU-like module)]
+    EXPERTS[family] -> (num_experts, top_k)
+
+``build`` draws from the global MLX PRNG (it calls ``mx.random.seed(seed)``).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+FAMILIES: tuple[str, ...] = (
+    "mixtral",
+    "qwen3_moe",
+    "deepseek_v3",
+    "gpt_oss",
+    "phimoe",
+    "deepseek_v4",
+    "inkling",
+)
+
+MLX_VLM_FAMILIES = ("deepseek_v4", "inkling")
+
+GROUP_SIZE = 64
+VOCAB = 256
+HIDDEN = 128
+PROMPT_LEN = 40  # x top_k (>= 2) >= 80 >= 64: prefill takes SwitchGLU's sorted path
+
+# (num_experts, top_k) per family, for reference by tests / benchmarks.
+EXPERTS: dict[str, tuple[int, int]] = {
+    "mixtral": (4, 2),
+    "qwen3_moe": (8, 2),
+    "deepseek_v3": (8, 2),
+    "gpt_oss": (4, 4),  # top_k == num_experts
+    "phimoe": (4, 2),
+    "deepseek_v4": (8, 2),
+    "inkling": (8, 2),
+}
+
+
+# --------------------------------------------------------------------------
+# Configs (smallest valid ones; read from each package's ModelArgs/ModelConfig)
+# --------------------------------------------------------------------------
+
+
+def _config(family: str):
+    E, K = EXPERTS[family]
+    if family == "mixtral":
+        from mlx_lm.models.mixtral import ModelArgs
+
+        return ModelArgs(
+            model_type="mixtral",
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=E,
+            num_experts_per_tok=K,
+        )
+    if family == "qwen3_moe":
+        from mlx_lm.models.qwen3_moe import ModelArgs
+
+        return ModelArgs(
+            model_type="qwen3_moe",
+            hidden_size=HIDDEN,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_experts=E,
+            num_experts_per_tok=K,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            moe_intermediate_size=64,
+            rms_norm_eps=1e-6,
+            vocab_size=VOCAB,
+            num_key_value_heads=2,
+            head_dim=32,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
+            norm_topk_prob=True,
+        )
+    if family == "deepseek_v3":
+        from mlx_lm.models.deepseek_v3 import ModelArgs
+
+        return ModelArgs(
+            model_type="deepseek_v3",
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            n_shared_experts=1,
+            n_routed_experts=E,
+            routed_scaling_factor=2.5,
+            kv_lora_rank=64,
+            q_lora_rank=64,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+            qk_nope_head_dim=64,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            norm_topk_prob=True,
+            n_group=2,  # exercises the group-limited selection
+            topk_group=1,
+            num_experts_per_tok=K,
+            moe_layer_freq=1,
+            first_k_dense_replace=0,
+            max_position_embeddings=4096,
+        )
+    if family == "gpt_oss":
+        from mlx_lm.models.gpt_oss import ModelArgs
+
+        return ModelArgs(
+            model_type="gpt_oss",
+            num_hidden_layers=2,  # layer_types -> [sliding, full]
+            num_local_experts=E,
+            num_experts_per_tok=K,
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=128,
+            head_dim=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=32,  # < prompt + decode: the rotating cache wraps
+        )
+    if family == "phimoe":
+        from mlx_lm.models.phimoe import ModelArgs
+
+        return ModelArgs(
+            model_type="phimoe",
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            original_max_position_embeddings=4096,
+            rope_scaling=None,  # plain RoPE
+            num_local_experts=E,
+            num_experts_per_tok=K,
+        )
+    if family == "deepseek_v4":
+        from mlx_vlm.models.deepseek_v4.config import ModelConfig
+
+        return ModelConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            n_shared_experts=1,
+            n_routed_experts=E,
+            num_experts_per_tok=K,
+            q_lora_rank=64,
+            qk_rope_head_dim=32,
+            head_dim=64,
+            o_groups=2,  # wo_a input = heads * head_dim / o_groups = 64
+            o_lora_rank=64,
+            max_position_embeddings=4096,
+            compress_ratios=[0, 0],  # plain sliding-window attention, no indexer
+            num_hash_layers=1,  # layer 0: hash routing (tid2eid), layer 1: learned
+            swiglu_limit=1.5,  # small so LimitedSwiGLU's clamp is actually hit
+            sliding_window=32,
+            index_n_heads=2,
+            index_head_dim=32,
+            index_topk=8,
+        )
+    if family == "inkling":
+        from mlx_vlm.models.inkling.config import TextConfig
+
+        return TextConfig(
+            hidden_size=HIDDEN,
+            num_hidden_layers=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=4096,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            swa_num_attention_heads=2,
+            swa_num_key_value_heads=1,
+            swa_head_dim=64,
+            sliding_window_size=32,
+            layer_types=["hybrid_sliding", "full_attention"],
+            d_rel=16,
+            rel_extent=64,
+            log_scaling_n_floor=16,
+            dense_mlp_idx=0,  # no dense layers: both layers are InklingSparseMoE
+            intermediate_size=64,  # the MoE expert width
+            n_routed_experts=E,
+            num_experts_per_tok=K,
+            n_shared_experts=1,
+            route_scale=2.0,
+        )
+    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+
+def _model_class(family: str):
+    if family == "deepseek_v4":
+        return importlib.import_module("mlx_vlm.models.deepseek_v4.language").LanguageModel
+    if family == "inkling":
+        return importlib.import_module("mlx_vlm.models.inkling.language").LanguageModel
+    return importlib.import_module(f"mlx_lm.models.{family}").Model
+
+
+# --------------------------------------------------------------------------
+# Random re-initialisation
+# --------------------------------------------------------------------------
+
+
+def _module_kinds(model: nn.Module) -> dict[str, str]:
+    """Map each leaf parameter path to a coarse kind of the module owning it."""
+    kinds = {}
+    for path, m in model.named_modules():
+        prefix = f"{path}." if path else ""
+        if isinstance(m, (nn.RMSNorm, nn.LayerNorm)):
+            kind = "norm"
+        elif isinstance(m, nn.Embedding):
+            kind = "embed"
+        elif isinstance(m, nn.Conv1d):
+            kind = "conv"
+        else:
+            kind = "other"
+        for name, v in m.items():
+            if isinstance(v, mx.array):
+                kinds[prefix + name] = kind
+    return kinds
+
+
+def _reinit(model: nn.Module, family: str) -> None:
+    kinds = _module_kinds(model)
+    E, K = EXPERTS[family]
+    new = []
+    for path, v in tree_flatten(model.parameters()):
+        name = path.rsplit(".", 1)[-1]
+        kind = kinds.get(path, "other")
+        shape = v.shape
+        if name == "tid2eid":
+            # deepseek_v4 hash routing: K distinct experts per token id.
+            r = mx.random.uniform(shape=(shape[0], E))
+            w = mx.argsort(r, axis=-1)[:, :K].astype(v.dtype)
+        elif not mx.issubdtype(v.dtype, mx.floating):
+            w = v
+        elif kind == "norm":
+            w = 0.1 * mx.random.normal(shape) + (1.0 if name == "weight" else 0.0)
+        elif kind == "embed":
+            w = mx.random.normal(shape)
+        elif kind == "conv":
+            # inkling short convs: depthwise taps (C, K, 1); keep them tame.
+            w = 0.3 * mx.random.normal(shape)
+        elif name in ("gate_scale", "out_scale"):
+            # inkling per-expert scales: non-trivial so the scaled path runs.
+            w = mx.random.uniform(0.5, 1.5, shape)
+        elif name == "e_score_correction_bias":
+            w = 0.2 * mx.random.normal(shape)
+        elif name in ("sinks", "attn_sink"):
+            w = 0.5 * mx.random.normal(shape)
+        elif name == "global_scale":
+            w = v  # inkling routed/dense output scale: keep 1
+        elif path.endswith("_hc.scale") or path.endswith("hc_head.scale"):
+            w = 1.0 + 0.1 * mx.random.normal(shape)
+        elif name == "rel_proj":
+            w = 0.1 * mx.random.normal(shape)
+        elif v.ndim >= 2:
+            # Linear / SwitchLinear / MultiLinear / router weights: unit-gain.
+            w = mx.random.normal(shape) * (shape[-1] ** -0.5)
+        else:
+            # biases (gpt_oss, phimoe attention), hc base, ...
+            w = 0.1 * mx.random.normal(shape)
+        new.append((path, w.astype(v.dtype)))
+    model.update(tree_unflatten(new))
+
+
+# --------------------------------------------------------------------------
+# Quantization
+# --------------------------------------------------------------------------
+
+
+def _quantize(model: nn.Module, family: str, group_size: int, bits: int) -> None:
+    """Affine-quantize like mlx_lm.utils.quantize_model.
+
+    Layers whose input dim is not a multiple of group_size are skipped; for
+    mlx-lm families the model's own ``quant_predicate`` is honoured (routers
+    at 8 bits for qwen3_moe / gpt_oss). deepseek_v4's own predicate asks for
+    mxfp4/mxfp8, which we override: everything quantizable is affine here.
+    """
+    own = None if family in MLX_VLM_FAMILIES else getattr(model, "quant_predicate", None)
+
+    def predicate(path, m):
+        if not hasattr(m, "to_quantized"):
+            return False
+        if m.weight.shape[-1] % group_size != 0:
+            return False
+        if own is None:
+            return True
+        r = own(path, m)
+        if isinstance(r, dict):
+            r = {"group_size": group_size, "bits": bits, "mode": "affine", **r}
+        return r
+
+    nn.quantize(model, group_size, bits, mode="affine", class_predicate=predicate)
+
+
+def _cast(model: nn.Module, dtype) -> None:
+    if dtype == mx.float32:
+        return
+    keep = getattr(model, "cast_predicate", None) or (lambda _: True)
+    model.update(
+        tree_unflatten(
+            [
+                (k, v.astype(dtype) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v)
+                for k, v in tree_flatten(model.parameters())
+            ]
+        )
+    )
+
+
+# --------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------
+
+
+def build(family: str, bits: int, *, seed: int = 0, dtype=mx.float32):
+    """A small random MoE model of ``family``, affine-quantized to ``bits``."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    config = _config(family)
+    cls = _model_class(family)
+    mx.random.seed(seed)
+    model = cls(config)
+    _reinit(model, family)
+    _cast(model, dtype)
+    _quantize(model, family, GROUP_SIZE, bits)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def prompt_for(family: str, length: int = PROMPT_LEN) -> list[int]:
+    """A fixed prompt (the same for every family)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}")
+    # Deterministic, well spread over the vocab, no repeats in the first VOCAB tokens.
+    return [(37 * i + 11) % VOCAB for i in range(length)]
+
+
+def make_cache(model):
+    """The model's own cache (``model.make_cache()``) or mlx_lm's default."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(model)
+
+
+def logits_of(out) -> mx.array:
+    """mlx_vlm language models return LanguageModelOutput; mlx_lm a bare array."""
+    return out if isinstance(out, mx.array) else out.logits
+
+
+def _decode(model, prompt: list[int], n: int):
+    """Prefill ``prompt`` in one call, then one token per call; also times the two phases."""
+    import time
+
+    cache = make_cache(model)
+    started = time.perf_counter()
+    logits = logits_of(model(mx.array([prompt]), cache=cache))[0, -1]
+    rows = [logits.astype(mx.float32)]
+    tokens = [mx.argmax(logits, axis=-1).item()]
+    prefilled = time.perf_counter()
+    for _ in range(n - 1):
+        logits = logits_of(model(mx.array([[tokens[-1]]]), cache=cache))[0, -1]
+        rows.append(logits.astype(mx.float32))
+        tokens.append(mx.argmax(logits, axis=-1).item())
+    return tokens, mx.stack(rows), prefilled - started, time.perf_counter() - prefilled
+
+
+def greedy_decode(model, prompt: list[int], n: int = 32) -> tuple[list[int], mx.array]:
+    """The ``n`` greedy tokens and the ``[n, vocab]`` float32 logits each was the argmax of
+    (for tolerance-based comparisons; near-ties do occur)."""
+    tokens, logits, _, _ = _decode(model, prompt, n)
+    return tokens, logits
+
+
+def greedy_decode_timed(model, prompt: list[int], n: int = 32) -> tuple[list[int], float, float]:
+    """The ``n`` greedy tokens, the prefill seconds and the seconds of the n - 1 decode steps."""
+    tokens, _, prefill_s, decode_s = _decode(model, prompt, n)
+    return tokens, prefill_s, decode_s
+
+
+def greedy_tokens(model, prompt: list[int], n: int = 32) -> list[int]:
+    """Greedy decode: prefill ``prompt`` in one call, then one token per call."""
+    return greedy_decode(model, prompt, n)[0]
+
+
+def moe_layers(model) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every SwitchGLU (mlx_lm or mlx_vlm, incl. InklingSwitchGLU)."""
+    return [
+        (path, m)
+        for path, m in model.named_modules()
+        if any(
+            c.__name__ == "SwitchGLU" and c.__module__.endswith("models.switch_layers")
+            for c in type(m).__mro__
+        )
+    ]
