@@ -22,6 +22,17 @@ def device(request):
     mx.set_default_device(previous)
 
 
+@pytest.fixture
+def cuda_device():
+    """Runs a test on a CUDA GPU; skipped visibly elsewhere."""
+    if not mx.cuda.is_available():
+        pytest.skip("no CUDA: MLX reports no CUDA GPU on this machine")
+    previous = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    yield
+    mx.set_default_device(previous)
+
+
 @pytest.fixture(autouse=True)
 def unpatched():
     """Every test starts and ends with nothing patched and no counted paths."""

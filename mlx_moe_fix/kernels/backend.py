@@ -24,7 +24,8 @@ class Implementation(NamedTuple):
     reason: str
 
 
-def choose(op_name: str, reference: Callable) -> Implementation:
+def reference_implementation(op_name: str, reference: Callable) -> Implementation:
+    """The reference, for backends without a kernel for this op."""
     backend = current_backend()
     if backend == "cpu":
         return Implementation(reference, "reference", "CPU: the pure-MLX reference is the implementation")

@@ -1,34 +1,175 @@
 """Fused decode MoE: few (token, expert) pairs, each expert's rows read once per pair.
 
-No sort: each token's row is paired with its k experts directly, as a GEMV per pair.
+Reference: each token's row paired with its k experts directly (one GEMV per pair, no sort).
+CUDA kernel (`cuda/moe_decode.cu`): two launches per layer: gate+up GEMV with the activation
+(clamp stage and per-expert gate scale included), then down GEMV with the per-expert output scale
+and the weighted top-k combine, so the [tokens, k, hidden] intermediate is never written.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import mlx.core as mx
 
-from .backend import Implementation, choose
-from .experts import MoEExperts
+from .backend import Implementation, current_backend, reference_implementation
+from .experts import ExpertLinear, MoEExperts
 from .reference import combine, expert_chain
+from .sources import sections
+
+WARPS_PER_BLOCK = 8  # output rows per block, one warp each
+ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "gelu_fast": 4}
 
 
 def moe_decode_reference(
     x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array] = None
 ) -> mx.array:
-    """Same contract as moe_prefill_reference."""
+    """x: [..., D], indices: [..., k]; returns [..., k, out], or [..., out] weighted by
+    `weights` [..., k]."""
     rows = x.reshape(*x.shape[:-1], 1, 1, x.shape[-1])
     y = expert_chain(rows, indices, experts, sorted_indices=False).squeeze(-2)
     return combine(y, weights)
 
 
+@functools.lru_cache(maxsize=None)
+def cuda_kernels():
+    """(gate_up, down) cuda_kernel objects, or None where MLX has no CUDA."""
+    if not mx.cuda.is_available():
+        return None
+    source = sections("cuda", "moe_decode.cu")
+    gate_up = mx.fast.cuda_kernel(
+        name="mlx_moe_fix_decode_gate_up",
+        input_names=["x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
+                     "gate_bias", "up_bias", "gate_scale", "dims", "params"],
+        output_names=["hidden"],
+        source=source["gate_up"],
+        header=source["header"],
+    )
+    down = mx.fast.cuda_kernel(
+        name="mlx_moe_fix_decode_down",
+        input_names=["hidden", "indices", "w", "s", "b", "bias", "out_scale", "weights", "dims"],
+        output_names=["out"],
+        source=source["down"],
+        header=source["header"],
+    )
+    return gate_up, down
+
+
+@functools.lru_cache(maxsize=None)
+def _absent() -> mx.array:
+    """Stands in for an optional input the kernel does not read."""
+    return mx.zeros((1,), mx.float32)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dims(*values: int) -> mx.array:
+    return mx.array(values, dtype=mx.int32)
+
+
+@functools.lru_cache(maxsize=256)
+def _params(limit: float, alpha: float) -> mx.array:
+    return mx.array([limit, alpha], dtype=mx.float32)
+
+
+def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:
+    first = experts.projections[0]
+    for p in experts.projections:
+        if not p.quantized:
+            return "unquantized experts: the decode kernel reads affine-quantized weights"
+        if p.scales.dtype != first.scales.dtype or (p.bias is not None and p.bias.dtype != p.scales.dtype):
+            return "projections with scales / bias of different dtypes"
+    scales = [s for s in (experts.gate_scale, experts.out_scale) if s is not None]
+    if len({s.dtype for s in scales}) > 1:
+        return "gate_scale and out_scale of different dtypes"
+    return None
+
+
+def _grid(rows: int, blocks_y: int) -> tuple:
+    per_block = WARPS_PER_BLOCK * 32
+    return (-(-rows // WARPS_PER_BLOCK) * per_block, blocks_y, 1), (per_block, 1, 1)
+
+
+def _quant_templates(linear: ExpertLinear, dtype) -> list:
+    return [("T", dtype), ("S", linear.scales.dtype), ("BITS", linear.bits), ("GROUP", linear.group_size),
+            ("WARPS", WARPS_PER_BLOCK)]
+
+
+def _first_projection(x, flat_indices, experts: MoEExperts, top_k: int) -> mx.array:
+    gate_up_kernel, _ = cuda_kernels()
+    gated = len(experts.projections) == 3
+    gate, up = experts.projections[:2] if gated else (experts.projections[0],) * 2
+    activation = experts.activation
+    has_scale = experts.gate_scale is not None
+    dims = _dims(up.input_dims, up.output_dims, top_k, ACTIVATION_CODES[activation.kind],
+                 int(activation.limit is not None), int(up.bias is not None), int(has_scale))
+    (grid, block), pairs = _grid(up.output_dims, flat_indices.size), flat_indices.size
+    return gate_up_kernel(
+        inputs=[x, flat_indices, gate.weight, gate.scales, gate.biases, up.weight, up.scales, up.biases,
+                gate.bias if gate.bias is not None else _absent(),
+                up.bias if up.bias is not None else _absent(),
+                experts.gate_scale if has_scale else _absent(),
+                dims, _params(activation.limit or 0.0, activation.alpha or 0.0)],
+        template=_quant_templates(up, x.dtype) + [
+            ("SC", experts.gate_scale.dtype if has_scale else mx.float32), ("GATED", gated)],
+        grid=grid,
+        threadgroup=block,
+        output_shapes=[(pairs, up.output_dims)],
+        output_dtypes=[x.dtype],
+    )[0]
+
+
+def _last_projection(hidden, flat_indices, linear: ExpertLinear, out_scale, weights, top_k: int,
+                     input_per_pair: bool) -> mx.array:
+    _, down_kernel = cuda_kernels()
+    rows_out = flat_indices.size // top_k if weights is not None else flat_indices.size
+    dims = _dims(linear.input_dims, linear.output_dims, top_k, 0, 0, int(linear.bias is not None),
+                 int(out_scale is not None))
+    grid, block = _grid(linear.output_dims, rows_out)
+    return down_kernel(
+        inputs=[hidden, flat_indices, linear.weight, linear.scales, linear.biases,
+                linear.bias if linear.bias is not None else _absent(),
+                out_scale if out_scale is not None else _absent(),
+                weights.reshape(-1) if weights is not None else _absent(), dims],
+        template=_quant_templates(linear, hidden.dtype) + [
+            ("SC", out_scale.dtype if out_scale is not None else mx.float32),
+            ("WT", weights.dtype if weights is not None else mx.float32),
+            ("INPUT_PER_PAIR", input_per_pair), ("COMBINE", weights is not None)],
+        grid=grid,
+        threadgroup=block,
+        output_shapes=[(rows_out, linear.output_dims)],
+        output_dtypes=[hidden.dtype],
+    )[0]
+
+
+def moe_decode_kernel(
+    x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array] = None
+) -> mx.array:
+    """The CUDA implementation; same contract as moe_decode_reference."""
+    top_k = indices.shape[-1]
+    tokens = x.reshape(-1, x.shape[-1])
+    flat_indices = indices.reshape(-1).astype(mx.uint32)
+    last = experts.projections[-1]
+    if len(experts.projections) == 1:
+        out = _last_projection(tokens, flat_indices, last, None, weights, top_k, input_per_pair=False)
+    else:
+        hidden = _first_projection(tokens, flat_indices, experts, top_k)
+        out = _last_projection(hidden, flat_indices, last, experts.out_scale, weights, top_k, input_per_pair=True)
+    lead = x.shape[:-1] if weights is not None else indices.shape
+    return out.reshape(*lead, last.output_dims)
+
+
 def moe_decode(
     x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array] = None
 ) -> mx.array:
-    """Dispatcher: the moe_decode implementation for the current backend."""
-    return moe_decode_implementation().function(x, indices, experts, weights)
+    """Dispatcher: the moe_decode implementation for the current backend and these experts."""
+    return moe_decode_implementation(experts).function(x, indices, experts, weights)
 
 
-def moe_decode_implementation() -> Implementation:
-    return choose("moe_decode", moe_decode_reference)
+def moe_decode_implementation(experts: Optional[MoEExperts] = None) -> Implementation:
+    if current_backend() != "cuda":
+        return reference_implementation("moe_decode", moe_decode_reference)
+    reason = None if experts is None else cuda_unsupported_reason(experts)
+    if reason is not None:
+        return Implementation(moe_decode_reference, "reference", reason)
+    return Implementation(moe_decode_kernel, "kernel", "CUDA fused decode kernel (gate+up+activation, down+combine)")

@@ -10,7 +10,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .backend import Implementation, choose
+from .backend import Implementation, reference_implementation
 from .experts import MoEExperts
 from .reference import combine, expert_chain
 
@@ -33,9 +33,9 @@ def moe_prefill_reference(
 def moe_prefill(
     x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array] = None
 ) -> mx.array:
-    """Dispatcher: the moe_prefill implementation for the current backend."""
-    return moe_prefill_implementation().function(x, indices, experts, weights)
+    """Dispatcher: the moe_prefill implementation for the current backend and these experts."""
+    return moe_prefill_implementation(experts).function(x, indices, experts, weights)
 
 
-def moe_prefill_implementation() -> Implementation:
-    return choose("moe_prefill", moe_prefill_reference)
+def moe_prefill_implementation(experts: Optional[MoEExperts] = None) -> Implementation:
+    return reference_implementation("moe_prefill", moe_prefill_reference)

@@ -76,3 +76,18 @@ def test_experts_reject_mismatched_activation(projections, activation):
     linear = ExpertLinear(mx.zeros((2, 8, 8)))
     with pytest.raises(ValueError):
         MoEExperts((linear,) * projections, activation)
+
+
+@CASES
+@given(case=layer_cases())
+def test_cuda_decode_kernel_matches_ref(cuda_device, case):
+    """The kernel itself (not the dispatcher) against the reference, on every case it supports."""
+    from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason, moe_decode_kernel
+
+    if cuda_unsupported_reason(case.experts) is None:
+        out = moe_decode_kernel(case.x, case.indices, case.experts, case.weights)
+        ref = moe_decode_reference(case.x, case.indices, case.experts, case.weights)
+        try:
+            assert_close(out, ref, case.dtype)
+        except AssertionError as error:
+            raise AssertionError(f"{case.label}: {error}") from None
