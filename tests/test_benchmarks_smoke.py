@@ -1,0 +1,100 @@
+"""The benchmark scripts run end to end at tiny sizes on the CPU and write the JSON that
+scripts/gpu-check.sh reads. Their real runs happen on the GPU machine; this keeps them from
+rotting between those runs.
+
+    python3 -m pytest tests/test_benchmarks_smoke.py -q
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_module(module: str, *args: str) -> str:
+    """`python3 -m <module> <args>` from the repo root, as gpu-check.sh runs it."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"{module} exited {done.returncode}:\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """Both smoke runs once for the tests below: {name: (json path, stdout)}."""
+    directory = tmp_path_factory.mktemp("bench")
+    runs = {}
+    for name in ("kernels", "models"):
+        path = str(directory / f"{name}.json")
+        runs[name] = (path, run_module(f"benchmarks.{name}", "--smoke", "--json", path))
+    return runs
+
+
+def load(outputs, name):
+    with open(outputs[name][0]) as f:
+        return json.load(f)
+
+
+def test_kernels_smoke_writes_every_case(outputs):
+    result = load(outputs, "kernels")
+    assert {"env", "mlx_moe_fix_status", "config", "results", "blocks"} <= set(result)
+    # T = 1 and 4 run as chained decode layers, T = 64 as prefill; blocks at the same sizes.
+    assert [(r["tokens"], r["mode"]) for r in result["results"]] == [
+        (1, "decode"),
+        (4, "decode"),
+        (64, "prefill"),
+    ]
+    assert len(result["blocks"]) == 3
+    for case in result["results"] + result["blocks"]:
+        stock, ours = case["methods"][case["stock_method"]], case["methods"][case["ours_method"]]
+        assert stock["median_s"] > 0 and ours["median_s"] > 0
+        assert case["speedup"] > 0
+        assert all(err < 2e-2 for err in case["rel_err"].values())
+    assert "Expert projection, prefill" in outputs["kernels"][1]
+
+
+def test_models_smoke_writes_every_model(outputs):
+    result = load(outputs, "models")
+    assert {"env", "mlx_moe_fix_status", "config", "models", "summary"} <= set(result)
+    moe = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"]
+    dense = ["qwen3_dense", "llama_dense", "gpt_oss_dense", "deepseek_v3_dense"]
+    assert set(result["models"]) == set(moe + dense)
+    for name in moe:
+        model = result["models"][name]
+        assert set(model["modes"]) == {"stock", "patched"}
+        for mode in model["modes"].values():
+            assert set(mode["prefill"]) == {"16", "40"}
+            assert mode["decode"]["best"] > 0
+            assert set(mode["batch_decode"]) == {"1", "2"}
+        assert model["parity"]["tokens_compared"] == 8
+    for name in dense:
+        assert set(result["models"][name]["modes"]) == {"stock"}
+    # 4 MoE models x (2 prefill lengths + decode + 2 batch sizes), each with its dense ratio.
+    assert len(result["summary"]) == 20
+    assert all(row["patched_over_dense"] for row in result["summary"])
+    assert "| qwen3_moe" in outputs["models"][1]
+
+
+def test_summary_reads_both(outputs, tmp_path):
+    log = tmp_path / "tests.log"
+    log.write_text("...\n3 passed in 1.00s\n")
+    text = run_module(
+        "benchmarks.summary",
+        "--tests",
+        str(log),
+        "--kernels",
+        outputs["kernels"][0],
+        "--models",
+        outputs["models"][0],
+    )
+    assert "parity tests: 3 passed in 1.00s" in text
+    assert "| tiny" in text and "| deepseek_v3" in text
