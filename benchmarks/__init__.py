@@ -1,0 +1,1 @@
+"""Benchmarks for mlx-moe-fix; run them as modules from the repo root (python3 -m benchmarks.kernels)."""

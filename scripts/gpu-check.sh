@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The GPU check: parity tests, kernel microbenchmarks, end-to-end models; a summary table last.
+#
+# On the GPU machine, from the repo root:
+#
+#     source .mlx-cuda/setup.sh && scripts/gpu-check.sh
+#
+# The defaults fit one 10-minute device call on an H200. Choose what runs with:
+#
+#     KERNELS_ARGS="--shapes qwen3,mixtral --tokens 1,2048,8192" scripts/gpu-check.sh
+#     MODELS_ARGS="--models gpt_oss,deepseek_v3 --prompts 512,2048,8192" scripts/gpu-check.sh
+#     SKIP_TESTS=1 SKIP_KERNELS=1 scripts/gpu-check.sh        # models only
+#
+# (the *_ARGS replace the defaults below; see `python3 -m benchmarks.kernels --help` and
+# `python3 -m benchmarks.models --help`). Each part runs under a time limit (TESTS_TIMEOUT,
+# KERNELS_TIMEOUT, MODELS_TIMEOUT, seconds); the benchmarks write their JSON as they go, so a
+# part cut short keeps what it finished.
+#
+# Writes tests.log, kernels.json, kernels.log, models.json, models.log and summary.md under
+# ${OUT:-/tmp/gpu-check}. Exits non-zero if a part failed or ran out of time.
+set -u -o pipefail
+
+out=${OUT:-/tmp/gpu-check}
+mkdir -p "$out"
+
+# Stock runs are slow (stock mixtral prefills ~219 tok/s: a 2048-token prompt takes ~9 s a run,
+# and MLX's first run at a new shape is slower still), so the default selection skips T = 4 and
+# 8192 and 8192-token prompts, and batched decode starts from 256-token prompts (16 of them are
+# prefilled once per model). Expected on an H200: tests ~1 min, kernels ~1.5-2 min, models
+# ~3.5-4.5 min; the limits leave the rest of a 10-minute call for setup and the summary.
+KERNELS_ARGS=${KERNELS_ARGS:---tokens 1,16,128,512,2048 --max-seconds 1.0}
+MODELS_ARGS=${MODELS_ARGS:---models qwen3_moe,mixtral --prompts 512,2048 --batch-prompt 256 --batch-tokens 32 --repeats 2}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-90}
+KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-160}
+MODELS_TIMEOUT=${MODELS_TIMEOUT:-280}
+
+python3 -c 'import mlx.core as mx, sys; sys.exit(0 if mx.cuda.is_available() else 1)' ||
+    echo "warning: MLX sees no CUDA GPU here (was .mlx-cuda/setup.sh sourced?)" >&2
+
+statuses=()
+failed=0
+
+# run_part NAME LIMIT COMMAND...: COMMAND's output goes to $out/NAME.log only; the console gets
+# one status line, and the log's tail when the part fails.
+run_part() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s): $*" >&2
+    local start=$SECONDS rc
+    rm -f "$out/$name.json" # a JSON left by an earlier run must not pass for this one's
+    # SIGINT first: Python stops with KeyboardInterrupt; SIGKILL 15 s later if it does not.
+    timeout -s INT -k 15 "$limit" "$@" >"$out/$name.log" 2>&1
+    rc=$?
+    local status="exit $rc"
+    [ "$rc" -eq 124 ] && status="TIMED OUT"
+    statuses+=("$name: $status after $((SECONDS - start)) s")
+    if [ "$rc" -ne 0 ]; then
+        failed=1
+        echo "-- last lines of $out/$name.log:" >&2
+        tail -n 20 "$out/$name.log" >&2
+    fi
+}
+
+if [ -z "${SKIP_TESTS:-}" ]; then
+    # fp32 references without TF32, as MLX's own tests; fewer hypothesis examples (each new kernel
+    # variant is an NVRTC compile). The 14 GPU greedy-token cases take ~1 min each (MLX compiles
+    # kernels per decode shape), so they run only with GREEDY=1, best in a call of their own.
+    MLX_ENABLE_TF32=0 MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-15} run_part tests "$TESTS_TIMEOUT" \
+        python3 -m pytest tests/parity -q -rs -p no:cacheprovider \
+        -k "${TESTS_SELECT:-$([ -n "${GREEDY:-}" ] && echo greedy || echo 'not greedy')}"
+fi
+if [ -z "${SKIP_KERNELS:-}" ]; then
+    # shellcheck disable=SC2086  # the *_ARGS are word lists
+    run_part kernels "$KERNELS_TIMEOUT" python3 -m benchmarks.kernels $KERNELS_ARGS \
+        --json "$out/kernels.json"
+fi
+if [ -z "${SKIP_MODELS:-}" ]; then
+    # shellcheck disable=SC2086
+    run_part models "$MODELS_TIMEOUT" python3 -m benchmarks.models $MODELS_ARGS \
+        --json "$out/models.json"
+fi
+
+summary_args=()
+[ -z "${SKIP_TESTS:-}" ] && summary_args+=(--tests "$out/tests.log")
+[ -z "${SKIP_KERNELS:-}" ] && summary_args+=(--kernels "$out/kernels.json")
+[ -z "${SKIP_MODELS:-}" ] && summary_args+=(--models "$out/models.json")
+{
+    echo "# gpu-check summary"
+    printf -- '- %s\n' "${statuses[@]}"
+    echo
+    python3 -m benchmarks.summary "${summary_args[@]}"
+} | tee "$out/summary.md" || failed=1
+exit "$failed"
