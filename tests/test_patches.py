@@ -210,3 +210,14 @@ def test_decode_disabled_leaves_decode_on_stock():
     records = mlx_moe_fix.path_counts()
     assert {r.layer for r in records} == {"SwitchGLU", "QuantizedSwitchLinear"}
     assert all(r.path == "stock" and "decode disabled" in r.reason for r in records), records
+
+
+def test_described_layer_is_redescribed_when_its_weights_change():
+    from mlx_moe_fix.patches.switch_layers import GLU_PROJECTIONS, describe
+
+    layer = quantized_glu()
+    first, _ = describe(layer, GLU_PROJECTIONS)
+    assert describe(layer, GLU_PROJECTIONS)[0] is first
+    layer.set_dtype(mx.float16)  # new scales arrays
+    second, _ = describe(layer, GLU_PROJECTIONS)
+    assert second is not first and second.projections[0].scales.dtype == mx.float16

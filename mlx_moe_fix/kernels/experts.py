@@ -8,6 +8,7 @@ any model class.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 import mlx.core as mx
@@ -148,12 +149,19 @@ class MoEExperts:
     def num_experts(self) -> int:
         return self.projections[0].num_experts
 
-    def unsupported_reason(self, x: mx.array, indices: mx.array) -> Optional[str]:
-        """Why the ops cannot take this call, or None when they can."""
+    @cached_property
+    def projections_unsupported_reason(self) -> Optional[str]:
         for projection in self.projections:
             reason = projection.unsupported_reason()
             if reason:
                 return reason
+        return None
+
+    def unsupported_reason(self, x: mx.array, indices: mx.array) -> Optional[str]:
+        """Why the ops cannot take this call, or None when they can."""
+        reason = self.projections_unsupported_reason
+        if reason:
+            return reason
         if x.dtype not in SUPPORTED_DTYPES:
             return f"activations of dtype {x.dtype} are not supported"
         if x.shape[:-1] != indices.shape[:-1]:

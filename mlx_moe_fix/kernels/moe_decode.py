@@ -19,6 +19,8 @@ from .reference import combine, expert_chain
 from .sources import sections
 
 WARPS_PER_BLOCK = 8  # output rows per block, one warp each
+# Staged activations per block: below the H200's 227 KB of shared memory per block, leaving room.
+MAX_SHARED_BYTES = 200 * 1024
 ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "gelu_fast": 4}
 
 
@@ -90,6 +92,12 @@ def _grid(rows: int, blocks_y: int) -> tuple:
     return (-(-rows // WARPS_PER_BLOCK) * per_block, blocks_y, 1), (per_block, 1, 1)
 
 
+def _shared_bytes(linear: ExpertLinear, rows: int) -> int:
+    """Shared memory for `rows` staged activation rows (cuda/moe_decode.cu's Layout)."""
+    values = 4 * 32 // linear.bits
+    return rows * linear.input_dims // values * (values + 4) * 4
+
+
 def _quant_templates(linear: ExpertLinear, dtype) -> list:
     return [("T", dtype), ("S", linear.scales.dtype), ("BITS", linear.bits), ("GROUP", linear.group_size),
             ("WARPS", WARPS_PER_BLOCK)]
@@ -116,12 +124,17 @@ def _first_projection(x, flat_indices, experts: MoEExperts, top_k: int) -> mx.ar
         threadgroup=block,
         output_shapes=[(pairs, up.output_dims)],
         output_dtypes=[x.dtype],
+        shared_memory=_shared_bytes(up, 1),
     )[0]
 
 
 def _last_projection(hidden, flat_indices, linear: ExpertLinear, out_scale, weights, top_k: int,
                      input_per_pair: bool) -> mx.array:
     _, down_kernel = cuda_kernels()
+    if weights is not None and _shared_bytes(linear, top_k) > MAX_SHARED_BYTES:
+        # The k input rows of a token do not fit in shared memory together: combine outside.
+        per_pair = _last_projection(hidden, flat_indices, linear, out_scale, None, top_k, input_per_pair)
+        return combine(per_pair.reshape(-1, top_k, linear.output_dims), weights.reshape(-1, top_k))
     rows_out = flat_indices.size // top_k if weights is not None else flat_indices.size
     dims = _dims(linear.input_dims, linear.output_dims, top_k, 0, 0, int(linear.bias is not None),
                  int(out_scale is not None))
@@ -139,6 +152,7 @@ def _last_projection(hidden, flat_indices, linear: ExpertLinear, out_scale, weig
         threadgroup=block,
         output_shapes=[(rows_out, linear.output_dims)],
         output_dtypes=[hidden.dtype],
+        shared_memory=_shared_bytes(linear, top_k if weights is not None else 1),
     )[0]
 
 

@@ -28,8 +28,27 @@ def bind(args: tuple, kwargs: dict, names: tuple, defaults: tuple = ()) -> list:
     return values
 
 
+# Set on each described layer instance (outside its parameter tree, so it dies with the layer).
+_CACHE_ATTRIBUTE = "_mlx_moe_fix_described"
+
+
 def describe(layer, projection_names: tuple, gate_scale=None, out_scale=None):
-    """(MoEExperts, None) for a layer the ops can run, else (None, why not)."""
+    """(MoEExperts, None) for a layer the ops can run, else (None, why not).
+
+    Cached on the layer while its activation, weights, scales and per-expert scales are the same
+    objects: describing costs more host time per decode step than the GPU spends on a layer."""
+    key = (layer.get("activation"), gate_scale, out_scale) + tuple(
+        layer[name].get(leaf) if name in layer else None for name in projection_names for leaf in ("weight", "scales")
+    )
+    cached = layer.__dict__.get(_CACHE_ATTRIBUTE)
+    if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
+        return cached[1]
+    described = _describe(layer, projection_names, gate_scale, out_scale)
+    object.__setattr__(layer, _CACHE_ATTRIBUTE, (key, described))
+    return described
+
+
+def _describe(layer, projection_names: tuple, gate_scale, out_scale):
     activation = None
     if len(projection_names) > 1:
         activation = recognise(layer.activation)

@@ -16,11 +16,29 @@
 //// header
 namespace moe_decode {
 
-constexpr int WORDS_PER_VECTOR = 4;  // one 16-byte load
+constexpr int WORDS_PER_VECTOR = 4;  // one 16-byte load of packed weights
+constexpr int PAD = 4;               // floats of padding after each vector's activations
+
+// Activations are staged in shared memory as float, VALUES per weight vector followed by PAD
+// floats, so that the float4 reads of 8 consecutive lanes land in distinct banks.
+template <int BITS>
+struct Layout {
+  static constexpr int VALUES = WORDS_PER_VECTOR * 32 / BITS;  // activations per weight vector
+  static constexpr int STRIDE = VALUES + PAD;
+  __device__ static int floats(int in_dim) { return in_dim / VALUES * STRIDE; }
+};
+
+// Coalesced copy of one activation row into the padded shared layout.
+template <int BITS, typename T>
+__device__ __forceinline__ void stage(float* staged, const T* row, int in_dim) {
+  using L = Layout<BITS>;
+  for (int i = threadIdx.x; i < in_dim; i += blockDim.x) {
+    staged[i / L::VALUES * L::STRIDE + i % L::VALUES] = static_cast<float>(row[i]);
+  }
+}
 
 template <int BITS>
 __device__ __forceinline__ float dot_vector(const uint4& packed, const float* x) {
-  // x holds the 32 / BITS * 4 activations that this vector's weights multiply.
   const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
   constexpr int PER_WORD = 32 / BITS;
   constexpr unsigned MASK = (1u << BITS) - 1u;
@@ -35,33 +53,55 @@ __device__ __forceinline__ float dot_vector(const uint4& packed, const float* x)
   return acc;
 }
 
-// Dot product of one quantized weight row with an activation row, summed over the warp.
-// Each lane takes whole 16-byte vectors; a vector never straddles a quantization group because
-// GROUP >= 32 values >= one vector's values.
-template <int BITS, int GROUP, typename T, typename S>
-__device__ __forceinline__ float row_dot(
-    const uint32_t* w_row, const S* scale_row, const S* bias_row, const T* x_row, int in_dim, int lane) {
-  constexpr int VALUES = WORDS_PER_VECTOR * 32 / BITS;
+template <int VALUES>
+__device__ __forceinline__ void load_vector(float* x, const float* staged, int v) {
+  const float4* src = reinterpret_cast<const float4*>(staged + v * (VALUES + PAD));
+#pragma unroll
+  for (int i = 0; i < VALUES / 4; ++i) {
+    const float4 q = src[i];
+    x[4 * i] = q.x;
+    x[4 * i + 1] = q.y;
+    x[4 * i + 2] = q.z;
+    x[4 * i + 3] = q.w;
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Dot products of ROWS quantized weight rows (same in_dim) with one staged activation row,
+// summed over the warp. Each lane takes whole 16-byte vectors; a vector never straddles a
+// quantization group (GROUP >= 32 values >= one vector's values).
+template <int BITS, int GROUP, int ROWS, typename S>
+__device__ __forceinline__ void rows_dot(
+    float (&out)[ROWS], const uint32_t* const (&w)[ROWS], const S* const (&scales)[ROWS],
+    const S* const (&biases)[ROWS], const float* staged, int in_dim, int lane) {
+  constexpr int VALUES = Layout<BITS>::VALUES;
   const int vectors = in_dim / VALUES;
-  float acc = 0.f;
+  float acc[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
   for (int v = lane; v < vectors; v += 32) {
-    const uint4 packed = *reinterpret_cast<const uint4*>(w_row + v * WORDS_PER_VECTOR);
+    uint4 packed[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) packed[r] = *reinterpret_cast<const uint4*>(w[r] + v * WORDS_PER_VECTOR);
     float x[VALUES];
+    load_vector<VALUES>(x, staged, v);
     float x_sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < VALUES; ++i) {
-      x[i] = static_cast<float>(x_row[v * VALUES + i]);
-      x_sum += x[i];
+    for (int i = 0; i < VALUES; ++i) x_sum += x[i];
+    const int group = v * VALUES / GROUP;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r] += static_cast<float>(scales[r][group]) * dot_vector<BITS>(packed[r], x) +
+          static_cast<float>(biases[r][group]) * x_sum;
     }
-    const int group = (v * VALUES) / GROUP;
-    acc += static_cast<float>(scale_row[group]) * dot_vector<BITS>(packed, x) +
-        static_cast<float>(bias_row[group]) * x_sum;
   }
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-  }
-  return acc;
+  for (int r = 0; r < ROWS; ++r) out[r] = warp_sum(acc[r]);
 }
 
 __device__ __forceinline__ float sigmoid(float v) {
@@ -101,23 +141,37 @@ struct Dims {
 // inputs: x [N, IN_DIM], indices [N * TOP_K], gate_w / up_w [E, OUT_DIM, IN_DIM * BITS / 32],
 //         gate_s, gate_b, up_s, up_b [E, OUT_DIM, IN_DIM / GROUP], gate_bias, up_bias [E, OUT_DIM],
 //         gate_scale [E], dims, params;  output: hidden [N * TOP_K, OUT_DIM]
+// One block per (pair, WARPS output rows); the pair's activation row is staged once per block.
 // GATED false: an MLP's first projection: only up_* is read.
 {
   using namespace moe_decode;
+  extern __shared__ float staged[];
   const Dims d(dims);
+  const int pair = blockIdx.y;
+  stage<BITS>(staged, x + (size_t)(pair / d.top_k) * d.in_dim, d.in_dim);
+  __syncthreads();
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * WARPS + threadIdx.x / 32;
-  const int pair = blockIdx.y;
   if (row >= d.out_dim) return;
   const size_t expert = indices[pair];
-  const T* x_row = x + (size_t)(pair / d.top_k) * d.in_dim;
   const size_t w_offset = (expert * d.out_dim + row) * (d.in_dim * BITS / 32);
   const size_t s_offset = (expert * d.out_dim + row) * (d.in_dim / GROUP);
-
-  float up = row_dot<BITS, GROUP>(up_w + w_offset, up_s + s_offset, up_b + s_offset, x_row, d.in_dim, lane);
-  float gate = 0.f;
+  float up, gate = 0.f;
   if (GATED) {
-    gate = row_dot<BITS, GROUP>(gate_w + w_offset, gate_s + s_offset, gate_b + s_offset, x_row, d.in_dim, lane);
+    float dots[2];
+    const uint32_t* const w[2] = {up_w + w_offset, gate_w + w_offset};
+    const S* const s[2] = {up_s + s_offset, gate_s + s_offset};
+    const S* const b[2] = {up_b + s_offset, gate_b + s_offset};
+    rows_dot<BITS, GROUP, 2>(dots, w, s, b, staged, d.in_dim, lane);
+    up = dots[0];
+    gate = dots[1];
+  } else {
+    float dots[1];
+    const uint32_t* const w[1] = {up_w + w_offset};
+    const S* const s[1] = {up_s + s_offset};
+    const S* const b[1] = {up_b + s_offset};
+    rows_dot<BITS, GROUP, 1>(dots, w, s, b, staged, d.in_dim, lane);
+    up = dots[0];
   }
   if (lane != 0) return;
   if (d.has_bias) {
@@ -133,23 +187,35 @@ struct Dims {
 //         indices [N * TOP_K], w [E, OUT_DIM, IN_DIM * BITS / 32], s, b [E, OUT_DIM, IN_DIM / GROUP],
 //         bias [E, OUT_DIM], out_scale [E], weights [N * TOP_K], dims
 // output: out [N, OUT_DIM] (COMBINE: the routing-weighted sum over TOP_K) or [N * TOP_K, OUT_DIM]
+// One block per (token when COMBINE else pair, WARPS output rows); the input rows of its pairs
+// are staged once per block.
 {
   using namespace moe_decode;
+  extern __shared__ float staged[];
   const Dims d(dims);
+  const int first_pair = COMBINE ? blockIdx.y * d.top_k : blockIdx.y;
+  const int pairs = COMBINE ? d.top_k : 1;
+  const int staged_floats = Layout<BITS>::floats(d.in_dim);
+  for (int j = 0; j < pairs; ++j) {
+    const int pair = first_pair + j;
+    stage<BITS>(staged + j * staged_floats, hidden + (size_t)(INPUT_PER_PAIR ? pair : pair / d.top_k) * d.in_dim, d.in_dim);
+  }
+  __syncthreads();
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * WARPS + threadIdx.x / 32;
   if (row >= d.out_dim) return;
-  // COMBINE: blockIdx.y is a token and the warp loops over its TOP_K pairs; else it is a pair.
-  const int first_pair = COMBINE ? blockIdx.y * d.top_k : blockIdx.y;
-  const int pairs = COMBINE ? d.top_k : 1;
   float total = 0.f;
   for (int j = 0; j < pairs; ++j) {
     const int pair = first_pair + j;
     const size_t expert = indices[pair];
-    const T* in_row = hidden + (size_t)(INPUT_PER_PAIR ? pair : pair / d.top_k) * d.in_dim;
     const size_t w_offset = (expert * d.out_dim + row) * (d.in_dim * BITS / 32);
     const size_t s_offset = (expert * d.out_dim + row) * (d.in_dim / GROUP);
-    float y = row_dot<BITS, GROUP>(w + w_offset, s + s_offset, b + s_offset, in_row, d.in_dim, lane);
+    float dots[1];
+    const uint32_t* const wr[1] = {w + w_offset};
+    const S* const sr[1] = {s + s_offset};
+    const S* const br[1] = {b + s_offset};
+    rows_dot<BITS, GROUP, 1>(dots, wr, sr, br, staged + j * staged_floats, d.in_dim, lane);
+    float y = dots[0];
     if (d.has_bias) y += static_cast<float>(bias[expert * d.out_dim + row]);
     if (d.has_scale) y *= static_cast<float>(out_scale[expert]);
     if (COMBINE) y *= static_cast<float>(weights[pair]);
