@@ -19,8 +19,6 @@ from .reference import combine, expert_chain
 from .sources import sections
 
 WARPS_PER_BLOCK = 8  # output rows per block, one warp each
-# Staged activations per block: below the H200's 227 KB of shared memory per block, leaving room.
-MAX_SHARED_BYTES = 200 * 1024
 ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "gelu_fast": 4}
 
 
@@ -34,28 +32,35 @@ def moe_decode_reference(
     return combine(y, weights)
 
 
+# Dynamic shared memory is fixed per cuda_kernel object (and each object is one NVRTC compile),
+# so requests are rounded up to a few sizes.
+SHARED_BUCKETS = (4096, 16384, 65536, 131072, 200 * 1024)
+
+
+def _bucket(shared_bytes: int) -> int:
+    return next(b for b in SHARED_BUCKETS if b >= shared_bytes)
+
+
 @functools.lru_cache(maxsize=None)
-def cuda_kernels():
-    """(gate_up, down) cuda_kernel objects, or None where MLX has no CUDA."""
+def cuda_kernel(stage: str, shared_bytes: int):
+    """The cuda_kernel object of one stage ("gate_up" or "down") with `shared_bytes` of dynamic
+    shared memory, or None where MLX has no CUDA."""
     if not mx.cuda.is_available():
         return None
     source = sections("cuda", "moe_decode.cu")
-    gate_up = mx.fast.cuda_kernel(
-        name="mlx_moe_fix_decode_gate_up",
-        input_names=["x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
-                     "gate_bias", "up_bias", "gate_scale", "dims", "params"],
-        output_names=["hidden"],
-        source=source["gate_up"],
+    input_names = {
+        "gate_up": ["x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
+                    "gate_bias", "up_bias", "gate_scale", "dims", "params"],
+        "down": ["hidden", "indices", "w", "s", "b", "bias", "out_scale", "weights", "dims"],
+    }[stage]
+    return mx.fast.cuda_kernel(
+        name=f"mlx_moe_fix_decode_{stage}_smem{shared_bytes}",
+        input_names=input_names,
+        output_names=["hidden" if stage == "gate_up" else "out"],
+        source=source[stage],
         header=source["header"],
+        shared_memory=shared_bytes,
     )
-    down = mx.fast.cuda_kernel(
-        name="mlx_moe_fix_decode_down",
-        input_names=["hidden", "indices", "w", "s", "b", "bias", "out_scale", "weights", "dims"],
-        output_names=["out"],
-        source=source["down"],
-        header=source["header"],
-    )
-    return gate_up, down
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,6 +86,8 @@ def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:
             return "unquantized experts: the decode kernel reads affine-quantized weights"
         if p.scales.dtype != first.scales.dtype or (p.bias is not None and p.bias.dtype != p.scales.dtype):
             return "projections with scales / bias of different dtypes"
+    if max(_shared_bytes(p, 1) for p in experts.projections) > SHARED_BUCKETS[-1]:
+        return "an activation row too wide to stage in shared memory"
     scales = [s for s in (experts.gate_scale, experts.out_scale) if s is not None]
     if len({s.dtype for s in scales}) > 1:
         return "gate_scale and out_scale of different dtypes"
@@ -104,7 +111,6 @@ def _quant_templates(linear: ExpertLinear, dtype) -> list:
 
 
 def _first_projection(x, flat_indices, experts: MoEExperts, top_k: int) -> mx.array:
-    gate_up_kernel, _ = cuda_kernels()
     gated = len(experts.projections) == 3
     gate, up = experts.projections[:2] if gated else (experts.projections[0],) * 2
     activation = experts.activation
@@ -112,7 +118,7 @@ def _first_projection(x, flat_indices, experts: MoEExperts, top_k: int) -> mx.ar
     dims = _dims(up.input_dims, up.output_dims, top_k, ACTIVATION_CODES[activation.kind],
                  int(activation.limit is not None), int(up.bias is not None), int(has_scale))
     (grid, block), pairs = _grid(up.output_dims, flat_indices.size), flat_indices.size
-    return gate_up_kernel(
+    return cuda_kernel("gate_up", _bucket(_shared_bytes(up, 1)))(
         inputs=[x, flat_indices, gate.weight, gate.scales, gate.biases, up.weight, up.scales, up.biases,
                 gate.bias if gate.bias is not None else _absent(),
                 up.bias if up.bias is not None else _absent(),
@@ -124,14 +130,12 @@ def _first_projection(x, flat_indices, experts: MoEExperts, top_k: int) -> mx.ar
         threadgroup=block,
         output_shapes=[(pairs, up.output_dims)],
         output_dtypes=[x.dtype],
-        shared_memory=_shared_bytes(up, 1),
     )[0]
 
 
 def _last_projection(hidden, flat_indices, linear: ExpertLinear, out_scale, weights, top_k: int,
                      input_per_pair: bool) -> mx.array:
-    _, down_kernel = cuda_kernels()
-    if weights is not None and _shared_bytes(linear, top_k) > MAX_SHARED_BYTES:
+    if weights is not None and _shared_bytes(linear, top_k) > SHARED_BUCKETS[-1]:
         # The k input rows of a token do not fit in shared memory together: combine outside.
         per_pair = _last_projection(hidden, flat_indices, linear, out_scale, None, top_k, input_per_pair)
         return combine(per_pair.reshape(-1, top_k, linear.output_dims), weights.reshape(-1, top_k))
@@ -139,7 +143,8 @@ def _last_projection(hidden, flat_indices, linear: ExpertLinear, out_scale, weig
     dims = _dims(linear.input_dims, linear.output_dims, top_k, 0, 0, int(linear.bias is not None),
                  int(out_scale is not None))
     grid, block = _grid(linear.output_dims, rows_out)
-    return down_kernel(
+    shared = _bucket(_shared_bytes(linear, top_k if weights is not None else 1))
+    return cuda_kernel("down", shared)(
         inputs=[hidden, flat_indices, linear.weight, linear.scales, linear.biases,
                 linear.bias if linear.bias is not None else _absent(),
                 out_scale if out_scale is not None else _absent(),
@@ -152,7 +157,6 @@ def _last_projection(hidden, flat_indices, linear: ExpertLinear, out_scale, weig
         threadgroup=block,
         output_shapes=[(rows_out, linear.output_dims)],
         output_dtypes=[hidden.dtype],
-        shared_memory=_shared_bytes(linear, top_k if weights is not None else 1),
     )[0]
 
 
