@@ -74,10 +74,16 @@ def describe(layer, glu: bool, scaled: bool) -> MoEExperts:
     )
 
 
+# On a GPU, MLX JIT-compiles many of stock's kernels per shape (about a second each) and each new
+# kernel variant of ours is an NVRTC compile: there the cases keep to a few shapes.
+GPU_SHAPES = {"quantizations": ((4, 64), (8, 64)), "dims": (128,), "experts": (8,), "top_k": (2, 8), "tokens": (1, 2, 40)}
+
+
 @st.composite
 def layer_cases(draw, max_pairs: int = 200) -> Case:
+    on_gpu = mx.default_device() == mx.gpu
     dtype = draw(st.sampled_from(DTYPES))
-    quantization = draw(st.sampled_from(QUANTIZATIONS))
+    quantization = draw(st.sampled_from(GPU_SHAPES["quantizations"] if on_gpu else QUANTIZATIONS))
     if quantization is None and mx.default_device() == mx.cpu:
         dtype = mx.float32  # MLX's CPU gather_mm (stock's unquantized path) supports only float32
     glu = draw(st.booleans())
@@ -85,15 +91,21 @@ def layer_cases(draw, max_pairs: int = 200) -> Case:
     # A limit of 0.25 binds for most gate / up values here, 50 for none.
     limit = draw(st.sampled_from((0.25, 50.0)))
     scaled = glu and kind == "swiglu" and draw(st.booleans())
-    if quantization is None:
-        dims, hidden = draw(st.sampled_from(PRIMES + (16, 64))), draw(st.sampled_from(PRIMES + (24, 64)))
+    if on_gpu:
+        dims = hidden = draw(st.sampled_from(GPU_SHAPES["dims"]))
+        num_experts = draw(st.sampled_from(GPU_SHAPES["experts"]))
+        top_k = draw(st.sampled_from(GPU_SHAPES["top_k"]))
+        batch, tokens = 1, draw(st.sampled_from(GPU_SHAPES["tokens"]))
     else:
-        group = quantization[1]
-        dims, hidden = group * draw(st.integers(1, 3)), group * draw(st.integers(1, 2))
-    num_experts = draw(st.sampled_from((1, 2, 3, 5, 7, 8)))
-    top_k = draw(st.integers(1, num_experts))
-    batch = draw(st.integers(1, 3))
-    tokens = draw(st.integers(1, max(1, max_pairs // (batch * top_k))))
+        if quantization is None:
+            dims, hidden = draw(st.sampled_from(PRIMES + (16, 64))), draw(st.sampled_from(PRIMES + (24, 64)))
+        else:
+            group = quantization[1]
+            dims, hidden = group * draw(st.integers(1, 3)), group * draw(st.integers(1, 2))
+        num_experts = draw(st.sampled_from((1, 2, 3, 5, 7, 8)))
+        top_k = draw(st.integers(1, num_experts))
+        batch = draw(st.integers(1, 3))
+        tokens = draw(st.integers(1, max(1, max_pairs // (batch * top_k))))
     routing = draw(st.sampled_from(("random", "one_expert", "few_experts")))
     seed = draw(st.integers(0, 2**16))
 

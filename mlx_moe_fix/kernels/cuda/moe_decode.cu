@@ -104,21 +104,28 @@ __device__ __forceinline__ void rows_dot(
   for (int r = 0; r < ROWS; ++r) out[r] = warp_sum(acc[r]);
 }
 
+// Stock MLX rounds every op's result to the array dtype T: the epilogues round at the same
+// points, so that outputs match stock bit for bit wherever the fp32 sums round alike.
+template <typename T>
+__device__ __forceinline__ float rnd(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
 __device__ __forceinline__ float sigmoid(float v) {
   return 1.f / (1.f + expf(-v));
 }
 
+template <typename T>
 __device__ __forceinline__ float activate(int act, bool has_limit, float up, float gate, float limit, float alpha) {
-  if (act == 0) {  // SwiGLU, with DeepSeek-V4's clamp stage when limited
-    if (has_limit) {
+  if (act == 0 || act == 1) {  // SwiGLU (with DeepSeek-V4's clamp stage when limited), gpt-oss
+    if (act == 1 || has_limit) {
+      limit = rnd<T>(limit);
       gate = fminf(gate, limit);
       up = fminf(fmaxf(up, -limit), limit);
     }
-    return gate * sigmoid(gate) * up;
-  } else if (act == 1) {  // gpt-oss
-    gate = fminf(gate, limit);
-    up = fminf(fmaxf(up, -limit), limit);
-    return (up + 1.f) * (gate * sigmoid(alpha * gate));
+    if (act == 0) return rnd<T>(rnd<T>(gate * rnd<T>(sigmoid(gate))) * up);
+    const float glu = rnd<T>(gate * rnd<T>(sigmoid(rnd<T>(rnd<T>(alpha) * gate))));
+    return rnd<T>(rnd<T>(up + 1.f) * glu);
   } else if (act == 2) {
     return 0.5f * up * (1.f + erff(up * 0.70710678118654752f));
   } else if (act == 3) {
@@ -174,12 +181,14 @@ struct Dims {
     up = dots[0];
   }
   if (lane != 0) return;
+  up = rnd<T>(up);
+  gate = rnd<T>(gate);
   if (d.has_bias) {
-    up += static_cast<float>(up_bias[expert * d.out_dim + row]);
-    if (GATED) gate += static_cast<float>(gate_bias[expert * d.out_dim + row]);
+    up = rnd<T>(up + static_cast<float>(up_bias[expert * d.out_dim + row]));
+    if (GATED) gate = rnd<T>(gate + static_cast<float>(gate_bias[expert * d.out_dim + row]));
   }
-  if (d.has_scale) gate *= static_cast<float>(gate_scale[expert]);
-  hidden[(size_t)pair * d.out_dim + row] = static_cast<T>(activate(d.act, d.has_limit, up, gate, params[0], params[1]));
+  if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(gate_scale[expert])));
+  hidden[(size_t)pair * d.out_dim + row] = static_cast<T>(activate<T>(d.act, d.has_limit, up, gate, params[0], params[1]));
 }
 
 //// down
@@ -215,10 +224,10 @@ struct Dims {
     const S* const sr[1] = {s + s_offset};
     const S* const br[1] = {b + s_offset};
     rows_dot<BITS, GROUP, 1>(dots, wr, sr, br, staged + j * staged_floats, d.in_dim, lane);
-    float y = dots[0];
-    if (d.has_bias) y += static_cast<float>(bias[expert * d.out_dim + row]);
-    if (d.has_scale) y *= static_cast<float>(out_scale[expert]);
-    if (COMBINE) y *= static_cast<float>(weights[pair]);
+    float y = rnd<T>(dots[0]);
+    if (d.has_bias) y = rnd<T>(y + static_cast<float>(bias[expert * d.out_dim + row]));
+    if (d.has_scale) y = rnd<T>(y * rnd<T>(static_cast<float>(out_scale[expert])));
+    if (COMBINE) y = rnd<T>(y * rnd<T>(static_cast<float>(weights[pair])));
     total += y;
   }
   if (lane == 0) out[(size_t)blockIdx.y * d.out_dim + row] = static_cast<T>(total);
