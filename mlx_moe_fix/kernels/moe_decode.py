@@ -9,6 +9,7 @@ and the weighted top-k combine, so the [tokens, k, hidden] intermediate is never
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import mlx.core as mx
@@ -184,9 +185,19 @@ def moe_decode(
     return moe_decode_implementation(experts).function(x, indices, experts, weights)
 
 
+# Opt-in until it beats stock end to end (docs/benchmarks.md, 2026-11-30: qwen3_moe decode 0.85x).
+CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_DECODE"
+
+
 def moe_decode_implementation(experts: Optional[MoEExperts] = None) -> Implementation:
     if current_backend() != "cuda":
         return reference_implementation("moe_decode", moe_decode_reference)
+    if os.environ.get(CUDA_KERNEL_SWITCH, "") in ("", "0"):
+        return Implementation(
+            moe_decode_reference,
+            "reference",
+            f"the CUDA decode kernel is opt-in ({CUDA_KERNEL_SWITCH}=1) until it beats stock end to end",
+        )
     reason = None if experts is None else cuda_unsupported_reason(experts)
     if reason is not None:
         return Implementation(moe_decode_reference, "reference", reason)
