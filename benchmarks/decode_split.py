@@ -1,0 +1,109 @@
+"""Where a decode layer's time goes: host graph building vs evaluation, stock vs patched.
+
+    python3 -m benchmarks.decode_split                       # Qwen3-30B-A3B expert shape, 48 layers
+    python3 -m benchmarks.decode_split --hidden 4096 --ffn 14336 --experts 8 --top-k 2 --layers 16
+
+One token (batch 1), bf16, 4-bit affine experts with group size 64, one SwitchGLU per layer with
+its own weights, all layers in one graph. Per layer: the median host time to build the graph and
+the median time of `mx.eval` + synchronize, for stock, the patched layer and (on CUDA) the decode
+kernel called directly; with the bytes of expert weights one layer must read, for comparison with
+HBM bandwidth. Each layer's output is also checked against stock (relative error).
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchGLU
+
+import mlx_moe_fix
+from mlx_moe_fix.kernels import Activation, ExpertLinear, MoEExperts
+
+HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (baseline-h200.md)
+
+
+def build_layers(args):
+    layers = []
+    for _ in range(args.layers):
+        layer = SwitchGLU(args.hidden, args.ffn, args.experts)
+        nn.quantize(layer, group_size=64, bits=4)
+        layer.set_dtype(mx.bfloat16)
+        mx.eval(layer.parameters())
+        layers.append(layer)
+    return layers
+
+
+def experts_of(layer) -> MoEExperts:
+    names = ("gate_proj", "up_proj", "down_proj")
+    return MoEExperts(tuple(ExpertLinear.from_module(layer[n]) for n in names), Activation("swiglu"))
+
+
+def split(fn, reps):
+    """Median (build seconds, eval seconds) after 3 warm-up runs at the same shapes."""
+    for _ in range(3):
+        mx.eval(fn())
+    mx.synchronize()
+    builds, evals = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        out = fn()
+        built = time.perf_counter()
+        mx.eval(out)
+        mx.synchronize()
+        builds.append(built - start)
+        evals.append(time.perf_counter() - built)
+    return statistics.median(builds), statistics.median(evals)
+
+
+def relative_error(out, ref) -> float:
+    out, ref = out.astype(mx.float32), ref.astype(mx.float32)
+    return (mx.linalg.norm(out - ref) / mx.linalg.norm(ref)).item()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=768)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args(argv)
+
+    layers = build_layers(args)
+    x = mx.random.normal((1, args.hidden)).astype(mx.bfloat16)
+    indices = mx.random.permutation(args.experts)[: args.top_k].reshape(1, args.top_k).astype(mx.uint32)
+    mx.eval(x, indices)
+
+    def run_layers():
+        return [layer(x, indices) for layer in layers]
+
+    mlx_moe_fix.revert()
+    rows = [("stock SwitchGLU", split(run_layers, args.reps))]
+    stock_out = run_layers()
+    with mlx_moe_fix.patched():
+        rows.append(("patched SwitchGLU", split(run_layers, args.reps)))
+        errors = [relative_error(p, s) for p, s in zip(run_layers(), stock_out)]
+    if mx.cuda.is_available():
+        from mlx_moe_fix.kernels.moe_decode import moe_decode_kernel
+
+        described = [experts_of(layer) for layer in layers]
+        rows.append(("decode kernel, direct", split(lambda: [moe_decode_kernel(x, indices, e) for e in described], args.reps)))
+
+    layer_bytes = args.top_k * 3 * (args.ffn * args.hidden // 2 + 2 * 2 * args.ffn * args.hidden // 64)
+    print(f"hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, top-{args.top_k}, {args.layers} layers, "
+          f"MLX {mx.__version__}, {mx.default_device()}, MLX_MOE_FIX_CUDA_DECODE={os.environ.get('MLX_MOE_FIX_CUDA_DECODE', '')!r}")
+    print(f"expert weights per layer: {layer_bytes / 1e6:.1f} MB = {layer_bytes / HBM_BYTES_PER_S * 1e6:.1f} us at 4.3 TB/s")
+    print(f"patched vs stock, max relative error over layers: {max(errors):.2e}")
+    print("| path | build us/layer | eval us/layer | total us/layer |")
+    print("|---|---|---|---|")
+    for name, (build, evaluate) in rows:
+        print(f"| {name} | {build / args.layers * 1e6:.1f} | {evaluate / args.layers * 1e6:.1f} | "
+              f"{(build + evaluate) / args.layers * 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
