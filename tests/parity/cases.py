@@ -106,9 +106,21 @@ def layer_cases(draw, max_pairs: int = 200) -> Case:
         top_k = draw(st.integers(1, num_experts))
         batch = draw(st.integers(1, 3))
         tokens = draw(st.integers(1, max(1, max_pairs // (batch * top_k))))
-    routing = draw(st.sampled_from(("random", "one_expert", "few_experts")))
-    seed = draw(st.integers(0, 2**16))
+    return make_case(
+        dtype, quantization, glu, kind, limit, scaled, dims, hidden, num_experts, top_k, batch, tokens,
+        routing=draw(st.sampled_from(("random", "one_expert", "few_experts"))),
+        with_weights=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
+
+def make_case(
+    dtype, quantization, glu, kind, limit, scaled, dims, hidden, num_experts, top_k, batch, tokens,
+    *, routing="random", with_weights=False, seed=0,
+) -> Case:
+    """routing: "random"; "one_expert": expert 0 is every token's first choice (with top_k 1,
+    every pair is on it); "few_experts": the upper half of the experts gets no pairs unless k
+    needs them."""
     mx.random.seed(seed)
     layer = build_layer(glu, kind, limit, dims, hidden, num_experts, scaled)
     if quantization is not None:
@@ -117,13 +129,13 @@ def layer_cases(draw, max_pairs: int = 200) -> Case:
     layer.eval()
 
     scores = mx.random.uniform(shape=(batch, tokens, num_experts))
-    if routing == "one_expert":  # every token's first choice is expert 0
+    if routing == "one_expert":
         scores = scores + mx.where(mx.arange(num_experts) == 0, 2.0, 0.0)
-    elif routing == "few_experts":  # the upper half of the experts gets no pairs unless k needs them
+    elif routing == "few_experts":
         scores = scores + mx.where(mx.arange(num_experts) < max(top_k, num_experts // 2), 2.0, 0.0)
     indices = mx.argsort(-scores, axis=-1)[..., :top_k].astype(mx.uint32)
     x = mx.random.normal((batch, tokens, dims)).astype(dtype)
-    weights = mx.softmax(mx.random.normal((batch, tokens, top_k)), axis=-1).astype(dtype) if draw(st.booleans()) else None
+    weights = mx.softmax(mx.random.normal((batch, tokens, top_k)), axis=-1).astype(dtype) if with_weights else None
     label = (
         f"{'glu' if glu else 'mlp'}/{kind}{'(limit %g)' % limit if 'swiglu_' in kind else ''}"
         f"{'/scaled' if scaled else ''} q={quantization} {dtype} D={dims} F={hidden} E={num_experts} "

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 
 from mlx_moe_fix.kernels import Activation, ExpertLinear, MoEExperts, moe_decode, moe_decode_reference, moe_prefill, moe_prefill_reference
 
-from .cases import layer_cases
+from .cases import layer_cases, make_case
 from .tolerance import assert_close
 
 # MLX_MOE_FIX_EXAMPLES trims the GPU runs, where each new kernel variant costs an NVRTC compile.
@@ -48,6 +48,31 @@ def test_dispatch_prefill_matches_stock(device, case):
 @given(case=layer_cases())
 def test_dispatch_decode_matches_stock(device, case):
     check(moe_decode, case)
+
+
+# (quantization, glu, kind, num_experts, top_k, batch, tokens, routing): the corners that random
+# draws may miss.
+EDGE_CASES = {
+    "all-pairs-on-one-expert-decode": ((4, 64), True, "swiglu", 8, 1, 1, 5, "one_expert"),
+    "all-pairs-on-one-expert-prefill": ((4, 64), True, "swiglu", 8, 1, 2, 40, "one_expert"),
+    "top_k-equals-experts": ((8, 32), True, "swiglu_oai", 5, 5, 2, 7, "random"),
+    "empty-experts": ((4, 128), False, "gelu", 8, 2, 1, 50, "few_experts"),
+    "63-pairs": ((4, 32), True, "swiglu_limited", 7, 1, 1, 63, "random"),
+    "64-pairs": ((4, 32), True, "swiglu_limited", 7, 1, 1, 64, "random"),
+}
+
+
+@pytest.mark.parametrize("op", [moe_prefill_reference, moe_decode_reference, moe_prefill, moe_decode])
+@pytest.mark.parametrize("name", EDGE_CASES)
+def test_edge_cases_match_stock(device, name, op):
+    quantization, glu, kind, experts, top_k, batch, tokens, routing = EDGE_CASES[name]
+    group = quantization[1]
+    for with_weights in (False, True):
+        case = make_case(
+            mx.bfloat16, quantization, glu, kind, 0.25, False, 2 * group, group, experts, top_k, batch, tokens,
+            routing=routing, with_weights=with_weights,
+        )
+        check(op, case)
 
 
 def test_limit_binds_and_changes_the_output():
