@@ -20,8 +20,9 @@
 # ${OUT:-/tmp/gpu-check}. Exits non-zero if a part failed or ran out of time.
 set -u -o pipefail
 
-# The CUDA decode kernel is opt-in for users until it beats stock; the harness measures it.
+# The CUDA kernels are opt-in for users until they beat stock; the harness measures them.
 export MLX_MOE_FIX_CUDA_DECODE=${MLX_MOE_FIX_CUDA_DECODE:-1}
+export MLX_MOE_FIX_CUDA_PREFILL=${MLX_MOE_FIX_CUDA_PREFILL:-1}
 
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"

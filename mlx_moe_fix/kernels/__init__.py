@@ -37,7 +37,7 @@ def plan(
         reason = f"{phase} disabled by apply({phase}=False)"
     if reason is not None:
         return Plan(phase, "stock", reason, None)
-    implementation = (moe_prefill_implementation if phase == "prefill" else moe_decode_implementation)(experts)
+    implementation = (moe_prefill_implementation if phase == "prefill" else moe_decode_implementation)(experts, x.dtype)
     return Plan(phase, implementation.path, implementation.reason, implementation.function)
 
 

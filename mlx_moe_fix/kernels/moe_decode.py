@@ -9,18 +9,17 @@ and the weighted top-k combine, so the [tokens, k, hidden] intermediate is never
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import mlx.core as mx
 
 from .backend import Implementation, current_backend, reference_implementation
 from .experts import ExpertLinear, MoEExperts
+from .launch import absent, kernel_dims, kernel_params, quantized_experts_reason, switched_on
 from .reference import combine, expert_chain
 from .sources import sections
 
 WARPS_PER_BLOCK = 8  # output rows per block, one warp each
-ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "gelu_fast": 4}
 
 
 def moe_decode_reference(
@@ -64,35 +63,11 @@ def cuda_kernel(stage: str, shared_bytes: int):
     )
 
 
-@functools.lru_cache(maxsize=None)
-def _absent() -> mx.array:
-    """Stands in for an optional input the kernel does not read."""
-    return mx.zeros((1,), mx.float32)
-
-
-@functools.lru_cache(maxsize=4096)
-def _dims(*values: int) -> mx.array:
-    return mx.array(values, dtype=mx.int32)
-
-
-@functools.lru_cache(maxsize=256)
-def _params(limit: float, alpha: float) -> mx.array:
-    return mx.array([limit, alpha], dtype=mx.float32)
-
-
 def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:
-    first = experts.projections[0]
-    for p in experts.projections:
-        if not p.quantized:
-            return "unquantized experts: the decode kernel reads affine-quantized weights"
-        if p.scales.dtype != first.scales.dtype or (p.bias is not None and p.bias.dtype != p.scales.dtype):
-            return "projections with scales / bias of different dtypes"
-    if max(_shared_bytes(p, 1) for p in experts.projections) > SHARED_BUCKETS[-1]:
-        return "an activation row too wide to stage in shared memory"
-    scales = [s for s in (experts.gate_scale, experts.out_scale) if s is not None]
-    if len({s.dtype for s in scales}) > 1:
-        return "gate_scale and out_scale of different dtypes"
-    return None
+    reason = quantized_experts_reason(experts)
+    if reason is None and max(_shared_bytes(p, 1) for p in experts.projections) > SHARED_BUCKETS[-1]:
+        reason = "an activation row too wide to stage in shared memory"
+    return reason
 
 
 def _grid(rows: int, blocks_y: int) -> tuple:
@@ -114,17 +89,15 @@ def _quant_templates(linear: ExpertLinear, dtype) -> list:
 def _first_projection(x, flat_indices, experts: MoEExperts, top_k: int) -> mx.array:
     gated = len(experts.projections) == 3
     gate, up = experts.projections[:2] if gated else (experts.projections[0],) * 2
-    activation = experts.activation
     has_scale = experts.gate_scale is not None
-    dims = _dims(up.input_dims, up.output_dims, top_k, ACTIVATION_CODES[activation.kind],
-                 int(activation.limit is not None), int(up.bias is not None), int(has_scale))
+    dims = kernel_dims(up.input_dims, up.output_dims, top_k, experts.activation, up.bias is not None, has_scale)
     (grid, block), pairs = _grid(up.output_dims, flat_indices.size), flat_indices.size
     return cuda_kernel("gate_up", _bucket(_shared_bytes(up, 1)))(
         inputs=[x, flat_indices, gate.weight, gate.scales, gate.biases, up.weight, up.scales, up.biases,
-                gate.bias if gate.bias is not None else _absent(),
-                up.bias if up.bias is not None else _absent(),
-                experts.gate_scale if has_scale else _absent(),
-                dims, _params(activation.limit or 0.0, activation.alpha or 0.0)],
+                gate.bias if gate.bias is not None else absent(),
+                up.bias if up.bias is not None else absent(),
+                experts.gate_scale if has_scale else absent(),
+                dims, kernel_params(experts.activation)],
         template=_quant_templates(up, x.dtype) + [
             ("SC", experts.gate_scale.dtype if has_scale else mx.float32), ("GATED", gated)],
         grid=grid,
@@ -141,15 +114,14 @@ def _last_projection(hidden, flat_indices, linear: ExpertLinear, out_scale, weig
         per_pair = _last_projection(hidden, flat_indices, linear, out_scale, None, top_k, input_per_pair)
         return combine(per_pair.reshape(-1, top_k, linear.output_dims), weights.reshape(-1, top_k))
     rows_out = flat_indices.size // top_k if weights is not None else flat_indices.size
-    dims = _dims(linear.input_dims, linear.output_dims, top_k, 0, 0, int(linear.bias is not None),
-                 int(out_scale is not None))
+    dims = kernel_dims(linear.input_dims, linear.output_dims, top_k, None, linear.bias is not None, out_scale is not None)
     grid, block = _grid(linear.output_dims, rows_out)
     shared = _bucket(_shared_bytes(linear, top_k if weights is not None else 1))
     return cuda_kernel("down", shared)(
         inputs=[hidden, flat_indices, linear.weight, linear.scales, linear.biases,
-                linear.bias if linear.bias is not None else _absent(),
-                out_scale if out_scale is not None else _absent(),
-                weights.reshape(-1) if weights is not None else _absent(), dims],
+                linear.bias if linear.bias is not None else absent(),
+                out_scale if out_scale is not None else absent(),
+                weights.reshape(-1) if weights is not None else absent(), dims],
         template=_quant_templates(linear, hidden.dtype) + [
             ("SC", out_scale.dtype if out_scale is not None else mx.float32),
             ("WT", weights.dtype if weights is not None else mx.float32),
@@ -189,10 +161,11 @@ def moe_decode(
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_DECODE"
 
 
-def moe_decode_implementation(experts: Optional[MoEExperts] = None) -> Implementation:
+def moe_decode_implementation(experts: Optional[MoEExperts] = None, dtype=None) -> Implementation:
+    """dtype: the activations' (every dtype the ops support has a decode kernel)."""
     if current_backend() != "cuda":
         return reference_implementation("moe_decode", moe_decode_reference)
-    if os.environ.get(CUDA_KERNEL_SWITCH, "") in ("", "0"):
+    if not switched_on(CUDA_KERNEL_SWITCH):
         return Implementation(
             moe_decode_reference,
             "reference",

@@ -1,18 +1,32 @@
 """Sorted grouped prefill: many (token, expert) pairs.
 
-The pairs are sorted by expert so that each expert's rows are contiguous, every projection runs
-as one grouped matmul over the sorted rows, and the result is unsorted and combined.
+Reference: the pairs sorted by expert so that each expert's rows are contiguous, every
+projection one grouped matmul over the sorted rows (stock's sorted `gather_qmm`), then unsorted
+and combined.
+
+CUDA kernel (`cuda/moe_prefill.cu`), opt-in while unmeasured: routing on the device with MLX ops
+(per-expert counts, prefix sums, each expert's run padded to the tile height, a tile -> expert
+map; the grid sized for the worst case, so no host synchronisation), then two launches of one
+grouped tensor-core GEMM: gate+up with the activation in the epilogue into expert-sorted padded
+rows, and down written back per (token, expert) pair; the weighted combine is one MLX op.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import mlx.core as mx
 
-from .backend import Implementation, reference_implementation
+from .backend import Implementation, current_backend, reference_implementation
 from .experts import MoEExperts
+from .launch import absent, kernel_dims, kernel_params, quantized_experts_reason, switched_on
 from .reference import combine, expert_chain
+from .sources import sections
+
+TILE = 64  # rows, output columns and K per block tile (BM = BN = BK in cuda/moe_prefill.cu)
+THREADS = 128
+CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL"
 
 
 def moe_prefill_reference(
@@ -30,12 +44,115 @@ def moe_prefill_reference(
     return combine(y, weights)
 
 
+@functools.lru_cache(maxsize=None)
+def cuda_kernel():
+    """The grouped GEMM cuda_kernel object, or None where MLX has no CUDA."""
+    if not mx.cuda.is_available():
+        return None
+    source = sections("cuda", "moe_prefill.cu")
+    return mx.fast.cuda_kernel(
+        name="mlx_moe_fix_prefill_grouped",
+        input_names=["a", "row_pair", "tile_expert", "w0", "s0", "b0", "w1", "s1", "b1",
+                     "bias0", "bias1", "scale", "dims", "params"],
+        output_names=["out"],
+        source=source["grouped"],
+        header=source["header"],
+    )
+
+
+def route(flat_indices: mx.array, num_experts: int):
+    """(row_pair, tile_expert, tiles): the pairs in expert order with each expert's run padded
+    to a multiple of TILE rows (row_pair[r] is the pair in padded row r, -1 for padding), and
+    the expert of each TILE-row tile (-1 past the last run). Lazy MLX ops only."""
+    pairs = flat_indices.size
+    counts = mx.zeros((num_experts,), mx.int32).at[flat_indices].add(1)
+    padded = (counts + TILE - 1) // TILE * TILE
+    padded_end = mx.cumsum(padded)
+    order = mx.argsort(flat_indices)
+    sorted_experts = flat_indices[order]
+    rank = mx.arange(pairs, dtype=mx.int32) - (mx.cumsum(counts) - counts)[sorted_experts]
+    padded_row = (padded_end - padded)[sorted_experts] + rank
+    tiles = pairs // TILE + num_experts  # sum of ceil(count / TILE) over the experts, at most
+    row_pair = mx.zeros((tiles * TILE,), mx.int32).at[padded_row].add(order.astype(mx.int32) + 1) - 1
+    tile_start = mx.arange(tiles, dtype=mx.int32) * TILE
+    tile_expert = (padded_end[None, :] <= tile_start[:, None]).sum(axis=1).astype(mx.int32)
+    tile_expert = mx.where(tile_start < padded_end[-1], tile_expert, -1)
+    return row_pair, tile_expert, tiles
+
+
+def cuda_unsupported_reason(experts: MoEExperts, dtype) -> Optional[str]:
+    if dtype not in (mx.bfloat16, mx.float16):
+        return f"the grouped prefill kernel takes bfloat16 / float16 activations, not {dtype}"
+    reason = quantized_experts_reason(experts)
+    if reason is None and any(p.input_dims % TILE or p.output_dims % TILE for p in experts.projections):
+        reason = f"expert dimensions that are not multiples of {TILE}"
+    return reason
+
+
+def _grouped(a, routing, pairs: int, top_k: int, matrices: tuple, activation, scale, *, pairs_in: bool,
+             activate: bool) -> mx.array:
+    """One grouped GEMM launch. matrices: (gate, up), or the one projection. pairs_in: A rows are
+    `a`'s token rows gathered per pair, else `a` is in padded expert order. activate: write the
+    activation in padded rows, else the projection per pair."""
+    row_pair, tile_expert, tiles = routing
+    first, second = matrices[0], matrices[-1]
+    gated = len(matrices) == 2
+    return cuda_kernel()(
+        inputs=[a, row_pair, tile_expert, first.weight, first.scales, first.biases,
+                second.weight, second.scales, second.biases,
+                first.bias if first.bias is not None else absent(),
+                second.bias if second.bias is not None else absent(),
+                scale if scale is not None else absent(),
+                kernel_dims(first.input_dims, first.output_dims, top_k, activation, first.bias is not None,
+                            scale is not None),
+                kernel_params(activation)],
+        template=[("T", a.dtype), ("S", first.scales.dtype), ("SC", scale.dtype if scale is not None else mx.float32),
+                  ("BITS", first.bits), ("GROUP", first.group_size),
+                  ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated)],
+        grid=(first.output_dims // TILE * THREADS, tiles, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(tiles * TILE if activate else pairs, first.output_dims)],
+        output_dtypes=[a.dtype],
+    )[0]
+
+
+def moe_prefill_kernel(
+    x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array] = None
+) -> mx.array:
+    """The CUDA implementation; same contract as moe_prefill_reference."""
+    top_k, pairs = indices.shape[-1], indices.size
+    tokens = x.reshape(-1, x.shape[-1])
+    routing = route(indices.reshape(-1).astype(mx.uint32), experts.num_experts)
+    projections = experts.projections
+    if len(projections) == 1:
+        out = _grouped(tokens, routing, pairs, top_k, projections, None, None, pairs_in=True, activate=False)
+    else:
+        first = projections[:2] if len(projections) == 3 else projections[:1]
+        hidden = _grouped(tokens, routing, pairs, top_k, first, experts.activation, experts.gate_scale,
+                          pairs_in=True, activate=True)
+        out = _grouped(hidden, routing, pairs, top_k, projections[-1:], None, experts.out_scale,
+                       pairs_in=False, activate=False)
+    return combine(out.reshape(*indices.shape, experts.output_dims), weights)
+
+
 def moe_prefill(
     x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array] = None
 ) -> mx.array:
     """Dispatcher: the moe_prefill implementation for the current backend and these experts."""
-    return moe_prefill_implementation(experts).function(x, indices, experts, weights)
+    return moe_prefill_implementation(experts, x.dtype).function(x, indices, experts, weights)
 
 
-def moe_prefill_implementation(experts: Optional[MoEExperts] = None) -> Implementation:
-    return reference_implementation("moe_prefill", moe_prefill_reference)
+def moe_prefill_implementation(experts: Optional[MoEExperts] = None, dtype=None) -> Implementation:
+    """dtype: the activations' (the kernel takes bfloat16 and float16)."""
+    if current_backend() != "cuda":
+        return reference_implementation("moe_prefill", moe_prefill_reference)
+    if not switched_on(CUDA_KERNEL_SWITCH):
+        return Implementation(
+            moe_prefill_reference,
+            "reference",
+            f"the CUDA grouped prefill kernel is opt-in ({CUDA_KERNEL_SWITCH}=1): not yet run on a GPU",
+        )
+    reason = None if experts is None else cuda_unsupported_reason(experts, dtype)
+    if reason is not None:
+        return Implementation(moe_prefill_reference, "reference", reason)
+    return Implementation(moe_prefill_kernel, "kernel", "CUDA sorted grouped prefill kernel (tensor cores)")

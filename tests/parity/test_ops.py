@@ -119,3 +119,17 @@ def test_cuda_decode_kernel_matches_ref(cuda_device, case):
             assert_close(out, ref, case.dtype)
         except AssertionError as error:
             raise AssertionError(f"{case.label}: {error}") from None
+
+
+@CASES
+@given(case=layer_cases())
+def test_cuda_prefill_kernel_matches_ref(cuda_device, case):
+    from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel
+
+    if cuda_unsupported_reason(case.experts, case.dtype) is None:
+        out = moe_prefill_kernel(case.x, case.indices, case.experts, case.weights)
+        ref = moe_prefill_reference(case.x, case.indices, case.experts, case.weights)
+        try:
+            assert_close(out, ref, case.dtype)
+        except AssertionError as error:
+            raise AssertionError(f"{case.label}: {error}") from None

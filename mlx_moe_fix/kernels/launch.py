@@ -1,0 +1,63 @@
+"""Small pieces shared by the CUDA kernel launchers."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import mlx.core as mx
+
+from .experts import MoEExperts
+
+# Activation kinds as the kernels' run-time `dims[3]` (see cuda/*.cu).
+ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "gelu_fast": 4}
+
+
+def switched_on(variable: str) -> bool:
+    return os.environ.get(variable, "") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def absent() -> mx.array:
+    """Stands in for an optional input the kernel does not read."""
+    return mx.zeros((1,), mx.float32)
+
+
+@functools.lru_cache(maxsize=4096)
+def int_array(*values: int) -> mx.array:
+    """Run-time integers for a kernel, cached so that a decode step builds no new arrays."""
+    return mx.array(values, dtype=mx.int32)
+
+
+@functools.lru_cache(maxsize=256)
+def float_array(*values: float) -> mx.array:
+    return mx.array(values, dtype=mx.float32)
+
+
+def kernel_dims(in_dim, out_dim, top_k, activation=None, has_bias=False, has_scale=False) -> mx.array:
+    """The `dims` input of the kernels: IN_DIM, OUT_DIM, TOP_K, ACT, HAS_LIMIT, HAS_BIAS, HAS_SCALE."""
+    act = ACTIVATION_CODES[activation.kind] if activation is not None else 0
+    has_limit = activation is not None and activation.limit is not None
+    return int_array(in_dim, out_dim, top_k, act, int(has_limit), int(has_bias), int(has_scale))
+
+
+def kernel_params(activation) -> mx.array:
+    """The `params` input: limit, alpha."""
+    return float_array(activation.limit or 0.0, activation.alpha or 0.0) if activation is not None else float_array(0.0, 0.0)
+
+
+def quantized_experts_reason(experts: MoEExperts):
+    """Why the kernels cannot read these experts' weights, or None: they need every projection
+    affine-quantized with one dtype for scales, biases and additive biases."""
+    first = experts.projections[0]
+    for p in experts.projections:
+        if not p.quantized:
+            return "unquantized experts: the kernels read affine-quantized weights"
+        if p.scales.dtype != first.scales.dtype or (p.bias is not None and p.bias.dtype != p.scales.dtype):
+            return "projections with scales / bias of different dtypes"
+    if len(experts.projections) == 3 and (experts.projections[0].bias is None) != (experts.projections[1].bias is None):
+        return "a bias on only one of gate and up"
+    scales = [s for s in (experts.gate_scale, experts.out_scale) if s is not None]
+    if len({s.dtype for s in scales}) > 1:
+        return "gate_scale and out_scale of different dtypes"
+    return None
