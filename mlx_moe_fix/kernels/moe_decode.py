@@ -32,6 +32,14 @@ def moe_decode_reference(
     return combine(y, weights)
 
 
+# The kernels' parameters, in the order of their `inputs`.
+INPUTS = {
+    "gate_up": ["x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
+                "gate_bias", "up_bias", "gate_scale", "dims", "params"],
+    "down": ["hidden", "indices", "w", "s", "b", "bias", "out_scale", "weights", "dims"],
+}
+OUTPUTS = {"gate_up": ["hidden"], "down": ["out"]}
+
 # Dynamic shared memory is fixed per cuda_kernel object (and each object is one NVRTC compile),
 # so requests are rounded up to a few sizes.
 SHARED_BUCKETS = (4096, 16384, 65536, 131072, 200 * 1024)
@@ -48,15 +56,10 @@ def cuda_kernel(stage: str, shared_bytes: int):
     if not mx.cuda.is_available():
         return None
     source = sections("cuda", "moe_decode.cu")
-    input_names = {
-        "gate_up": ["x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
-                    "gate_bias", "up_bias", "gate_scale", "dims", "params"],
-        "down": ["hidden", "indices", "w", "s", "b", "bias", "out_scale", "weights", "dims"],
-    }[stage]
     return mx.fast.cuda_kernel(
         name=f"mlx_moe_fix_decode_{stage}_smem{shared_bytes}",
-        input_names=input_names,
-        output_names=["hidden" if stage == "gate_up" else "out"],
+        input_names=INPUTS[stage],
+        output_names=OUTPUTS[stage],
         source=source[stage],
         header=source["header"],
         shared_memory=shared_bytes,

@@ -27,6 +27,10 @@ from .sources import sections
 TILE = 64  # rows, output columns and K per block tile (BM = BN = BK in cuda/moe_prefill.cu)
 THREADS = 128
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL"
+# The kernel's parameters, in the order of its `inputs`.
+INPUTS = {"grouped": ["a", "row_pair", "tile_expert", "w0", "s0", "b0", "w1", "s1", "b1",
+                      "bias0", "bias1", "scale", "dims", "params"]}
+OUTPUTS = {"grouped": ["out"]}
 
 
 def moe_prefill_reference(
@@ -52,9 +56,8 @@ def cuda_kernel():
     source = sections("cuda", "moe_prefill.cu")
     return mx.fast.cuda_kernel(
         name="mlx_moe_fix_prefill_grouped",
-        input_names=["a", "row_pair", "tile_expert", "w0", "s0", "b0", "w1", "s1", "b1",
-                     "bias0", "bias1", "scale", "dims", "params"],
-        output_names=["out"],
+        input_names=INPUTS["grouped"],
+        output_names=OUTPUTS["grouped"],
         source=source["grouped"],
         header=source["header"],
     )

@@ -106,19 +106,23 @@ def test_experts_reject_mismatched_activation(projections, activation):
         MoEExperts((linear,) * projections, activation)
 
 
-@CASES
-@given(case=layer_cases())
-def test_cuda_decode_kernel_matches_ref(cuda_device, case):
-    """The kernel itself (not the dispatcher) against the reference, on every case it supports."""
-    from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason, moe_decode_kernel
-
-    if cuda_unsupported_reason(case.experts) is None:
-        out = moe_decode_kernel(case.x, case.indices, case.experts, case.weights)
-        ref = moe_decode_reference(case.x, case.indices, case.experts, case.weights)
+def check_kernel(kernel, unsupported_reason, reference, case):
+    """A kernel itself (not the dispatcher) against its reference, on every case it supports."""
+    if unsupported_reason is None:
+        out = kernel(case.x, case.indices, case.experts, case.weights)
+        ref = reference(case.x, case.indices, case.experts, case.weights)
         try:
             assert_close(out, ref, case.dtype)
         except AssertionError as error:
             raise AssertionError(f"{case.label}: {error}") from None
+
+
+@CASES
+@given(case=layer_cases())
+def test_cuda_decode_kernel_matches_ref(cuda_device, case):
+    from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason, moe_decode_kernel
+
+    check_kernel(moe_decode_kernel, cuda_unsupported_reason(case.experts), moe_decode_reference, case)
 
 
 @CASES
@@ -126,10 +130,4 @@ def test_cuda_decode_kernel_matches_ref(cuda_device, case):
 def test_cuda_prefill_kernel_matches_ref(cuda_device, case):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel
 
-    if cuda_unsupported_reason(case.experts, case.dtype) is None:
-        out = moe_prefill_kernel(case.x, case.indices, case.experts, case.weights)
-        ref = moe_prefill_reference(case.x, case.indices, case.experts, case.weights)
-        try:
-            assert_close(out, ref, case.dtype)
-        except AssertionError as error:
-            raise AssertionError(f"{case.label}: {error}") from None
+    check_kernel(moe_prefill_kernel, cuda_unsupported_reason(case.experts, case.dtype), moe_prefill_reference, case)

@@ -16,6 +16,8 @@
 //// header
 namespace moe_decode {
 
+using namespace moe_common;
+
 constexpr int WORDS_PER_VECTOR = 4;  // one 16-byte load of packed weights
 constexpr int PAD = 4;               // floats of padding after each vector's activations
 
@@ -103,44 +105,6 @@ __device__ __forceinline__ void rows_dot(
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) out[r] = warp_sum(acc[r]);
 }
-
-// Stock MLX rounds every op's result to the array dtype T: the epilogues round at the same
-// points, so that outputs match stock bit for bit wherever the fp32 sums round alike.
-template <typename T>
-__device__ __forceinline__ float rnd(float v) {
-  return static_cast<float>(static_cast<T>(v));
-}
-
-__device__ __forceinline__ float sigmoid(float v) {
-  return 1.f / (1.f + expf(-v));
-}
-
-template <typename T>
-__device__ __forceinline__ float activate(int act, bool has_limit, float up, float gate, float limit, float alpha) {
-  if (act == 0 || act == 1) {  // SwiGLU (with DeepSeek-V4's clamp stage when limited), gpt-oss
-    if (act == 1 || has_limit) {
-      limit = rnd<T>(limit);
-      gate = fminf(gate, limit);
-      up = fminf(fmaxf(up, -limit), limit);
-    }
-    if (act == 0) return rnd<T>(rnd<T>(gate * rnd<T>(sigmoid(gate))) * up);
-    const float glu = rnd<T>(gate * rnd<T>(sigmoid(rnd<T>(rnd<T>(alpha) * gate))));
-    return rnd<T>(rnd<T>(up + 1.f) * glu);
-  } else if (act == 2) {
-    return 0.5f * up * (1.f + erff(up * 0.70710678118654752f));
-  } else if (act == 3) {
-    return 0.5f * up * (1.f + tanhf(0.79788456080286536f * (up + 0.044715f * up * up * up)));
-  } else {
-    return up * sigmoid(1.702f * up);
-  }
-}
-
-struct Dims {
-  int in_dim, out_dim, top_k, act;
-  bool has_limit, has_bias, has_scale;
-  __device__ explicit Dims(const int* d)
-      : in_dim(d[0]), out_dim(d[1]), top_k(d[2]), act(d[3]), has_limit(d[4]), has_bias(d[5]), has_scale(d[6]) {}
-};
 
 }  // namespace moe_decode
 

@@ -19,39 +19,11 @@
 
 namespace grouped {
 
+using namespace moe_common;
+
 constexpr int BM = 64, BN = 64, BK = 64;
 constexpr int LDS = BK + 8;  // shared row stride (elements): 144 bytes keeps ldmatrix conflict-free
 constexpr int THREADS = 128; // 4 warps in a 2 x 2 grid of 32 x 32 warp tiles
-
-template <typename T>
-__device__ __forceinline__ float rnd(float v) {
-  return static_cast<float>(static_cast<T>(v));
-}
-
-__device__ __forceinline__ float sigmoid(float v) {
-  return 1.f / (1.f + expf(-v));
-}
-
-// Same rounding points as stock MLX (each op's result in T); see moe_decode.cu.
-template <typename T>
-__device__ __forceinline__ float activate(int act, bool has_limit, float up, float gate, float limit, float alpha) {
-  if (act == 0 || act == 1) {
-    if (act == 1 || has_limit) {
-      limit = rnd<T>(limit);
-      gate = fminf(gate, limit);
-      up = fminf(fmaxf(up, -limit), limit);
-    }
-    if (act == 0) return rnd<T>(rnd<T>(gate * rnd<T>(sigmoid(gate))) * up);
-    const float glu = rnd<T>(gate * rnd<T>(sigmoid(rnd<T>(rnd<T>(alpha) * gate))));
-    return rnd<T>(rnd<T>(up + 1.f) * glu);
-  } else if (act == 2) {
-    return 0.5f * up * (1.f + erff(up * 0.70710678118654752f));
-  } else if (act == 3) {
-    return 0.5f * up * (1.f + tanhf(0.79788456080286536f * (up + 0.044715f * up * up * up)));
-  } else {
-    return up * sigmoid(1.702f * up);
-  }
-}
 
 __device__ __forceinline__ unsigned smem_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -77,13 +49,6 @@ __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsig
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 }
-
-struct Dims {
-  int in_dim, out_dim, top_k, act;
-  bool has_limit, has_bias, has_scale;
-  __device__ explicit Dims(const int* d)
-      : in_dim(d[0]), out_dim(d[1]), top_k(d[2]), act(d[3]), has_limit(d[4]), has_bias(d[5]), has_scale(d[6]) {}
-};
 
 }  // namespace grouped
 
