@@ -217,3 +217,15 @@ def test_described_layer_is_redescribed_when_its_weights_change():
     layer.set_dtype(mx.float16)  # new scales arrays
     second, _ = describe(layer, GLU_PROJECTIONS)
     assert second is not first and second.projections[0].scales.dtype == mx.float16
+
+
+def test_quantized_switch_linear_called_positionally():
+    """sorted_indices given positionally, as a caller may: same output as stock."""
+    layer = quantized_glu()
+    x = mx.random.normal((6, 1, 64))
+    indices = mx.array([0, 0, 1, 2, 3, 3], dtype=mx.uint32)
+    expected = layer.up_proj(x, indices, True)
+    with mlx_moe_fix.patched():
+        out = layer.up_proj(x, indices, True)
+    assert mx.array_equal(out, expected).item()
+    assert {r.layer for r in mlx_moe_fix.path_counts()} == {"QuantizedSwitchLinear"}

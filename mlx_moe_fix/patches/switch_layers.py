@@ -17,14 +17,13 @@ GLU_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 MLP_PROJECTIONS = ("fc1", "fc2")
 
 
-def bind(args: tuple, kwargs: dict, names: tuple, defaults: tuple = ()) -> list:
-    """Positional-or-keyword arguments of the wrapped method, in `names` order."""
-    values = list(args) + [None] * (len(names) - len(args))
+def bind(args: tuple, kwargs: dict, names: tuple) -> list:
+    """The wrapped method's first positional-or-keyword arguments `names`, in order (None where
+    not given; later arguments are left to the original method)."""
+    values = list(args[: len(names)]) + [None] * max(0, len(names) - len(args))
     for i, name in enumerate(names):
         if name in kwargs:
             values[i] = kwargs[name]
-        elif i >= len(args) and i >= len(names) - len(defaults):
-            values[i] = defaults[i - (len(names) - len(defaults))]
     return values
 
 
