@@ -9,7 +9,7 @@ and the weighted top-k combine, so the [tokens, k, hidden] intermediate is never
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -36,7 +36,7 @@ def moe_decode_reference(
 INPUTS = {
     "gate_up": ["x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
                 "gate_bias", "up_bias", "gate_scale", "dims", "params"],
-    "down": ["hidden", "indices", "w", "s", "b", "bias", "out_scale", "weights", "dims"],
+    "down": ["hidden", "indices", "weights", "w", "s", "b", "bias", "out_scale", "dims"],
 }
 OUTPUTS = {"gate_up": ["hidden"], "down": ["out"]}
 
@@ -84,56 +84,87 @@ def _shared_bytes(linear: ExpertLinear, rows: int) -> int:
     return rows * linear.input_dims // values * (values + 4) * 4
 
 
+class Launch(NamedTuple):
+    """One kernel launch, all but its per-call inputs (activations, indices, routing weights)."""
+
+    kernel: object
+    fixed_inputs: list
+    template: list
+    grid: tuple
+    threadgroup: tuple
+    output_shapes: list
+    output_dtypes: list
+
+    def __call__(self, *varying_inputs) -> mx.array:
+        return self.kernel(
+            inputs=[*varying_inputs, *self.fixed_inputs],
+            template=self.template,
+            grid=self.grid,
+            threadgroup=self.threadgroup,
+            output_shapes=self.output_shapes,
+            output_dtypes=self.output_dtypes,
+        )[0]
+
+
 def _quant_templates(linear: ExpertLinear, dtype) -> list:
     return [("T", dtype), ("S", linear.scales.dtype), ("BITS", linear.bits), ("GROUP", linear.group_size),
             ("WARPS", WARPS_PER_BLOCK)]
 
 
-def _first_projection(x, flat_indices, experts: MoEExperts, top_k: int) -> mx.array:
+def _gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype) -> Launch:
     gated = len(experts.projections) == 3
     gate, up = experts.projections[:2] if gated else (experts.projections[0],) * 2
     has_scale = experts.gate_scale is not None
-    dims = kernel_dims(up.input_dims, up.output_dims, top_k, experts.activation, up.bias is not None, has_scale)
-    (grid, block), pairs = _grid(up.output_dims, flat_indices.size), flat_indices.size
-    return cuda_kernel("gate_up", _bucket(_shared_bytes(up, 1)))(
-        inputs=[x, flat_indices, gate.weight, gate.scales, gate.biases, up.weight, up.scales, up.biases,
-                gate.bias if gate.bias is not None else absent(),
-                up.bias if up.bias is not None else absent(),
-                experts.gate_scale if has_scale else absent(),
-                dims, kernel_params(experts.activation)],
-        template=_quant_templates(up, x.dtype) + [
-            ("SC", experts.gate_scale.dtype if has_scale else mx.float32), ("GATED", gated)],
-        grid=grid,
-        threadgroup=block,
-        output_shapes=[(pairs, up.output_dims)],
-        output_dtypes=[x.dtype],
-    )[0]
+    grid, block = _grid(up.output_dims, pairs)
+    return Launch(
+        cuda_kernel("gate_up", _bucket(_shared_bytes(up, 1))),
+        [gate.weight, gate.scales, gate.biases, up.weight, up.scales, up.biases,
+         gate.bias if gate.bias is not None else absent(),
+         up.bias if up.bias is not None else absent(),
+         experts.gate_scale if has_scale else absent(),
+         kernel_dims(up.input_dims, up.output_dims, top_k, experts.activation, up.bias is not None, has_scale),
+         kernel_params(experts.activation)],
+        _quant_templates(up, dtype) + [("SC", experts.gate_scale.dtype if has_scale else mx.float32), ("GATED", gated)],
+        grid, block, [(pairs, up.output_dims)], [dtype],
+    )
 
 
-def _last_projection(hidden, flat_indices, linear: ExpertLinear, out_scale, weights, top_k: int,
-                     input_per_pair: bool) -> mx.array:
-    if weights is not None and _shared_bytes(linear, top_k) > SHARED_BUCKETS[-1]:
-        # The k input rows of a token do not fit in shared memory together: combine outside.
-        per_pair = _last_projection(hidden, flat_indices, linear, out_scale, None, top_k, input_per_pair)
-        return combine(per_pair.reshape(-1, top_k, linear.output_dims), weights.reshape(-1, top_k))
-    rows_out = flat_indices.size // top_k if weights is not None else flat_indices.size
-    dims = kernel_dims(linear.input_dims, linear.output_dims, top_k, None, linear.bias is not None, out_scale is not None)
+def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype, weights_dtype,
+                 input_per_pair: bool) -> Launch:
+    combined = weights_dtype is not None
+    rows_out = pairs // top_k if combined else pairs
     grid, block = _grid(linear.output_dims, rows_out)
-    shared = _bucket(_shared_bytes(linear, top_k if weights is not None else 1))
-    return cuda_kernel("down", shared)(
-        inputs=[hidden, flat_indices, linear.weight, linear.scales, linear.biases,
-                linear.bias if linear.bias is not None else absent(),
-                out_scale if out_scale is not None else absent(),
-                weights.reshape(-1) if weights is not None else absent(), dims],
-        template=_quant_templates(linear, hidden.dtype) + [
+    return Launch(
+        cuda_kernel("down", _bucket(_shared_bytes(linear, top_k if combined else 1))),
+        [linear.weight, linear.scales, linear.biases,
+         linear.bias if linear.bias is not None else absent(),
+         out_scale if out_scale is not None else absent(),
+         kernel_dims(linear.input_dims, linear.output_dims, top_k, None, linear.bias is not None, out_scale is not None)],
+        _quant_templates(linear, dtype) + [
             ("SC", out_scale.dtype if out_scale is not None else mx.float32),
-            ("WT", weights.dtype if weights is not None else mx.float32),
-            ("INPUT_PER_PAIR", input_per_pair), ("COMBINE", weights is not None)],
-        grid=grid,
-        threadgroup=block,
-        output_shapes=[(rows_out, linear.output_dims)],
-        output_dtypes=[hidden.dtype],
-    )[0]
+            ("WT", weights_dtype if combined else mx.float32),
+            ("INPUT_PER_PAIR", input_per_pair), ("COMBINE", combined)],
+        grid, block, [(rows_out, linear.output_dims)], [dtype],
+    )
+
+
+def _launches(experts: MoEExperts, top_k: int, pairs: int, dtype, weights_dtype) -> tuple:
+    """(gate_up or None, down, combine_outside) for this call's shape, cached on the experts
+    object (itself cached per layer) to keep per-call host time low at decode."""
+    cache = experts.__dict__.setdefault("_cuda_decode_launches", {})
+    key = (top_k, pairs, dtype, weights_dtype)
+    if key not in cache:
+        last = experts.projections[-1]
+        # The k input rows of a token may not fit in shared memory together: combine outside.
+        combine_outside = weights_dtype is not None and _shared_bytes(last, top_k) > SHARED_BUCKETS[-1]
+        single = len(experts.projections) == 1
+        cache[key] = (
+            None if single else _gate_up_launch(experts, top_k, pairs, dtype),
+            _down_launch(last, experts.out_scale, top_k, pairs, dtype, None if combine_outside else weights_dtype,
+                         input_per_pair=not single),
+            combine_outside,
+        )
+    return cache[key]
 
 
 def moe_decode_kernel(
@@ -143,14 +174,15 @@ def moe_decode_kernel(
     top_k = indices.shape[-1]
     tokens = x.reshape(-1, x.shape[-1])
     flat_indices = indices.reshape(-1).astype(mx.uint32)
-    last = experts.projections[-1]
-    if len(experts.projections) == 1:
-        out = _last_projection(tokens, flat_indices, last, None, weights, top_k, input_per_pair=False)
-    else:
-        hidden = _first_projection(tokens, flat_indices, experts, top_k)
-        out = _last_projection(hidden, flat_indices, last, experts.out_scale, weights, top_k, input_per_pair=True)
-    lead = x.shape[:-1] if weights is not None else indices.shape
-    return out.reshape(*lead, last.output_dims)
+    gate_up, down, combine_outside = _launches(
+        experts, top_k, flat_indices.size, x.dtype, None if weights is None else weights.dtype
+    )
+    rows = tokens if gate_up is None else gate_up(tokens, flat_indices)
+    out_dims = experts.output_dims
+    if weights is None or combine_outside:
+        out = down(rows, flat_indices, absent()).reshape(*indices.shape, out_dims)
+        return combine(out, weights)
+    return down(rows, flat_indices, weights.reshape(-1)).reshape(*x.shape[:-1], out_dims)
 
 
 def moe_decode(
