@@ -229,3 +229,13 @@ def test_quantized_switch_linear_called_positionally():
         out = layer.up_proj(x, indices, True)
     assert mx.array_equal(out, expected).item()
     assert {r.layer for r in mlx_moe_fix.path_counts()} == {"QuantizedSwitchLinear"}
+
+
+def test_demo_command_reports_parity():
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_moe_fix", "demo", "--prompt-tokens", "64", "--new-tokens", "8", "--repeats", "1"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    patched_row = next(line for line in result.stdout.splitlines() if line.startswith("| patched |"))
+    assert "| yes |" in patched_row and "reference" in patched_row
