@@ -69,9 +69,10 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     # fp32 references without TF32, as MLX's own tests; fewer hypothesis examples (each new kernel
     # variant is an NVRTC compile). The 14 GPU greedy-token cases take ~1 min each (MLX compiles
     # kernels per decode shape), so they run only with GREEDY=1, best in a call of their own.
+    # Only the GPU tests: the CPU ones are CI's, and here would run on the GPU by default.
     MLX_ENABLE_TF32=0 MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-15} run_part tests "$TESTS_TIMEOUT" \
         python3 -m pytest tests/parity -q -rs -p no:cacheprovider \
-        -k "${TESTS_SELECT:-$([ -n "${GREEDY:-}" ] && echo greedy || echo 'not greedy')}"
+        -k "${TESTS_SELECT:-$([ -n "${GREEDY:-}" ] && echo 'gpu and greedy' || echo '(gpu or cuda) and not greedy')}"
 fi
 if [ -z "${SKIP_KERNELS:-}" ]; then
     # shellcheck disable=SC2086  # the *_ARGS are word lists
