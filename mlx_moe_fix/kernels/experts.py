@@ -149,6 +149,14 @@ class MoEExperts:
     def num_experts(self) -> int:
         return self.projections[0].num_experts
 
+    def memo(self, key, compute):
+        """compute() once per key for this description (which the patches cache per layer):
+        kernel launch plans and support checks, kept off the per-call host path."""
+        memos = self.__dict__.setdefault("_memos", {})
+        if key not in memos:
+            memos[key] = compute()
+        return memos[key]
+
     @cached_property
     def projections_unsupported_reason(self) -> Optional[str]:
         for projection in self.projections:

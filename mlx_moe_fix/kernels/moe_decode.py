@@ -151,20 +151,19 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
 def _launches(experts: MoEExperts, top_k: int, pairs: int, dtype, weights_dtype) -> tuple:
     """(gate_up or None, down, combine_outside) for this call's shape, cached on the experts
     object (itself cached per layer) to keep per-call host time low at decode."""
-    cache = experts.__dict__.setdefault("_cuda_decode_launches", {})
-    key = (top_k, pairs, dtype, weights_dtype)
-    if key not in cache:
+    def plan():
         last = experts.projections[-1]
         # The k input rows of a token may not fit in shared memory together: combine outside.
         combine_outside = weights_dtype is not None and _shared_bytes(last, top_k) > SHARED_BUCKETS[-1]
         single = len(experts.projections) == 1
-        cache[key] = (
+        return (
             None if single else _gate_up_launch(experts, top_k, pairs, dtype),
             _down_launch(last, experts.out_scale, top_k, pairs, dtype, None if combine_outside else weights_dtype,
                          input_per_pair=not single),
             combine_outside,
         )
-    return cache[key]
+
+    return experts.memo(("cuda decode launches", top_k, pairs, dtype, weights_dtype), plan)
 
 
 def moe_decode_kernel(
@@ -206,7 +205,7 @@ def moe_decode_implementation(experts: Optional[MoEExperts] = None, dtype=None) 
             "reference",
             f"the CUDA decode kernel is opt-in ({CUDA_KERNEL_SWITCH}=1) until it beats stock end to end",
         )
-    reason = None if experts is None else cuda_unsupported_reason(experts)
+    reason = None if experts is None else experts.memo("cuda decode", lambda: cuda_unsupported_reason(experts))
     if reason is not None:
         return Implementation(moe_decode_reference, "reference", reason)
     return Implementation(moe_decode_kernel, "kernel", "CUDA fused decode kernel (gate+up+activation, down+combine)")

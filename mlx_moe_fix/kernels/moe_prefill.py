@@ -155,7 +155,7 @@ def moe_prefill_implementation(experts: Optional[MoEExperts] = None, dtype=None)
             "reference",
             f"the CUDA grouped prefill kernel is opt-in ({CUDA_KERNEL_SWITCH}=1): not yet run on a GPU",
         )
-    reason = None if experts is None else cuda_unsupported_reason(experts, dtype)
+    reason = None if experts is None else experts.memo(("cuda prefill", dtype), lambda: cuda_unsupported_reason(experts, dtype))
     if reason is not None:
         return Implementation(moe_prefill_reference, "reference", reason)
     return Implementation(moe_prefill_kernel, "kernel", "CUDA sorted grouped prefill kernel (tensor cores)")
