@@ -7,9 +7,10 @@ Every call is counted (`path_counts()`); with MLX_MOE_FIX_TRACE=1 the first call
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from typing import Callable, NamedTuple
+
+from .env import flag
 
 logger = logging.getLogger("mlx_moe_fix")
 
@@ -25,14 +26,10 @@ _counts: Counter = Counter()
 _logged: set = set()
 
 
-def tracing_enabled() -> bool:
-    return os.environ.get("MLX_MOE_FIX_TRACE", "") not in ("", "0")
-
-
 def record(layer: str, phase: str, path: str, reason: str, shape_class: Callable[[], tuple]) -> None:
     """shape_class is called only when tracing, to keep the per-call cost off the hot path."""
     _counts[PathRecord(layer, phase, path, reason)] += 1
-    if not tracing_enabled():
+    if not flag("MLX_MOE_FIX_TRACE"):
         return
     shape = shape_class()
     key = (layer, shape, path)

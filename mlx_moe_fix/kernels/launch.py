@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import mlx.core as mx
 
@@ -11,10 +10,6 @@ from .experts import MoEExperts
 
 # Activation kinds as the kernels' run-time `dims[3]` (see cuda/*.cu).
 ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "gelu_fast": 4}
-
-
-def switched_on(variable: str) -> bool:
-    return os.environ.get(variable, "") not in ("", "0")
 
 
 @functools.lru_cache(maxsize=None)

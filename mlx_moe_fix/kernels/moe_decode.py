@@ -13,9 +13,10 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
+from ..env import flag
 from .backend import Implementation, current_backend, reference_implementation
 from .experts import ExpertLinear, MoEExperts
-from .launch import absent, kernel_dims, kernel_params, quantized_experts_reason, switched_on
+from .launch import absent, kernel_dims, kernel_params, quantized_experts_reason
 from .reference import combine, expert_chain
 from .sources import sections
 
@@ -199,7 +200,7 @@ def moe_decode_implementation(experts: Optional[MoEExperts] = None, dtype=None) 
     """dtype: the activations' (every dtype the ops support has a decode kernel)."""
     if current_backend() != "cuda":
         return reference_implementation("moe_decode", moe_decode_reference)
-    if not switched_on(CUDA_KERNEL_SWITCH):
+    if not flag(CUDA_KERNEL_SWITCH):
         return Implementation(
             moe_decode_reference,
             "reference",

@@ -18,9 +18,10 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..env import flag
 from .backend import Implementation, current_backend, reference_implementation
 from .experts import MoEExperts
-from .launch import absent, kernel_dims, kernel_params, quantized_experts_reason, switched_on
+from .launch import absent, kernel_dims, kernel_params, quantized_experts_reason
 from .reference import combine, expert_chain
 from .sources import sections
 
@@ -149,7 +150,7 @@ def moe_prefill_implementation(experts: Optional[MoEExperts] = None, dtype=None)
     """dtype: the activations' (the kernel takes bfloat16 and float16)."""
     if current_backend() != "cuda":
         return reference_implementation("moe_prefill", moe_prefill_reference)
-    if not switched_on(CUDA_KERNEL_SWITCH):
+    if not flag(CUDA_KERNEL_SWITCH):
         return Implementation(
             moe_prefill_reference,
             "reference",

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import sys
 from typing import Dict, Optional
 
 import wrapt
 
+from ..env import flag
 from . import mlx_lm, mlx_vlm, options
 from .targets import Target
 
@@ -29,7 +29,7 @@ _applied = False
 
 
 def disabled_by_env() -> bool:
-    return os.environ.get("MLX_MOE_FIX_DISABLE", "") not in ("", "0")
+    return flag("MLX_MOE_FIX_DISABLE")
 
 
 def _installed(module_name: str) -> bool:
