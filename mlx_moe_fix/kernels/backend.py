@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
+
+from ..env import flag
 
 
 def current_backend() -> str:
@@ -24,9 +26,25 @@ class Implementation(NamedTuple):
     reason: str
 
 
-def reference_implementation(op_name: str, reference: Callable) -> Implementation:
-    """The reference, for backends without a kernel for this op."""
+def choose(
+    op_name: str,
+    reference: Callable,
+    cuda_kernel: Callable,
+    switch: str,
+    opt_in_why: str,
+    unsupported_reason: Optional[Callable[[], Optional[str]]],
+) -> Implementation:
+    """The CUDA kernel where the backend is CUDA, its opt-in `switch` is on and
+    `unsupported_reason()` (None: no experts to check) finds nothing; the reference otherwise,
+    with the reason."""
     backend = current_backend()
     if backend == "cpu":
         return Implementation(reference, "reference", "CPU: the pure-MLX reference is the implementation")
-    return Implementation(reference, "reference", f"no {backend} kernel for {op_name} yet")
+    if backend != "cuda":
+        return Implementation(reference, "reference", f"no {backend} kernel for {op_name} yet")
+    if not flag(switch):
+        return Implementation(reference, "reference", f"the CUDA {op_name} kernel is opt-in ({switch}=1): {opt_in_why}")
+    reason = None if unsupported_reason is None else unsupported_reason()
+    if reason is not None:
+        return Implementation(reference, "reference", reason)
+    return Implementation(cuda_kernel, "kernel", f"CUDA {op_name} kernel")

@@ -13,8 +13,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from ..env import flag
-from .backend import Implementation, current_backend, reference_implementation
+from .backend import Implementation, choose
 from .experts import ExpertLinear, MoEExperts
 from .launch import absent, kernel_dims, kernel_params, quantized_experts_reason
 from .reference import combine, expert_chain
@@ -189,7 +188,7 @@ def moe_decode(
     x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array] = None
 ) -> mx.array:
     """Dispatcher: the moe_decode implementation for the current backend and these experts."""
-    return moe_decode_implementation(experts).function(x, indices, experts, weights)
+    return moe_decode_implementation(experts, x.dtype).function(x, indices, experts, weights)
 
 
 # Opt-in until it beats stock end to end (docs/benchmarks.md, 2026-11-30: qwen3_moe decode 0.85x).
@@ -198,15 +197,7 @@ CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_DECODE"
 
 def moe_decode_implementation(experts: Optional[MoEExperts] = None, dtype=None) -> Implementation:
     """dtype: the activations' (every dtype the ops support has a decode kernel)."""
-    if current_backend() != "cuda":
-        return reference_implementation("moe_decode", moe_decode_reference)
-    if not flag(CUDA_KERNEL_SWITCH):
-        return Implementation(
-            moe_decode_reference,
-            "reference",
-            f"the CUDA decode kernel is opt-in ({CUDA_KERNEL_SWITCH}=1) until it beats stock end to end",
-        )
-    reason = None if experts is None else experts.memo("cuda decode", lambda: cuda_unsupported_reason(experts))
-    if reason is not None:
-        return Implementation(moe_decode_reference, "reference", reason)
-    return Implementation(moe_decode_kernel, "kernel", "CUDA fused decode kernel (gate+up+activation, down+combine)")
+    return choose(
+        "moe_decode", moe_decode_reference, moe_decode_kernel, CUDA_KERNEL_SWITCH, "until it beats stock end to end",
+        None if experts is None else lambda: experts.memo("cuda decode", lambda: cuda_unsupported_reason(experts)),
+    )

@@ -18,8 +18,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..env import flag
-from .backend import Implementation, current_backend, reference_implementation
+from .backend import Implementation, choose
 from .experts import MoEExperts
 from .launch import absent, kernel_dims, kernel_params, quantized_experts_reason
 from .reference import combine, expert_chain
@@ -148,15 +147,8 @@ def moe_prefill(
 
 def moe_prefill_implementation(experts: Optional[MoEExperts] = None, dtype=None) -> Implementation:
     """dtype: the activations' (the kernel takes bfloat16 and float16)."""
-    if current_backend() != "cuda":
-        return reference_implementation("moe_prefill", moe_prefill_reference)
-    if not flag(CUDA_KERNEL_SWITCH):
-        return Implementation(
-            moe_prefill_reference,
-            "reference",
-            f"the CUDA grouped prefill kernel is opt-in ({CUDA_KERNEL_SWITCH}=1): not yet run on a GPU",
-        )
-    reason = None if experts is None else experts.memo(("cuda prefill", dtype), lambda: cuda_unsupported_reason(experts, dtype))
-    if reason is not None:
-        return Implementation(moe_prefill_reference, "reference", reason)
-    return Implementation(moe_prefill_kernel, "kernel", "CUDA sorted grouped prefill kernel (tensor cores)")
+    return choose(
+        "moe_prefill", moe_prefill_reference, moe_prefill_kernel, CUDA_KERNEL_SWITCH, "not yet run on a GPU",
+        None if experts is None
+        else lambda: experts.memo(("cuda prefill", dtype), lambda: cuda_unsupported_reason(experts, dtype)),
+    )

@@ -95,24 +95,22 @@ def stock(layer_kind: str, x, indices, reason: str, original: Callable, args: tu
     return original(*args, **kwargs)
 
 
-def switch_glu(wrapped, instance, args, kwargs):
-    """SwitchGLU.__call__(x, indices) -> [..., k, D]"""
-    x, indices = bind(args, kwargs, ("x", "indices"))
-    experts, why_not = describe(instance, GLU_PROJECTIONS)
-    chosen = choose("SwitchGLU", x, indices, experts, why_not)
-    if chosen.function is None:
-        return wrapped(*args, **kwargs)
-    return chosen.function(x, indices, experts)
+def expert_block_wrapper(layer_kind: str, projection_names: tuple):
+    """The wrapper of a `__call__(x, indices) -> [..., k, D]` expert block."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        x, indices = bind(args, kwargs, ("x", "indices"))
+        experts, why_not = describe(instance, projection_names)
+        chosen = choose(layer_kind, x, indices, experts, why_not)
+        if chosen.function is None:
+            return wrapped(*args, **kwargs)
+        return chosen.function(x, indices, experts)
+
+    return wrapper
 
 
-def switch_mlp(wrapped, instance, args, kwargs):
-    """SwitchMLP.__call__(x, indices) -> [..., k, D]"""
-    x, indices = bind(args, kwargs, ("x", "indices"))
-    experts, why_not = describe(instance, MLP_PROJECTIONS)
-    chosen = choose("SwitchMLP", x, indices, experts, why_not)
-    if chosen.function is None:
-        return wrapped(*args, **kwargs)
-    return chosen.function(x, indices, experts)
+switch_glu = expert_block_wrapper("SwitchGLU", GLU_PROJECTIONS)
+switch_mlp = expert_block_wrapper("SwitchMLP", MLP_PROJECTIONS)
 
 
 def quantized_switch_linear(wrapped, instance, args, kwargs):
