@@ -24,6 +24,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
+import mlx_moe_fix
+from mlx_moe_fix.cli import markdown_table  # noqa: F401  re-exported for the benchmark scripts
+
 
 @dataclass
 class Stats:
@@ -142,8 +145,6 @@ def take_path_counts() -> Dict[str, int]:
     """mlx_moe_fix's patched calls per phase and path (kernel, reference or stock, with the
     reason when not the kernel) since the last call, so that a patched number can be told
     apart from a fallback."""
-    import mlx_moe_fix  # here rather than at the top: benchmarks.summary needs no package
-
     counts: Dict[str, int] = {}
     for record, calls in mlx_moe_fix.path_counts().items():
         key = f"{record.phase} {record.path}"
@@ -152,20 +153,6 @@ def take_path_counts() -> Dict[str, int]:
         counts[key] = counts.get(key, 0) + calls
     mlx_moe_fix.reset_path_counts()
     return counts
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(c) for c in r] for r in rows]
-    widths = [len(h) for h in headers]
-    for r in cells:
-        widths = [max(w, len(c)) for w, c in zip(widths, r)]
-
-    def line(values):
-        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
-
-    out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    out += [line(r) for r in cells]
-    return "\n".join(out)
 
 
 def fmt(value: Optional[float], digits: int = 3) -> str:

@@ -12,10 +12,19 @@ import mlx.core as mx
 import mlx_moe_fix
 
 
-def markdown_table(header: list, rows: list) -> str:
-    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-    return "\n".join(lines)
+def markdown_table(headers: list, rows: list) -> str:
+    """A markdown table with its columns padded to line up in a terminal."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [len(h) for h in headers]
+    for r in cells:
+        widths = [max(w, len(c)) for w, c in zip(widths, r)]
+
+    def line(values):
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+
+    out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
 
 
 def show_status(as_json: bool) -> int:

@@ -237,5 +237,6 @@ def test_demo_command_reports_parity():
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    patched_row = next(line for line in result.stdout.splitlines() if line.startswith("| patched |"))
-    assert "| yes |" in patched_row and "reference" in patched_row
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()]
+    patched_row = next(row for row in rows if row[0] == "patched")
+    assert patched_row[3] == "yes" and "reference" in patched_row[4]
