@@ -19,7 +19,7 @@ DECODE = sys.modules["mlx_moe_fix.kernels.moe_decode"]
 PREFILL = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
 
 # C types of the inputs, as cuda_kernel declares them from the arrays the launchers pass.
-INT_INPUTS = {"indices": "uint32_t", "row_pair": "int32_t", "tile_expert": "int32_t", "dims": "int32_t"}
+INT_INPUTS = {"indices": "uint32_t", "row_pair": "int32_t", "tile_expert": "int32_t", "dims": "int32_t", "sizes": "int32_t"}
 WEIGHT_INPUTS = {"gate_w", "up_w", "w", "w0", "w1"}
 FLOAT_INPUTS = {"params", "gate_scale", "out_scale", "scale"}
 
@@ -32,7 +32,7 @@ def signature(name, inputs, outputs, t):
             return "uint32_t"
         return "float" if n in FLOAT_INPUTS else t
 
-    params = [f"const {ctype(n)}* {n}" for n in inputs] + [f"{t}* {n}" for n in outputs]
+    params = [f"const {ctype(n)}* {n}" for n in inputs] + [f"{ctype(n)}* {n}" for n in outputs]
     return f"__global__ void {name}({', '.join(params)})"
 
 
@@ -70,8 +70,11 @@ def test_decode_kernels_compile(tmp_path, t):
 @pytest.mark.parametrize("t", ["__nv_bfloat16", "__half"])
 def test_prefill_kernel_compiles(tmp_path, t):
     variants = [
-        ("grouped", t, {"BITS": bits, "GROUP": group, "PAIRS_IN": pairs_in, "ACTIVATE": activate, "GATED": gated})
-        for bits, group in ((4, 128), (8, 64))
-        for pairs_in, activate, gated in ((True, True, True), (True, True, False), (False, False, False), (True, False, False))
+        ("grouped", t, {"BITS": bits, "GROUP": group, "BM": bm, "PAIRS_IN": pairs_in, "ACTIVATE": activate, "GATED": gated,
+                     "ACT": act, "LIMITED": act < 2})
+        for bits, group, bm in ((4, 128, 64), (8, 64, 128), (4, 32, 128))
+        for pairs_in, activate, gated, act in ((True, True, True, 0), (True, True, True, 1), (True, True, False, 3),
+                                               (False, False, False, 0), (True, False, False, 0))
     ]
+    variants.append(("route", t, {"TILE": 128, "MAX_EXPERTS": PREFILL.ROUTE_MAX_EXPERTS}))
     compile_ok(tmp_path, translation_unit(PREFILL, "moe_prefill.cu", variants))

@@ -9,6 +9,9 @@ CUDA kernel (`cuda/moe_prefill.cu`), opt-in while unmeasured: routing on the dev
 map; the grid sized for the worst case, so no host synchronisation), then two launches of one
 grouped tensor-core GEMM: gate+up with the activation in the epilogue into expert-sorted padded
 rows, and down written back per (token, expert) pair; the weighted combine is one MLX op.
+
+The tile height follows the mean rows per expert: 128-row tiles halve the dequantisation work
+per FLOP, but where experts get few rows most of a tall tile would be padding.
 """
 
 from __future__ import annotations
@@ -20,17 +23,22 @@ import mlx.core as mx
 
 from .backend import Implementation, choose
 from .experts import MoEExperts
-from .launch import absent, kernel_dims, kernel_params, quantized_experts_reason
+from .launch import ACTIVATION_CODES, absent, int_array, kernel_dims, kernel_params, quantized_experts_reason
 from .reference import combine, expert_chain
 from .sources import sections
 
-TILE = 64  # rows, output columns and K per block tile (BM = BN = BK in cuda/moe_prefill.cu)
-THREADS = 128
+TILES = (64, 128)  # tile heights (BM in cuda/moe_prefill.cu); BN = BK = 64
+TALL_TILE_MIN_ROWS = 256  # mean rows per expert from which 128-row tiles pay
+BLOCK_N = BLOCK_K = 64
+SHARED_ROW = BLOCK_K + 8  # elements per shared-memory row (LDS)
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL"
 # The kernel's parameters, in the order of its `inputs`.
 INPUTS = {"grouped": ["a", "row_pair", "tile_expert", "w0", "s0", "b0", "w1", "s1", "b1",
-                      "bias0", "bias1", "scale", "dims", "params"]}
-OUTPUTS = {"grouped": ["out"]}
+                      "bias0", "bias1", "scale", "dims", "params"],
+          "route": ["indices", "sizes"]}
+OUTPUTS = {"grouped": ["out"], "route": ["row_pair", "tile_expert"]}
+ROUTE_MAX_EXPERTS = 1024  # the route kernel's shared arrays
+ROUTE_THREADS = 1024
 
 
 def moe_prefill_reference(
@@ -48,36 +56,73 @@ def moe_prefill_reference(
     return combine(y, weights)
 
 
+def shared_bytes(tile: int, gated: bool) -> int:
+    """Dynamic shared memory of one block: two pipeline stages of A rows and weight rows."""
+    return 2 * (tile + (2 if gated else 1) * BLOCK_N) * SHARED_ROW * 2
+
+
+def threads(tile: int) -> int:
+    return tile // 32 * 64
+
+
 @functools.lru_cache(maxsize=None)
-def cuda_kernel():
-    """The grouped GEMM cuda_kernel object, or None where MLX has no CUDA."""
+def cuda_kernel(section: str, shared: int = 0):
+    """The cuda_kernel object of a section of cuda/moe_prefill.cu, for blocks of `shared` bytes
+    of dynamic shared memory, or None where MLX has no CUDA."""
     if not mx.cuda.is_available():
         return None
     source = sections("cuda", "moe_prefill.cu")
     return mx.fast.cuda_kernel(
-        name="mlx_moe_fix_prefill_grouped",
-        input_names=INPUTS["grouped"],
-        output_names=OUTPUTS["grouped"],
-        source=source["grouped"],
+        name=f"mlx_moe_fix_prefill_{section}",
+        input_names=INPUTS[section],
+        output_names=OUTPUTS[section],
+        source=source[section],
         header=source["header"],
+        shared_memory=shared,
     )
 
 
-def route(flat_indices: mx.array, num_experts: int):
+def tile_height(pairs: int, num_experts: int) -> int:
+    return TILES[1] if pairs >= TALL_TILE_MIN_ROWS * num_experts else TILES[0]
+
+
+def grid_tiles(pairs: int, num_experts: int, tile: int) -> int:
+    """The most tiles any routing of `pairs` pairs can fill: the grid's size, known on the host."""
+    return pairs // tile + num_experts
+
+
+def route_kernel(flat_indices: mx.array, num_experts: int, tile: int = TILES[0]):
+    """route_reference's contract on CUDA in one launch (rows within an expert's run may come in
+    another order)."""
+    if num_experts > ROUTE_MAX_EXPERTS:
+        return route_reference(flat_indices, num_experts, tile)
+    tiles = grid_tiles(flat_indices.size, num_experts, tile)
+    row_pair, tile_expert = cuda_kernel("route")(
+        inputs=[flat_indices, int_array(flat_indices.size, num_experts, tiles)],
+        template=[("TILE", tile), ("MAX_EXPERTS", ROUTE_MAX_EXPERTS)],
+        grid=(ROUTE_THREADS, 1, 1),
+        threadgroup=(ROUTE_THREADS, 1, 1),
+        output_shapes=[(tiles * tile,), (tiles,)],
+        output_dtypes=[mx.int32, mx.int32],
+    )
+    return row_pair, tile_expert, tiles
+
+
+def route_reference(flat_indices: mx.array, num_experts: int, tile: int = TILES[0]):
     """(row_pair, tile_expert, tiles): the pairs in expert order with each expert's run padded
-    to a multiple of TILE rows (row_pair[r] is the pair in padded row r, -1 for padding), and
-    the expert of each TILE-row tile (-1 past the last run). Lazy MLX ops only."""
+    to a multiple of `tile` rows (row_pair[r] is the pair in padded row r, -1 for padding), and
+    the expert of each `tile`-row tile (-1 past the last run). Lazy MLX ops only."""
     pairs = flat_indices.size
     counts = mx.zeros((num_experts,), mx.int32).at[flat_indices].add(1)
-    padded = (counts + TILE - 1) // TILE * TILE
+    padded = (counts + tile - 1) // tile * tile
     padded_end = mx.cumsum(padded)
     order = mx.argsort(flat_indices)
     sorted_experts = flat_indices[order]
     rank = mx.arange(pairs, dtype=mx.int32) - (mx.cumsum(counts) - counts)[sorted_experts]
     padded_row = (padded_end - padded)[sorted_experts] + rank
-    tiles = pairs // TILE + num_experts  # sum of ceil(count / TILE) over the experts, at most
-    row_pair = mx.zeros((tiles * TILE,), mx.int32).at[padded_row].add(order.astype(mx.int32) + 1) - 1
-    tile_start = mx.arange(tiles, dtype=mx.int32) * TILE
+    tiles = grid_tiles(pairs, num_experts, tile)
+    row_pair = mx.zeros((tiles * tile,), mx.int32).at[padded_row].add(order.astype(mx.int32) + 1) - 1
+    tile_start = mx.arange(tiles, dtype=mx.int32) * tile
     tile_expert = (padded_end[None, :] <= tile_start[:, None]).sum(axis=1).astype(mx.int32)
     tile_expert = mx.where(tile_start < padded_end[-1], tile_expert, -1)
     return row_pair, tile_expert, tiles
@@ -87,8 +132,8 @@ def cuda_unsupported_reason(experts: MoEExperts, dtype) -> Optional[str]:
     if dtype not in (mx.bfloat16, mx.float16):
         return f"the grouped prefill kernel takes bfloat16 / float16 activations, not {dtype}"
     reason = quantized_experts_reason(experts)
-    if reason is None and any(p.input_dims % TILE or p.output_dims % TILE for p in experts.projections):
-        reason = f"expert dimensions that are not multiples of {TILE}"
+    if reason is None and any(p.input_dims % BLOCK_K or p.output_dims % BLOCK_N for p in experts.projections):
+        reason = f"expert dimensions that are not multiples of {BLOCK_N}"
     return reason
 
 
@@ -97,10 +142,10 @@ def _grouped(a, routing, pairs: int, top_k: int, matrices: tuple, activation, sc
     """One grouped GEMM launch. matrices: (gate, up), or the one projection. pairs_in: A rows are
     `a`'s token rows gathered per pair, else `a` is in padded expert order. activate: write the
     activation in padded rows, else the projection per pair."""
-    row_pair, tile_expert, tiles = routing
+    row_pair, tile_expert, tiles, tile = routing
     first, second = matrices[0], matrices[-1]
     gated = len(matrices) == 2
-    return cuda_kernel()(
+    return cuda_kernel("grouped", shared_bytes(tile, gated))(
         inputs=[a, row_pair, tile_expert, first.weight, first.scales, first.biases,
                 second.weight, second.scales, second.biases,
                 first.bias if first.bias is not None else absent(),
@@ -110,11 +155,13 @@ def _grouped(a, routing, pairs: int, top_k: int, matrices: tuple, activation, sc
                             scale is not None),
                 kernel_params(activation)],
         template=[("T", a.dtype), ("S", first.scales.dtype), ("SC", scale.dtype if scale is not None else mx.float32),
-                  ("BITS", first.bits), ("GROUP", first.group_size),
-                  ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated)],
-        grid=(first.output_dims // TILE * THREADS, tiles, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(tiles * TILE if activate else pairs, first.output_dims)],
+                  ("BITS", first.bits), ("GROUP", first.group_size), ("BM", tile),
+                  ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated),
+                  ("ACT", ACTIVATION_CODES[activation.kind] if activation is not None else 0),
+                  ("LIMITED", activation is not None and activation.limit is not None)],
+        grid=(first.output_dims // BLOCK_N * threads(tile), tiles, 1),
+        threadgroup=(threads(tile), 1, 1),
+        output_shapes=[(tiles * tile if activate else pairs, first.output_dims)],
         output_dtypes=[a.dtype],
     )[0]
 
@@ -125,7 +172,8 @@ def moe_prefill_kernel(
     """The CUDA implementation; same contract as moe_prefill_reference."""
     top_k, pairs = indices.shape[-1], indices.size
     tokens = x.reshape(-1, x.shape[-1])
-    routing = route(indices.reshape(-1).astype(mx.uint32), experts.num_experts)
+    tile = tile_height(pairs, experts.num_experts)
+    routing = (*route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile), tile)
     projections = experts.projections
     if len(projections) == 1:
         out = _grouped(tokens, routing, pairs, top_k, projections, None, None, pairs_in=True, activate=False)

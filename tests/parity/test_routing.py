@@ -1,38 +1,55 @@
-"""The grouped prefill's device-side routing (pure MLX ops, so it runs on every backend)."""
+"""The grouped prefill's device-side routing: ref (pure MLX ops, every backend) and the CUDA
+kernel, against the same properties (the kernel may order rows within an expert's run
+differently)."""
 
 import mlx.core as mx
 import numpy as np
-from hypothesis import given, settings
+import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_moe_fix.kernels.moe_prefill import TILE, route
+from mlx_moe_fix.kernels.moe_prefill import TILES, route_kernel, route_reference
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.fixture(params=["ref", pytest.param("cuda", marks=pytest.mark.gpu)])
+def route(request):
+    if request.param == "ref":
+        yield route_reference
+        return
+    if not mx.cuda.is_available():
+        pytest.skip("no CUDA: MLX reports no CUDA GPU on this machine")
+    previous = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    yield route_kernel
+    mx.set_default_device(previous)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     num_experts=st.integers(1, 40),
     pairs=st.integers(1, 600),
     skew=st.sampled_from(["uniform", "one_expert", "two_experts"]),
     seed=st.integers(0, 2**16),
+    tile=st.sampled_from(TILES),
 )
-def test_route_pads_each_expert_run_to_whole_tiles(num_experts, pairs, skew, seed):
+def test_route_pads_each_expert_run_to_whole_tiles(route, num_experts, pairs, skew, seed, tile):
     rng = np.random.default_rng(seed)
     high = {"uniform": num_experts, "one_expert": 1, "two_experts": min(2, num_experts)}[skew]
     experts = rng.integers(0, high, pairs).astype(np.uint32)
-    row_pair, tile_expert, tiles = route(mx.array(experts), num_experts)
+    row_pair, tile_expert, tiles = route(mx.array(experts), num_experts, tile)
     row_pair, tile_expert = np.array(row_pair), np.array(tile_expert)
 
-    assert row_pair.shape == (tiles * TILE,) and tile_expert.shape == (tiles,)
+    assert row_pair.shape == (tiles * tile,) and tile_expert.shape == (tiles,)
     assert sorted(row_pair[row_pair >= 0].tolist()) == list(range(pairs)), "every pair exactly once"
     used = tile_expert >= 0
-    assert used.sum() == sum(-(-int((experts == e).sum()) // TILE) for e in range(num_experts))
+    assert used.sum() == sum(-(-int((experts == e).sum()) // tile) for e in range(num_experts))
     assert (np.diff(used.astype(int)) <= 0).all(), "used tiles come first"
-    for tile in range(tiles):
-        rows = row_pair[tile * TILE:(tile + 1) * TILE]
-        if not used[tile]:
+    for index in range(tiles):
+        rows = row_pair[index * tile:(index + 1) * tile]
+        if not used[index]:
             assert (rows < 0).all()
             continue
         valid = rows[rows >= 0]
-        assert len(valid) and (experts[valid] == tile_expert[tile]).all(), "a tile holds one expert's pairs"
+        assert len(valid) and (experts[valid] == tile_expert[index]).all(), "a tile holds one expert's pairs"
         assert (rows[: len(valid)] >= 0).all(), "padding only at the end of a tile"
     assert (np.diff(tile_expert[used]) >= 0).all(), "tiles in expert order"

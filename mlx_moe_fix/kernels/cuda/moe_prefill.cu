@@ -1,18 +1,26 @@
 // Sorted grouped prefill for mx.fast.cuda_kernel: one grouped GEMM over (token, expert) pairs
 // sorted by expert, each expert's run padded to the tile height BM, so that every BM-row tile
 // belongs to one expert (`tile_expert`, -1 for tiles past the last run). Tensor cores through
-// ldmatrix + mma.sync (bf16 / fp16 in, fp32 accumulate); activations arrive by cp.async, the
-// affine-quantized weights are dequantised through registers into shared memory.
+// ldmatrix + mma.sync (bf16 / fp16 in, fp32 accumulate).
+//
+// Pipeline, two shared-memory stages: while the warps multiply stage k, the activations of
+// stage k + 1 arrive by cp.async and its packed weights by 16-byte loads into registers; after
+// the multiply the registers are dequantised (w = scale * q + bias, in fp32, rounded once to T)
+// into the other stage, so each weight is dequantised once per block and shared by its warps.
 //
 // Sections are split on "//// <name>" lines (`header`, `grouped`). Template constants:
 //   T (bf16 or fp16), S (scales, biases and additive bias type), SC (per-expert scale type),
-//   BITS 4 or 8, GROUP 32/64/128,
+//   BITS 4 or 8, GROUP 32/64/128, BM 64 or 128 (tile height; BM / 32 x 2 warps),
 //   PAIRS_IN:  A rows are x rows gathered per pair (pair / top_k); else the padded rows of `a`
 //   ACTIVATE:  epilogue applies the activation and writes padded rows; else it writes the
 //              projection per pair (rows of `out` in pair order)
 //   GATED:     two weight matrices (gate = 0, up = 1) feed the activation
-// Run-time values: dims = IN_DIM, OUT_DIM, TOP_K, ACT, HAS_LIMIT, HAS_BIAS, HAS_SCALE;
-// params = limit, alpha. Needs IN_DIM and OUT_DIM to be multiples of 64.
+//   ACT, LIMITED: the activation (codes of moe_common::activate), with its clamp stage; constants
+//              here, unlike the decode kernels' run-time ones, because the epilogue is unrolled
+//              32 times and every activation's code in it made NVRTC compile for seconds
+// Run-time values: dims = IN_DIM, OUT_DIM, TOP_K, -, -, HAS_BIAS, HAS_SCALE;
+// params = limit, alpha. Needs IN_DIM and OUT_DIM to be multiples of 64. Dynamic shared
+// memory: grouped::shared_bytes(BM, GATED) (moe_prefill.py computes the same).
 
 //// header
 #include <cuda/std/type_traits>
@@ -21,9 +29,8 @@ namespace grouped {
 
 using namespace moe_common;
 
-constexpr int BM = 64, BN = 64, BK = 64;
+constexpr int BN = 64, BK = 64;
 constexpr int LDS = BK + 8;  // shared row stride (elements): 144 bytes keeps ldmatrix conflict-free
-constexpr int THREADS = 128; // 4 warps in a 2 x 2 grid of 32 x 32 warp tiles
 
 __device__ __forceinline__ unsigned smem_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -50,6 +57,23 @@ __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsig
   }
 }
 
+// Two fp32 values rounded to T and packed low-first, as one 32-bit word.
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+  }
+}
+
+// An unsigned integer below 2^23 as fp32, exactly: its bits under the exponent of 2^23.
+__device__ __forceinline__ float small_uint_to_float(unsigned q) {
+  return __uint_as_float(0x4B000000u | q) - 8388608.f;
+}
+
 }  // namespace grouped
 
 //// grouped
@@ -60,10 +84,19 @@ __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsig
 {
   using namespace grouped;
   constexpr int MATRICES = GATED ? 2 : 1;
+  constexpr int THREADS = BM / 32 * 64;  // warps in a (BM / 32) x 2 grid of 32 x 32 warp tiles
   constexpr int PER_WORD = 32 / BITS;
   constexpr unsigned MASK = (1u << BITS) - 1u;
-  __shared__ __align__(16) T sa[BM * LDS];
-  __shared__ __align__(16) T sb[MATRICES][BN * LDS];
+  constexpr int A_CHUNKS = BM * BK / 8 / THREADS;        // 16-byte cp.async per thread per stage
+  constexpr int VECS_PER_ROW = BK * BITS / 128;          // 16-byte weight vectors per row and stage
+  constexpr int W_VECS = BN * VECS_PER_ROW;              // per matrix and stage
+  constexpr int W_LOADS = (W_VECS + THREADS - 1) / THREADS;
+  static_assert(BM * BK / 8 % THREADS == 0, "A chunks split evenly");
+  static_assert(GROUP % (128 / BITS) == 0, "a weight vector never straddles a group");
+
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* sa = reinterpret_cast<T*>(shared_bytes);   // [2][BM * LDS]
+  T* sb = sa + 2 * BM * LDS;                     // [2][MATRICES][BN * LDS]
 
   const Dims d(dims);
   const int tile = blockIdx.y;
@@ -73,9 +106,74 @@ __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsig
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int wm = warp / 2, wn = warp % 2;
   const int words_per_row = d.in_dim * BITS / 32, groups_per_row = d.in_dim / GROUP;
-  const uint32_t* const w[2] = {w0, w1};
-  const S* const s[2] = {s0, s1};
-  const S* const b[2] = {b0, b1};
+  const int k_steps = d.in_dim / BK;
+
+  // This thread's A rows for every stage: where they start in `a` and whether they exist.
+  const T* a_src[A_CHUNKS];
+  int a_bytes[A_CHUNKS];
+  const int a_chunk = tid % (BK / 8);
+#pragma unroll
+  for (int i = 0; i < A_CHUNKS; ++i) {
+    const int r = (tid + i * THREADS) / (BK / 8);
+    const int pair = row_pair[tile * BM + r];
+    const size_t src_row = PAIRS_IN ? (pair >= 0 ? pair / d.top_k : 0) : (size_t)tile * BM + r;
+    a_src[i] = a + src_row * d.in_dim + a_chunk * 8;
+    a_bytes[i] = pair >= 0 ? 16 : 0;  // padding rows are zero-filled
+  }
+  auto load_a = [&](int stage, int k0) {
+    T* dst = sa + stage * BM * LDS;
+#pragma unroll
+    for (int i = 0; i < A_CHUNKS; ++i) {
+      const int r = (tid + i * THREADS) / (BK / 8);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(&dst[r * LDS + a_chunk * 8])),
+                   "l"(a_src[i] + k0), "r"(a_bytes[i]));
+    }
+  };
+
+  uint4 w_reg[MATRICES][W_LOADS];
+  float scale_reg[MATRICES][W_LOADS], bias_reg[MATRICES][W_LOADS];
+  auto load_w = [&](int k0) {
+#pragma unroll
+    for (int m = 0; m < MATRICES; ++m) {
+      const uint32_t* wm = m == 0 ? w0 : w1;
+      const S* sm = m == 0 ? s0 : s1;
+      const S* bm = m == 0 ? b0 : b1;
+#pragma unroll
+      for (int i = 0; i < W_LOADS; ++i) {
+        const int v = tid + i * THREADS;
+        if (W_VECS % THREADS != 0 && v >= W_VECS) break;
+        const size_t row = (size_t)expert * d.out_dim + n0 + v / VECS_PER_ROW;
+        const int k = k0 + v % VECS_PER_ROW * (128 / BITS);
+        w_reg[m][i] = *reinterpret_cast<const uint4*>(&wm[row * words_per_row + k / PER_WORD]);
+        scale_reg[m][i] = static_cast<float>(sm[row * groups_per_row + k / GROUP]);
+        bias_reg[m][i] = static_cast<float>(bm[row * groups_per_row + k / GROUP]);
+      }
+    }
+  };
+  auto store_w = [&](int stage) {
+#pragma unroll
+    for (int m = 0; m < MATRICES; ++m) {
+#pragma unroll
+      for (int i = 0; i < W_LOADS; ++i) {
+        const int v = tid + i * THREADS;
+        if (W_VECS % THREADS != 0 && v >= W_VECS) break;
+        T* dst = sb + (stage * MATRICES + m) * BN * LDS + v / VECS_PER_ROW * LDS + v % VECS_PER_ROW * (128 / BITS);
+        const unsigned words[4] = {w_reg[m][i].x, w_reg[m][i].y, w_reg[m][i].z, w_reg[m][i].w};
+        const float scale = scale_reg[m][i], bias = bias_reg[m][i];
+        unsigned packed[4 * PER_WORD / 2];
+#pragma unroll
+        for (int j = 0; j < 4 * PER_WORD / 2; ++j) {
+          const unsigned word = words[j * 2 / PER_WORD];
+          const int shift = BITS * (j * 2 % PER_WORD);
+          packed[j] = pack2<T>(fmaf(scale, small_uint_to_float((word >> shift) & MASK), bias),
+                               fmaf(scale, small_uint_to_float((word >> (shift + BITS)) & MASK), bias));
+        }
+#pragma unroll
+        for (int j = 0; j < 4 * PER_WORD / 2; j += 4)
+          *reinterpret_cast<uint4*>(dst + 2 * j) = make_uint4(packed[j], packed[j + 1], packed[j + 2], packed[j + 3]);
+      }
+    }
+  };
 
   float acc[MATRICES][2][4][4];
 #pragma unroll
@@ -87,45 +185,32 @@ __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsig
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[m][i][j][e] = 0.f;
 
-  for (int k0 = 0; k0 < d.in_dim; k0 += BK) {
-    // A: BM rows x BK columns, 16 bytes (8 values) per cp.async; padding rows are zero-filled.
-    for (int c = tid; c < BM * BK / 8; c += THREADS) {
-      const int r = c / (BK / 8), chunk = c % (BK / 8);
-      const int pair = row_pair[tile * BM + r];
-      const size_t src_row = PAIRS_IN ? (pair >= 0 ? pair / d.top_k : 0) : (size_t)tile * BM + r;
-      const T* src = a + src_row * d.in_dim + k0 + chunk * 8;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(&sa[r * LDS + chunk * 8])),
-                   "l"(src), "r"(pair >= 0 ? 16 : 0));
-    }
+  load_a(0, 0);
+  asm volatile("cp.async.commit_group;\n" ::);
+  load_w(0);
+  store_w(0);
+  for (int step = 0; step < k_steps; ++step) {
+    const int stage = step % 2;
+    const bool more = step + 1 < k_steps;
+    if (more) load_a(stage ^ 1, (step + 1) * BK);
     asm volatile("cp.async.commit_group;\n" ::);
-    // B: BN weight rows x BK values per matrix, dequantised (w = scale * q + bias) into shared.
-#pragma unroll
-    for (int m = 0; m < MATRICES; ++m) {
-      for (int c = tid; c < BN * BK / PER_WORD; c += THREADS) {
-        const int r = c / (BK / PER_WORD), word_in_tile = c % (BK / PER_WORD);
-        const size_t row = (size_t)expert * d.out_dim + n0 + r;
-        const int k = k0 + word_in_tile * PER_WORD;  // a word never straddles a group
-        const uint32_t word = w[m][row * words_per_row + k / PER_WORD];
-        const float scale = static_cast<float>(s[m][row * groups_per_row + k / GROUP]);
-        const float bias = static_cast<float>(b[m][row * groups_per_row + k / GROUP]);
-        T* dst = &sb[m][r * LDS + word_in_tile * PER_WORD];
-#pragma unroll
-        for (int i = 0; i < PER_WORD; ++i) dst[i] = static_cast<T>(fmaf(scale, static_cast<float>((word >> (BITS * i)) & MASK), bias));
-      }
-    }
-    asm volatile("cp.async.wait_group 0;\n" ::);
+    if (more) load_w((step + 1) * BK);
+    asm volatile("cp.async.wait_group 1;\n" ::);
     __syncthreads();
+    const T* sa_stage = sa + stage * BM * LDS;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       unsigned af[2][4];
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi) ldmatrix_x4(af[mi], &sa[(wm * 32 + mi * 16 + lane % 16) * LDS + kk + (lane / 16) * 8]);
+      for (int mi = 0; mi < 2; ++mi)
+        ldmatrix_x4(af[mi], &sa_stage[(wm * 32 + mi * 16 + lane % 16) * LDS + kk + (lane / 16) * 8]);
 #pragma unroll
       for (int m = 0; m < MATRICES; ++m) {
+        const T* sb_stage = sb + (stage * MATRICES + m) * BN * LDS;
 #pragma unroll
         for (int nj = 0; nj < 2; ++nj) {
           unsigned bf[4];  // n8 blocks 2 nj and 2 nj + 1, k halves 0 and 1
-          ldmatrix_x4(bf, &sb[m][(wn * 32 + nj * 16 + lane % 8 + (lane / 16) * 8) * LDS + kk + ((lane / 8) % 2) * 8]);
+          ldmatrix_x4(bf, &sb_stage[(wn * 32 + nj * 16 + lane % 8 + (lane / 16) * 8) * LDS + kk + ((lane / 8) % 2) * 8]);
 #pragma unroll
           for (int mi = 0; mi < 2; ++mi) {
             mma<T>(acc[m][mi][2 * nj], af[mi], bf[0], bf[1]);
@@ -134,6 +219,7 @@ __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsig
         }
       }
     }
+    if (more) store_w(stage ^ 1);
     __syncthreads();
   }
 
@@ -161,7 +247,7 @@ __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsig
               if (d.has_bias) up = rnd<T>(up + static_cast<float>(bias1[bias_at]));
               if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(scale[expert])));
             }
-            out[((size_t)tile * BM + r) * d.out_dim + n] = static_cast<T>(activate<T>(d.act, d.has_limit, up, gate, params[0], params[1]));
+            out[((size_t)tile * BM + r) * d.out_dim + n] = static_cast<T>(activate<T>(ACT, LIMITED, up, gate, params[0], params[1]));
           } else {
             if (d.has_scale) first = rnd<T>(first * rnd<T>(static_cast<float>(scale[expert])));
             out[(size_t)pair * d.out_dim + n] = static_cast<T>(first);
@@ -169,5 +255,51 @@ __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsig
         }
       }
     }
+  }
+}
+
+//// route
+// The routing of `grouped`, in one block: per-expert counts by shared-memory atomics, each
+// expert's run padded to whole TILE-row tiles and laid out in expert order, the tile -> expert
+// map, then every pair scattered into its expert's run. Rows within a run come in atomic order:
+// each row's result is independent of the others, so the outputs do not depend on it.
+// inputs: indices [pairs] (the expert of each pair), sizes = pairs, experts, tiles (the grid's
+//         worst case, pairs / TILE + experts)
+// outputs: row_pair [tiles * TILE] (pair, -1: padding), tile_expert [tiles] (-1: unused)
+// Template constants: TILE, MAX_EXPERTS (the shared arrays' size; the launcher checks experts).
+{
+  __shared__ int count[MAX_EXPERTS], cursor[MAX_EXPERTS], start[MAX_EXPERTS + 1];
+  const int pairs = sizes[0], experts = sizes[1], tiles = sizes[2];
+  const int tid = threadIdx.x, threads = blockDim.x;
+  for (int e = tid; e < experts; e += threads) count[e] = cursor[e] = 0;
+  for (int r = tid; r < tiles * TILE; r += threads) row_pair[r] = -1;
+  __syncthreads();
+  for (int p = tid; p < pairs; p += threads) atomicAdd(&count[indices[p]], 1);
+  __syncthreads();
+  if (tid == 0) {
+    int run = 0;
+    for (int e = 0; e < experts; ++e) {
+      start[e] = run;
+      run += (count[e] + TILE - 1) / TILE * TILE;
+    }
+    start[experts] = run;
+  }
+  __syncthreads();
+  for (int t = tid; t < tiles; t += threads) {
+    const int row = t * TILE;
+    int expert = -1;
+    if (row < start[experts]) {  // the last expert whose run starts at or before `row`
+      int low = 0, high = experts - 1;
+      while (low < high) {
+        const int mid = (low + high + 1) / 2;
+        if (start[mid] <= row) low = mid; else high = mid - 1;
+      }
+      expert = low;
+    }
+    tile_expert[t] = expert;
+  }
+  for (int p = tid; p < pairs; p += threads) {
+    const int e = indices[p];
+    row_pair[start[e] + atomicAdd(&cursor[e], 1)] = p;
   }
 }
