@@ -42,6 +42,8 @@ def main(argv=None):
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--no-stock", action="store_true",
+                        help="skip stock SwitchGLU (its first call JIT-compiles for up to ~40 s per shape)")
     args = parser.parse_args(argv)
     if not mx.cuda.is_available():
         raise SystemExit("prefill_split times the CUDA kernel stages: run it on a CUDA GPU")
@@ -99,8 +101,10 @@ def main(argv=None):
         stats = bench(fn, warmup=3, reps=args.reps)
         rows.append([name, fmt(cold * 1e3), fmt(stats.median * 1e6), fmt(flops / stats.median / 1e12) if flops else "-"])
     total_flops = 3 * 2 * pairs * args.hidden * args.ffn
-    for name, switch in (("stock SwitchGLU (sorted) + combine", mlx_moe_fix.revert),
-                         ("patched SwitchGLU + combine", lambda: mlx_moe_fix.apply())):
+    layers = [("patched SwitchGLU + combine", lambda: mlx_moe_fix.apply())]
+    if not args.no_stock:
+        layers.insert(0, ("stock SwitchGLU (sorted) + combine", mlx_moe_fix.revert))
+    for name, switch in layers:
         switch()
         cold = first_call(patched_layer)
         stats = bench(patched_layer, warmup=3, reps=args.reps)
