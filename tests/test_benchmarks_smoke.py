@@ -107,3 +107,20 @@ def test_decode_split_smoke_prints_its_table():
     )
     assert "| stock SwitchGLU |" in out and "| patched SwitchGLU |" in out
     assert "max relative error over layers: 0.00e+00" in out  # CPU: the reference is stock's math
+
+
+def test_decode_graph_patched_adds_no_primitives_to_a_decode_step():
+    """The patched layers' default path (the references) asks MLX for no more work per decode
+    token than stock: a fused-activation regression (7 more primitives per gpt-oss layer before
+    the references compiled their activations) shows up here as a row mismatch."""
+    table = run_module("benchmarks.decode_graph")
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[1] in ("stock", "patched"):
+            rows[(cells[0], cells[1])] = cells[2:]
+    moe = {"qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"}
+    assert {name for name, _ in rows} >= moe
+    for name in moe:
+        assert rows[(name, "patched")][0] == rows[(name, "stock")][0], (name, rows)
+        assert float(rows[(name, "stock")][0]) > 0

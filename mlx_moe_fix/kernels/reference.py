@@ -7,6 +7,7 @@ references reproduce stock outputs exactly on every backend; the kernels are tes
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import mlx.core as mx
@@ -15,19 +16,34 @@ import mlx.nn as nn
 from .experts import Activation, ExpertLinear, MoEExperts
 
 
+# Compiled as upstream compiles its activations (mlx-lm's `swiglu` / `swiglu_oai`, mlx-vlm's
+# `_limited_swiglu`), with the same bodies: one fused kernel per call as in stock, not one per op.
+@partial(mx.compile, shapeless=True)
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu_limited(gate: mx.array, up: mx.array, limit: float) -> mx.array:
+    gate = mx.minimum(gate, limit)
+    up = mx.clip(up, -limit, limit)
+    return nn.silu(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu_oai(gate: mx.array, up: mx.array, alpha: float, limit: float) -> mx.array:
+    gate = mx.minimum(gate, limit)
+    up = mx.clip(up, -limit, limit)
+    return (up + 1.0) * (gate * mx.sigmoid(alpha * gate))
+
+
 def activate(activation: Activation, up: mx.array, gate: Optional[mx.array] = None) -> mx.array:
     """`up` is the first projection's output (the only one for ungated kinds)."""
     kind = activation.kind
     if kind == "swiglu":
-        limit = activation.limit
-        if limit:
-            gate = mx.minimum(gate, limit)
-            up = mx.clip(up, -limit, limit)
-        return nn.silu(gate) * up
+        return _swiglu_limited(gate, up, activation.limit) if activation.limit else _swiglu(gate, up)
     if kind == "swiglu_oai":
-        gate = mx.minimum(gate, activation.limit)
-        up = mx.clip(up, -activation.limit, activation.limit)
-        return (up + 1.0) * (gate * mx.sigmoid(activation.alpha * gate))
+        return _swiglu_oai(gate, up, activation.alpha, activation.limit)
     if kind == "gelu":
         return nn.gelu(up)
     if kind == "gelu_approx":
