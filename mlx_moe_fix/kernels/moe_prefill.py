@@ -4,11 +4,12 @@ Reference: the pairs sorted by expert so that each expert's rows are contiguous,
 projection one grouped matmul over the sorted rows (stock's sorted `gather_qmm`), then unsorted
 and combined.
 
-CUDA kernel (`cuda/moe_prefill.cu`), opt-in while unmeasured: routing on the device with MLX ops
-(per-expert counts, prefix sums, each expert's run padded to the tile height, a tile -> expert
-map; the grid sized for the worst case, so no host synchronisation), then two launches of one
-grouped tensor-core GEMM: gate+up with the activation in the epilogue into expert-sorted padded
-rows, and down written back per (token, expert) pair; the weighted combine is one MLX op.
+CUDA kernel (`cuda/moe_prefill.cu`), opt-in until its greedy tokens match stock on every GPU
+parity model: routing in one launch (per-expert counts, each expert's run padded to the tile
+height, a tile -> expert map; the grid sized for the worst case, so no host synchronisation;
+`route_reference` does the same with MLX ops), then two launches of one grouped tensor-core
+GEMM: gate+up with the activation in the epilogue into expert-sorted padded rows, and down
+written back per (token, expert) pair; the weighted combine is one MLX op.
 
 The tile height follows the mean rows per expert: 128-row tiles halve the dequantisation work
 per FLOP, but where experts get few rows most of a tall tile would be padding.
@@ -196,7 +197,8 @@ def moe_prefill(
 def moe_prefill_implementation(experts: Optional[MoEExperts] = None, dtype=None) -> Implementation:
     """dtype: the activations' (the kernel takes bfloat16 and float16)."""
     return choose(
-        "moe_prefill", moe_prefill_reference, moe_prefill_kernel, CUDA_KERNEL_SWITCH, "not yet run on a GPU",
+        "moe_prefill", moe_prefill_reference, moe_prefill_kernel, CUDA_KERNEL_SWITCH,
+        "its greedy tokens do not yet match stock on every GPU parity model",
         None if experts is None
         else lambda: experts.memo(("cuda prefill", dtype), lambda: cuda_unsupported_reason(experts, dtype)),
     )
