@@ -30,11 +30,12 @@ mkdir -p "$out"
 # Stock runs are slow (stock mixtral prefills ~219 tok/s: a 2048-token prompt takes ~9 s a run,
 # and MLX's first run at a new shape is slower still), so the default selection skips T = 4 and
 # 8192 and 8192-token prompts, and batched decode starts from 256-token prompts (16 of them are
-# prefilled once per model). Expected on an H200: tests ~1 min, kernels ~1.5-2 min, models
-# ~3.5-4.5 min; the limits leave the rest of a 10-minute call for setup and the summary.
+# prefilled once per model). Expected on an H200: tests ~1.5 min, kernels ~1.5-2 min, models
+# ~3.5-4.5 min (the first stock call at a new shape can JIT-compile for tens of seconds); all
+# three may not fit one 10-minute call: SKIP_* the parts another call covers.
 KERNELS_ARGS=${KERNELS_ARGS:---tokens 1,16,128,512,2048 --max-seconds 1.0}
 MODELS_ARGS=${MODELS_ARGS:---models qwen3_moe,mixtral --prompts 512,2048 --batch-prompt 256 --batch-tokens 32 --repeats 2}
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-90}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
 KERNELS_TIMEOUT=${KERNELS_TIMEOUT:-160}
 MODELS_TIMEOUT=${MODELS_TIMEOUT:-280}
 
@@ -66,13 +67,17 @@ run_part() {
 }
 
 if [ -z "${SKIP_TESTS:-}" ]; then
-    # fp32 references without TF32, as MLX's own tests; fewer hypothesis examples (each new kernel
-    # variant is an NVRTC compile). The 14 GPU greedy-token cases take ~1 min each (MLX compiles
-    # kernels per decode shape), so they run only with GREEDY=1, best in a call of their own.
-    # Only the GPU tests: the CPU ones are CI's, and here would run on the GPU by default.
-    MLX_ENABLE_TF32=0 MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-15} run_part tests "$TESTS_TIMEOUT" \
-        python3 -m pytest tests/parity -q -rs -p no:cacheprovider \
-        -k "${TESTS_SELECT:-$([ -n "${GREEDY:-}" ] && echo 'gpu and greedy' || echo '(gpu or cuda) and not greedy')}"
+    # Default: the kernels against their float32 oracles (computed on the CPU, so no MLX JIT of
+    # stock's kernels per shape: ~80 s with 8 examples per hypothesis test on the H200).
+    # GREEDY=1: the 14 greedy-token cases on the GPU (~1 min each: MLX compiles stock's kernels
+    # per decode shape), best in a call of their own. ALL_GPU=1: every GPU test but the greedy
+    # ones, the dispatch-vs-stock tests included (slow for the same reason).
+    # fp32 comparisons without TF32, as MLX's own tests; fewer hypothesis examples than on the CPU.
+    default_select="cuda and not greedy"
+    [ -n "${ALL_GPU:-}" ] && default_select="(gpu or cuda) and not greedy"
+    [ -n "${GREEDY:-}" ] && default_select="gpu and greedy"
+    MLX_ENABLE_TF32=0 MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} run_part tests "$TESTS_TIMEOUT" \
+        python3 -m pytest tests/parity -q -rs -p no:cacheprovider --tb=line -k "${TESTS_SELECT:-$default_select}"
 fi
 if [ -z "${SKIP_KERNELS:-}" ]; then
     # shellcheck disable=SC2086  # the *_ARGS are word lists
