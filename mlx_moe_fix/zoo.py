@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import importlib
 
+from typing import Optional
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
@@ -385,8 +387,9 @@ def logits_of(out) -> mx.array:
     return out if isinstance(out, mx.array) else out.logits
 
 
-def _decode(model, prompt: list[int], n: int):
-    """Prefill ``prompt`` in one call, then one token per call; also times the two phases."""
+def _decode(model, prompt: list[int], n: int, forced: Optional[list[int]] = None):
+    """Prefill ``prompt`` in one call, then one token per call; also times the two phases.
+    With ``forced``, step i + 1 is fed forced[i] instead of the model's own choice."""
     import time
 
     cache = make_cache(model)
@@ -395,8 +398,9 @@ def _decode(model, prompt: list[int], n: int):
     rows = [logits.astype(mx.float32)]
     tokens = [mx.argmax(logits, axis=-1).item()]
     prefilled = time.perf_counter()
-    for _ in range(n - 1):
-        logits = logits_of(model(mx.array([[tokens[-1]]]), cache=cache))[0, -1]
+    for i in range(n - 1):
+        fed = tokens[-1] if forced is None else forced[i]
+        logits = logits_of(model(mx.array([[fed]]), cache=cache))[0, -1]
         rows.append(logits.astype(mx.float32))
         tokens.append(mx.argmax(logits, axis=-1).item())
     return tokens, mx.stack(rows), prefilled - started, time.perf_counter() - prefilled
@@ -407,6 +411,14 @@ def greedy_decode(model, prompt: list[int], n: int = 32) -> tuple[list[int], mx.
     (for tolerance-based comparisons; near-ties do occur)."""
     tokens, logits, _, _ = _decode(model, prompt, n)
     return tokens, logits
+
+
+def forced_decode(model, prompt: list[int], tokens: list[int]) -> tuple[list[int], mx.array]:
+    """Teacher forcing: the model's own choice and logits at each step of ``tokens`` (another
+    run's greedy stream), fed those tokens rather than its choices, so two models can be
+    compared at every step, past a first difference."""
+    choices, logits, _, _ = _decode(model, prompt, len(tokens), forced=tokens)
+    return choices, logits
 
 
 def greedy_decode_timed(model, prompt: list[int], n: int = 32) -> tuple[list[int], float, float]:
