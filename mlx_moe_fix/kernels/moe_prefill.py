@@ -40,6 +40,7 @@ INPUTS = {"grouped": ["a", "row_pair", "tile_expert", "w0", "s0", "b0", "w1", "s
 OUTPUTS = {"grouped": ["out"], "route": ["row_pair", "tile_expert"]}
 ROUTE_MAX_EXPERTS = 1024  # the route kernel's shared arrays
 ROUTE_THREADS = 1024
+MAX_GRID_TILES = 65535  # the grouped GEMM's grid has one y index per tile
 
 
 def moe_prefill_reference(
@@ -172,8 +173,12 @@ def moe_prefill_kernel(
 ) -> mx.array:
     """The CUDA implementation; same contract as moe_prefill_reference."""
     top_k, pairs = indices.shape[-1], indices.size
-    tokens = x.reshape(-1, x.shape[-1])
     tile = tile_height(pairs, experts.num_experts)
+    if grid_tiles(pairs, experts.num_experts, tile) > MAX_GRID_TILES:
+        # Millions of pairs in one call (mlx-lm prefills in chunks of 2048 tokens): more tiles
+        # than a CUDA grid's y dimension holds.
+        return moe_prefill_reference(x, indices, experts, weights)
+    tokens = x.reshape(-1, x.shape[-1])
     routing = (*route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile), tile)
     projections = experts.projections
     if len(projections) == 1:
