@@ -240,3 +240,19 @@ def test_demo_command_reports_parity():
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()]
     patched_row = next(row for row in rows if row[0] == "patched")
     assert patched_row[3] == "yes" and "reference" in patched_row[4]
+
+
+def test_env_switches_are_read_at_apply(monkeypatch):
+    """The switches are read once per apply(), not per call (os.environ costs ~0.7 us a read)."""
+    from mlx_moe_fix.env import flag
+
+    monkeypatch.delenv("MLX_MOE_FIX_TRACE", raising=False)
+    mlx_moe_fix.apply()
+    assert not flag("MLX_MOE_FIX_TRACE")
+    monkeypatch.setenv("MLX_MOE_FIX_TRACE", "1")
+    assert not flag("MLX_MOE_FIX_TRACE")
+    mlx_moe_fix.apply()
+    assert flag("MLX_MOE_FIX_TRACE")
+    monkeypatch.setenv("MLX_MOE_FIX_TRACE", "0")
+    mlx_moe_fix.apply()
+    assert not flag("MLX_MOE_FIX_TRACE")

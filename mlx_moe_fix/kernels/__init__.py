@@ -11,9 +11,12 @@ from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
 
+from ..env import flag
 from .backend import current_backend
 from .experts import Activation, ExpertLinear, MoEExperts
+from .moe_decode import CUDA_KERNEL_SWITCH as DECODE_SWITCH
 from .moe_decode import moe_decode, moe_decode_implementation, moe_decode_reference
+from .moe_prefill import CUDA_KERNEL_SWITCH as PREFILL_SWITCH
 from .moe_prefill import moe_prefill, moe_prefill_implementation, moe_prefill_reference
 
 # mlx-lm's SwitchGLU sorts at this many pairs; the references follow it so that they reproduce
@@ -37,7 +40,14 @@ def plan(
         reason = f"{phase} disabled by apply({phase}=False)"
     if reason is not None:
         return Plan(phase, "stock", reason, None)
-    implementation = (moe_prefill_implementation if phase == "prefill" else moe_decode_implementation)(experts, x.dtype)
+    return experts.memo(
+        ("plan", phase, x.dtype, current_backend(), flag(PREFILL_SWITCH), flag(DECODE_SWITCH)),
+        lambda: _supported_plan(phase, experts, x.dtype),
+    )
+
+
+def _supported_plan(phase: str, experts: MoEExperts, dtype) -> Plan:
+    implementation = (moe_prefill_implementation if phase == "prefill" else moe_decode_implementation)(experts, dtype)
     return Plan(phase, implementation.path, implementation.reason, implementation.function)
 
 

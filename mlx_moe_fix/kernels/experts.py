@@ -137,15 +137,15 @@ class MoEExperts:
         if self.gate_scale is not None and n != 3:
             raise ValueError("gate_scale needs a gate projection")
 
-    @property
+    @cached_property
     def output_dims(self) -> int:
         return self.projections[-1].output_dims
 
-    @property
+    @cached_property
     def input_dims(self) -> int:
         return self.projections[0].input_dims
 
-    @property
+    @cached_property
     def num_experts(self) -> int:
         return self.projections[0].num_experts
 

@@ -15,6 +15,7 @@ from typing import Dict, Optional
 
 import wrapt
 
+from .. import env
 from ..env import flag
 from . import mlx_lm, mlx_vlm, options
 from .targets import Target
@@ -61,6 +62,7 @@ def apply(prefill: bool = True, decode: bool = True) -> None:
     """Route every supported MoE layer call through the ops; idempotent. prefill / decode choose
     which phases use them (the other phase stays on stock code)."""
     global _applied
+    env.refresh()
     if disabled_by_env():
         return
     options.set_phases(prefill, decode)

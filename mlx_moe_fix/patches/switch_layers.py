@@ -36,14 +36,18 @@ def describe(layer, projection_names: tuple, gate_scale=None, out_scale=None):
 
     Cached on the layer while its activation, weights, scales and per-expert scales are the same
     objects: describing costs more host time per decode step than the GPU spends on a layer."""
-    key = (layer.get("activation"), gate_scale, out_scale) + tuple(
-        layer[name].get(leaf) if name in layer else None for name in projection_names for leaf in ("weight", "scales")
-    )
+    parts = [layer.get("activation"), gate_scale, out_scale]
+    for name in projection_names:
+        projection = layer.get(name)
+        parts += (None, None) if projection is None else (projection.get("weight"), projection.get("scales"))
+    identities = tuple(map(id, parts))
     cached = layer.__dict__.get(_CACHE_ATTRIBUTE)
-    if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
-        return cached[1]
+    if cached is not None and cached[0] == identities:
+        return cached[2]
     described = _describe(layer, projection_names, gate_scale, out_scale)
-    object.__setattr__(layer, _CACHE_ATTRIBUTE, (key, described))
+    # The cache holds `parts` itself: while it does, none of them can be freed, so equal ids
+    # mean the same objects.
+    object.__setattr__(layer, _CACHE_ATTRIBUTE, (identities, parts, described))
     return described
 
 
