@@ -49,7 +49,8 @@ def stock_activation(kind: str, limit: float):
     return nn.GELU(approx={"gelu": "none", "gelu_approx": "precise", "gelu_fast": "fast"}[kind])
 
 
-def build_layer(glu: bool, kind: str, limit: float, dims: int, hidden: int, experts: int, scaled: bool):
+def build_layer(glu: bool, kind: str, limit: float, dims: int, hidden: int, experts: int, scaled: bool,
+                bias: bool = False):
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
     if scaled:
@@ -59,9 +60,12 @@ def build_layer(glu: bool, kind: str, limit: float, dims: int, hidden: int, expe
         layer.gate_scale = mx.random.uniform(0.5, 2.0, (experts,))
         layer.out_scale = mx.random.uniform(0.5, 2.0, (experts,))
         return layer
-    if glu:
-        return SwitchGLU(dims, hidden, experts, activation=stock_activation(kind, limit))
-    return SwitchMLP(dims, hidden, experts, activation=stock_activation(kind, limit))
+    kind_of_layer = SwitchGLU if glu else SwitchMLP
+    layer = kind_of_layer(dims, hidden, experts, activation=stock_activation(kind, limit), bias=bias)
+    for projection in layer.children().values():
+        if isinstance(projection, nn.Module) and "bias" in projection:  # upstream starts them at zero
+            projection.bias = 0.5 * mx.random.normal(projection.bias.shape)
+    return layer
 
 
 def describe(layer, glu: bool, scaled: bool) -> MoEExperts:
@@ -111,18 +115,19 @@ def layer_cases(draw, max_pairs: int = 200) -> Case:
         routing=draw(st.sampled_from(("random", "one_expert", "few_experts"))),
         with_weights=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
+        bias=not scaled and draw(st.booleans()),
     )
 
 
 def make_case(
     dtype, quantization, glu, kind, limit, scaled, dims, hidden, num_experts, top_k, batch, tokens,
-    *, routing="random", with_weights=False, seed=0,
+    *, routing="random", with_weights=False, seed=0, bias=False,
 ) -> Case:
     """routing: "random"; "one_expert": expert 0 is every token's first choice (with top_k 1,
     every pair is on it); "few_experts": the upper half of the experts gets no pairs unless k
     needs them."""
     mx.random.seed(seed)
-    layer = build_layer(glu, kind, limit, dims, hidden, num_experts, scaled)
+    layer = build_layer(glu, kind, limit, dims, hidden, num_experts, scaled, bias)
     if quantization is not None:
         nn.quantize(layer, group_size=quantization[1], bits=quantization[0])
     layer.set_dtype(dtype)
@@ -139,6 +144,6 @@ def make_case(
     label = (
         f"{'glu' if glu else 'mlp'}/{kind}{'(limit %g)' % limit if 'swiglu_' in kind else ''}"
         f"{'/scaled' if scaled else ''} q={quantization} {dtype} D={dims} F={hidden} E={num_experts} "
-        f"k={top_k} B={batch} T={tokens} pairs={indices.size} {routing} weights={weights is not None}"
+        f"k={top_k} B={batch} T={tokens} pairs={indices.size} {routing} weights={weights is not None} bias={bias}"
     )
     return Case(layer, describe(layer, glu, scaled), x, indices, weights, dtype, label)

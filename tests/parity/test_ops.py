@@ -155,11 +155,11 @@ def test_cuda_prefill_kernel_matches_ref(cuda_device, case):
 
 # Kernel corners the GPU's hypothesis shapes do not reach: 128-row tiles (from 256 mean rows per
 # expert on), several K steps per projection, ragged and empty experts around the tile heights.
-# (quantization, glu, kind, tokens, routing, tile height the kernel must pick)
+# (quantization, glu, kind, tokens, routing, bias, tile height the kernel must pick)
 LARGE_PREFILL_CASES = {
-    "tall-tiles": ((4, 64), True, "swiglu", 1100, "random", 128),
-    "tall-tiles-one-expert": ((8, 32), True, "swiglu_oai", 1100, "one_expert", 128),
-    "short-tiles-empty-experts": ((4, 128), False, "gelu_approx", 300, "few_experts", 64),
+    "tall-tiles": ((4, 64), True, "swiglu", 1100, "random", False, 128),
+    "tall-tiles-one-expert-biased": ((8, 32), True, "swiglu_oai", 1100, "one_expert", True, 128),
+    "short-tiles-empty-experts": ((4, 128), False, "gelu_approx", 300, "few_experts", False, 64),
 }
 
 
@@ -168,9 +168,10 @@ LARGE_PREFILL_CASES = {
 def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, name, dtype):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel, tile_height
 
-    quantization, glu, kind, tokens, routing, tile = LARGE_PREFILL_CASES[name]
+    quantization, glu, kind, tokens, routing, bias, tile = LARGE_PREFILL_CASES[name]
     case = make_case(dtype, quantization, glu, kind, 0.25, False, 256, 256, 8, 2, 1, tokens,
-                     routing=routing, with_weights=True)
+                     routing=routing, with_weights=True, bias=bias)
+    assert all((p.bias is not None) == bias for p in case.experts.projections)
     assert cuda_unsupported_reason(case.experts, dtype) is None
     assert tile_height(case.indices.size, 8) == tile
     check(moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
