@@ -7,9 +7,28 @@ import functools
 import mlx.core as mx
 
 from .experts import MoEExperts
+from .sources import sections
 
 # Activation kinds as the kernels' run-time `dims[3]` (see cuda/*.cu).
 ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "gelu_fast": 4}
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_kernel_object(filename: str, section: str, input_names: tuple, output_names: tuple, shared_bytes: int):
+    """The mx.fast.cuda_kernel object of one section of cuda/`filename`, with `shared_bytes` of
+    dynamic shared memory (fixed per object), or None where MLX has no CUDA. Cached: each object
+    is an NVRTC compile per template variant."""
+    if not mx.cuda.is_available():
+        return None
+    source = sections("cuda", filename)
+    return mx.fast.cuda_kernel(
+        name=f"mlx_moe_fix_{filename.split('.')[0]}_{section}_smem{shared_bytes}",
+        input_names=list(input_names),
+        output_names=list(output_names),
+        source=source[section],
+        header=source["header"],
+        shared_memory=shared_bytes,
+    )
 
 
 @functools.lru_cache(maxsize=None)

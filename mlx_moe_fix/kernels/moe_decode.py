@@ -8,16 +8,14 @@ and the weighted top-k combine, so the [tokens, k, hidden] intermediate is never
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
 from .backend import Implementation, choose
 from .experts import ExpertLinear, MoEExperts
-from .launch import absent, kernel_dims, kernel_params, quantized_experts_reason
+from .launch import absent, cuda_kernel_object, kernel_dims, kernel_params, quantized_experts_reason
 from .reference import combine, expert_chain
-from .sources import sections
 
 WARPS_PER_BLOCK = 8  # output rows per block, one warp each
 
@@ -49,21 +47,10 @@ def _bucket(shared_bytes: int) -> int:
     return next(b for b in SHARED_BUCKETS if b >= shared_bytes)
 
 
-@functools.lru_cache(maxsize=None)
 def cuda_kernel(stage: str, shared_bytes: int):
     """The cuda_kernel object of one stage ("gate_up" or "down") with `shared_bytes` of dynamic
     shared memory, or None where MLX has no CUDA."""
-    if not mx.cuda.is_available():
-        return None
-    source = sections("cuda", "moe_decode.cu")
-    return mx.fast.cuda_kernel(
-        name=f"mlx_moe_fix_decode_{stage}_smem{shared_bytes}",
-        input_names=INPUTS[stage],
-        output_names=OUTPUTS[stage],
-        source=source[stage],
-        header=source["header"],
-        shared_memory=shared_bytes,
-    )
+    return cuda_kernel_object("moe_decode.cu", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]), shared_bytes)
 
 
 def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:

@@ -17,16 +17,14 @@ per FLOP, but where experts get few rows most of a tall tile would be padding.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import mlx.core as mx
 
 from .backend import Implementation, choose
 from .experts import MoEExperts
-from .launch import ACTIVATION_CODES, absent, int_array, kernel_dims, kernel_params, quantized_experts_reason
+from .launch import ACTIVATION_CODES, absent, cuda_kernel_object, int_array, kernel_dims, kernel_params, quantized_experts_reason
 from .reference import combine, expert_chain
-from .sources import sections
 
 TILES = (64, 128)  # tile heights (BM in cuda/moe_prefill.cu); BN = BK = 64
 TALL_TILE_MIN_ROWS = 256  # mean rows per expert from which 128-row tiles pay
@@ -67,21 +65,10 @@ def threads(tile: int) -> int:
     return tile // 32 * 64
 
 
-@functools.lru_cache(maxsize=None)
 def cuda_kernel(section: str, shared: int = 0):
     """The cuda_kernel object of a section of cuda/moe_prefill.cu, for blocks of `shared` bytes
     of dynamic shared memory, or None where MLX has no CUDA."""
-    if not mx.cuda.is_available():
-        return None
-    source = sections("cuda", "moe_prefill.cu")
-    return mx.fast.cuda_kernel(
-        name=f"mlx_moe_fix_prefill_{section}",
-        input_names=INPUTS[section],
-        output_names=OUTPUTS[section],
-        source=source[section],
-        header=source["header"],
-        shared_memory=shared,
-    )
+    return cuda_kernel_object("moe_prefill.cu", section, tuple(INPUTS[section]), tuple(OUTPUTS[section]), shared)
 
 
 def tile_height(pairs: int, num_experts: int) -> int:
