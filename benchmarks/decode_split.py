@@ -16,29 +16,12 @@ import statistics
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU
 
 import mlx_moe_fix
-from mlx_moe_fix.kernels import Activation, ExpertLinear, MoEExperts
+
+from .switch_glu import add_shape_arguments, experts_of, quantized_switch_glu
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (baseline-h200.md)
-
-
-def build_layers(args):
-    layers = []
-    for _ in range(args.layers):
-        layer = SwitchGLU(args.hidden, args.ffn, args.experts)
-        nn.quantize(layer, group_size=64, bits=4)
-        layer.set_dtype(mx.bfloat16)
-        mx.eval(layer.parameters())
-        layers.append(layer)
-    return layers
-
-
-def experts_of(layer) -> MoEExperts:
-    names = ("gate_proj", "up_proj", "down_proj")
-    return MoEExperts(tuple(ExpertLinear.from_module(layer[n]) for n in names), Activation("swiglu"))
 
 
 def split(fn, reps):
@@ -65,15 +48,12 @@ def relative_error(out, ref) -> float:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--ffn", type=int, default=768)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--top-k", type=int, default=8)
+    add_shape_arguments(parser)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args(argv)
 
-    layers = build_layers(args)
+    layers = [quantized_switch_glu(args) for _ in range(args.layers)]
     x = mx.random.normal((1, args.hidden)).astype(mx.bfloat16)
     indices = mx.random.permutation(args.experts)[: args.top_k].reshape(1, args.top_k).astype(mx.uint32)
     mx.eval(x, indices)

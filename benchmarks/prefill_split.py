@@ -15,31 +15,28 @@ import argparse
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU
 
 import mlx_moe_fix
-from mlx_moe_fix.kernels import Activation, ExpertLinear, MoEExperts
-from mlx_moe_fix.kernels.moe_prefill import _grouped, route_kernel, route_reference, tile_height
+from mlx_moe_fix.kernels.moe_prefill import _grouped, grid_tiles, route_kernel, route_reference, tile_height
 from mlx_moe_fix.kernels.reference import combine
 
 from .kernels import random_routing
+from .switch_glu import add_shape_arguments, experts_of, quantized_switch_glu
 from .timing import bench, environment, environment_line, fmt, markdown_table
 
 
-def first_call(fn) -> float:
+def first_call(fn):
+    """(seconds, output) of one call, evaluated."""
     start = time.perf_counter()
-    mx.eval(fn())
+    out = fn()
+    mx.eval(out)
     mx.synchronize()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, out
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--ffn", type=int, default=768)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--top-k", type=int, default=8)
+    add_shape_arguments(parser)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-stock", action="store_true",
@@ -48,15 +45,12 @@ def main(argv=None):
     if not mx.cuda.is_available():
         raise SystemExit("prefill_split times the CUDA kernel stages: run it on a CUDA GPU")
 
-    layer = SwitchGLU(args.hidden, args.ffn, args.experts)
-    nn.quantize(layer, group_size=64, bits=4)
-    layer.set_dtype(mx.bfloat16)
+    layer = quantized_switch_glu(args)
     x = (mx.random.normal((args.tokens, args.hidden)) * 0.5).astype(mx.bfloat16)
     indices = random_routing(args.tokens, args.experts, args.top_k)
     weights = mx.softmax(mx.random.normal(indices.shape), axis=-1).astype(mx.bfloat16)
-    mx.eval(layer.parameters(), x, indices, weights)
-    experts = MoEExperts(tuple(ExpertLinear.from_module(layer[n]) for n in ("gate_proj", "up_proj", "down_proj")),
-                         Activation("swiglu"))
+    mx.eval(x, indices, weights)
+    experts = experts_of(layer)
     gate, up, down = experts.projections
     pairs = indices.size
     tile = tile_height(pairs, args.experts)
@@ -68,24 +62,22 @@ def main(argv=None):
     def routing_reference():
         return route_reference(flat, args.experts, tile)[:2]
 
-    compile_seconds = first_call(routing)  # this process's first launch of each kernel: its NVRTC compile
-    row_pair, tile_expert, tiles = route_kernel(flat, args.experts, tile)
-    mx.eval(row_pair, tile_expert)
+    # This process's first launch of each kernel: its NVRTC compile.
+    compile_seconds, (row_pair, tile_expert) = first_call(routing)
+    tiles = grid_tiles(pairs, args.experts, tile)
     plan = (row_pair, tile_expert, tiles, tile)
 
     def gate_up():
         return _grouped(x, plan, pairs, args.top_k, (gate, up), experts.activation, None, pairs_in=True, activate=True)
 
-    compile_seconds += first_call(gate_up)
-    hidden = gate_up()
-    mx.eval(hidden)
+    seconds, hidden = first_call(gate_up)
+    compile_seconds += seconds
 
     def down_proj():
         return _grouped(hidden, plan, pairs, args.top_k, (down,), None, None, pairs_in=False, activate=False)
 
-    compile_seconds += first_call(down_proj)
-    projected = down_proj()
-    mx.eval(projected)
+    seconds, projected = first_call(down_proj)
+    compile_seconds += seconds
 
     def combined():
         return combine(projected.reshape(*indices.shape, args.hidden), weights)
@@ -97,7 +89,7 @@ def main(argv=None):
               ("down GEMM", down_proj, 2 * pairs * args.hidden * args.ffn), ("combine", combined, 0)]
     rows = []
     for name, fn, flops in stages:
-        cold = first_call(fn)
+        cold, _ = first_call(fn)
         stats = bench(fn, warmup=3, reps=args.reps)
         rows.append([name, fmt(cold * 1e3), fmt(stats.median * 1e6), fmt(flops / stats.median / 1e12) if flops else "-"])
     total_flops = 3 * 2 * pairs * args.hidden * args.ffn
@@ -106,7 +98,7 @@ def main(argv=None):
         layers.insert(0, ("stock SwitchGLU (sorted) + combine", mlx_moe_fix.revert))
     for name, switch in layers:
         switch()
-        cold = first_call(patched_layer)
+        cold, _ = first_call(patched_layer)
         stats = bench(patched_layer, warmup=3, reps=args.reps)
         rows.append([name, fmt(cold * 1e3), fmt(stats.median * 1e6), fmt(total_flops / stats.median / 1e12)])
     mlx_moe_fix.revert()

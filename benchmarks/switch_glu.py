@@ -1,0 +1,30 @@
+"""One quantized mlx-lm SwitchGLU at a chosen expert shape, and its MoEExperts description:
+the layer the split benchmarks (decode_split.py, prefill_split.py) time. Not a script."""
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from mlx_moe_fix.kernels import Activation, ExpertLinear, MoEExperts
+
+
+def add_shape_arguments(parser) -> None:
+    """--hidden / --ffn / --experts / --top-k, defaulting to Qwen3-30B-A3B's expert shape."""
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=768)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+
+
+def quantized_switch_glu(args) -> SwitchGLU:
+    """Random weights, 4-bit affine experts with group size 64, bf16, evaluated."""
+    layer = SwitchGLU(args.hidden, args.ffn, args.experts)
+    nn.quantize(layer, group_size=64, bits=4)
+    layer.set_dtype(mx.bfloat16)
+    mx.eval(layer.parameters())
+    return layer
+
+
+def experts_of(layer) -> MoEExperts:
+    names = ("gate_proj", "up_proj", "down_proj")
+    return MoEExperts(tuple(ExpertLinear.from_module(layer[n]) for n in names), Activation("swiglu"))
