@@ -15,6 +15,8 @@ import pytest
 import mlx_moe_fix
 from mlx_moe_fix import zoo
 
+from .tolerance import relative_error
+
 N_TOKENS = 32
 NEAR_TIE = 2**-6  # of the top logit: 4 bf16 ulps
 # Relative L2 error of a step's logits, patched against stock (two layers and a head, bf16 / fp16).
@@ -28,7 +30,7 @@ def first_difference(stock, stock_logits, patched, patched_logits) -> str:
     rounding-order flip from a wrong result."""
     step = next(i for i, (a, b) in enumerate(zip(stock, patched)) if a != b)
     top = mx.sort(stock_logits[step])[-2:].tolist()
-    error = (mx.linalg.norm(patched_logits[step] - stock_logits[step]) / mx.linalg.norm(stock_logits[step])).item()
+    error = relative_error(patched_logits[step], stock_logits[step])
     return (f"first difference at token {step}: stock {stock[step]}, patched {patched[step]}; stock's top-2 logit "
             f"margin there {top[1] - top[0]:.3g} (largest logit {top[1]:.3g}); logits relative error there {error:.2e}")
 
@@ -38,7 +40,7 @@ def assert_clear_choices_match(stock, stock_logits, choices, logits, tolerance):
     clear = []
     for step in range(len(stock)):
         expected, got = stock_logits[step], logits[step]
-        error = (mx.linalg.norm(got - expected) / mx.linalg.norm(expected)).item()
+        error = relative_error(got, expected)
         assert error <= tolerance, f"logits at step {step}: relative error {error:.3g} > {tolerance}"
         top = mx.sort(expected)[-2:].tolist()
         if top[1] - top[0] > NEAR_TIE * abs(top[1]):
