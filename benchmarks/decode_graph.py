@@ -19,6 +19,7 @@ top of two layers.
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import tempfile
@@ -57,7 +58,7 @@ def with_layers(spec, layers: int):
         config["layer_types"] = (config["layer_types"] * layers)[:layers]
     if config.get("first_k_dense_replace") == spec.config["num_hidden_layers"]:  # the all-dense DeepSeek
         config["first_k_dense_replace"] = layers
-    return type(spec)(spec.name, spec.module, config, spec.moe, spec.dense, spec.customize)
+    return dataclasses.replace(spec, config=config)
 
 
 def split(counts: collections.Counter):
