@@ -20,7 +20,7 @@
 //              32 times and every activation's code in it made NVRTC compile for seconds
 // Run-time values: dims = IN_DIM, OUT_DIM, TOP_K, -, -, HAS_BIAS, HAS_SCALE;
 // params = limit, alpha. Needs IN_DIM and OUT_DIM to be multiples of 64. Dynamic shared
-// memory: grouped::shared_bytes(BM, GATED) (moe_prefill.py computes the same).
+// memory: 2 stages x (BM + MATRICES x BN) rows x LDS values of T (moe_prefill.shared_bytes).
 
 //// header
 #include <cuda/std/type_traits>
