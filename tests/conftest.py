@@ -1,3 +1,5 @@
+import os
+
 import mlx.core as mx
 import pytest
 
@@ -40,3 +42,19 @@ def unpatched():
     mlx_moe_fix.reset_path_counts()
     yield
     mlx_moe_fix.revert()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """MLX_MOE_FIX_SHARD=i/n keeps every n-th selected test from the i-th (0-based), so that
+    scripts/gpu-check.sh can run n pytest processes side by side: the GPU tests mostly wait on
+    MLX compiling kernels per shape, which runs on the host's CPU cores."""
+    shard = os.environ.get("MLX_MOE_FIX_SHARD")
+    if not shard:
+        return
+    index, count = (int(part) for part in shard.split("/"))
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"MLX_MOE_FIX_SHARD={shard}: want i/n with 0 <= i < n")
+    kept = items[index::count]
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = kept
