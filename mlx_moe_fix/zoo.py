@@ -23,6 +23,7 @@ API::
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 from typing import Optional
@@ -119,11 +120,13 @@ def _config(family: str):
             n_shared_experts=1,
             n_routed_experts=E,
             routed_scaling_factor=2.5,
-            kv_lora_rank=64,
-            q_lora_rank=64,
+            # 128, not 64: MLX's CUDA quantized_matmul has no kernel for the per-head (batched)
+            # MLA projections at 64 x 64 with several rows ("No implementation for problem shape").
+            kv_lora_rank=128,
+            q_lora_rank=128,
             qk_rope_head_dim=32,
-            v_head_dim=64,
-            qk_nope_head_dim=64,
+            v_head_dim=128,
+            qk_nope_head_dim=128,
             topk_method="noaux_tc",
             scoring_func="sigmoid",
             norm_topk_prob=True,
@@ -181,11 +184,13 @@ def _config(family: str):
             n_shared_experts=1,
             n_routed_experts=E,
             num_experts_per_tok=K,
-            q_lora_rank=64,
+            # 128, not 64: as for deepseek_v3, MLX's CUDA quantized_matmul has no kernel for the
+            # grouped output projection at 64 x 64 with several rows.
+            q_lora_rank=128,
             qk_rope_head_dim=32,
-            head_dim=64,
-            o_groups=2,  # wo_a input = heads * head_dim / o_groups = 64
-            o_lora_rank=64,
+            head_dim=128,
+            o_groups=2,  # wo_a input = heads * head_dim / o_groups = 128
+            o_lora_rank=128,
             max_position_embeddings=4096,
             compress_ratios=[0, 0],  # plain sliding-window attention, no indexer
             num_hash_layers=1,  # layer 0: hash routing (tid2eid), layer 1: learned
@@ -419,6 +424,40 @@ def forced_decode(model, prompt: list[int], tokens: list[int]) -> tuple[list[int
     compared at every step, past a first difference."""
     choices, logits, _, _ = _decode(model, prompt, len(tokens), forced=tokens)
     return choices, logits
+
+
+@contextlib.contextmanager
+def recording_routes(model):
+    """Within the block, every MoE layer of ``model`` appends the experts it is called with (each
+    token's top-k, sorted) to the yielded list: one entry per layer and forward, in call order.
+    Two runs of a model on the same tokens can then be told apart where a router's near-tie
+    sent a token to another expert (that moves the output far more than any rounding)."""
+    routes: list[mx.array] = []
+    swapped = []
+    for _, layer in moe_layers(model):
+        base = type(layer)
+
+        class Recording(base):
+            def __call__(self, x, indices, *args, **kwargs):
+                routes.append(mx.sort(indices, axis=-1))
+                return super().__call__(x, indices, *args, **kwargs)
+
+        swapped.append((layer, base))
+        layer.__class__ = Recording
+    try:
+        yield routes
+    finally:
+        for layer, base in swapped:
+            layer.__class__ = base
+
+
+def rerouted_steps(routes: list[mx.array], other: list[mx.array], layers: int) -> list[bool]:
+    """Per forward (prefill, then each decode step): whether any of the ``layers`` MoE layers
+    routed some token to other experts in ``routes`` than in ``other`` (recording_routes)."""
+    if len(routes) != len(other) or len(routes) % layers:
+        raise ValueError(f"routes of {len(routes)} and {len(other)} layer calls for {layers} MoE layers")
+    return [any(not mx.array_equal(routes[c], other[c]).item() for c in range(step, step + layers))
+            for step in range(0, len(routes), layers)]
 
 
 def greedy_decode_timed(model, prompt: list[int], n: int = 32) -> tuple[list[int], float, float]:

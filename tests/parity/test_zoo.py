@@ -84,3 +84,23 @@ def test_seed_changes_weights(family):
     a = zoo.greedy_tokens(zoo.build(family, 8, seed=0), prompt, 8)
     b = zoo.greedy_tokens(zoo.build(family, 8, seed=1), prompt, 8)
     assert a != b
+
+
+def test_recording_routes_sees_every_layer_call_and_restores_the_layers():
+    model = zoo.build("qwen3_moe", 4)
+    layers = zoo.moe_layers(model)
+    classes = [type(layer) for _, layer in layers]
+    prompt = zoo.prompt_for("qwen3_moe")
+    with zoo.recording_routes(model) as first:
+        tokens = zoo.greedy_tokens(model, prompt, 3)
+    with zoo.recording_routes(model) as second:
+        zoo.forced_decode(model, prompt, tokens)
+    assert [type(layer) for _, layer in layers] == classes
+    assert len(first) == 3 * len(layers)
+    assert first[0].shape == (1, len(prompt), zoo.EXPERTS["qwen3_moe"][1])
+    assert zoo.rerouted_steps(first, second, len(layers)) == [False] * 3
+    moved = list(first)
+    moved[len(layers)] = moved[len(layers)] + 1  # layer 0 of the first decode step
+    assert zoo.rerouted_steps(moved, first, len(layers)) == [False, True, False]
+    with pytest.raises(ValueError):
+        zoo.rerouted_steps(first[:-1], second, len(layers))
