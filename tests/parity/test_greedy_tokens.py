@@ -59,6 +59,18 @@ def assert_clear_choices_match(stock, stock_logits, choices, logits, rerouted, t
         "an ill-conditioned model, or a kernel that moves the routing")
 
 
+def stock_run_to_run(model, prompt, stock, stock_logits):
+    """Why stock's own greedy run does not reproduce itself on this backend, or None. Parity with
+    stock means nothing where two unpatched runs differ (an upstream kernel reading memory it did
+    not write, or summing in a varying order)."""
+    again, again_logits = zoo.greedy_decode(model, prompt, N_TOKENS)
+    if mx.array_equal(again_logits, stock_logits).item():
+        return None
+    step = next(i for i in range(len(stock)) if not mx.array_equal(again_logits[i], stock_logits[i]).item())
+    return (f"stock is not reproducible here: two unpatched runs' logits differ from step {step} on (relative error "
+            f"{relative_error(again_logits[step], stock_logits[step]):.2e}; tokens {'equal' if again == stock else 'differ'})")
+
+
 @pytest.mark.parametrize("bits", (4, 8))
 @pytest.mark.parametrize("family", zoo.FAMILIES)
 def test_greedy_tokens_match_stock(device, family, bits):
@@ -70,6 +82,9 @@ def test_greedy_tokens_match_stock(device, family, bits):
     with zoo.recording_routes(model) as stock_routes:
         stock, stock_logits = zoo.greedy_decode(model, prompt, N_TOKENS)
     assert len(set(stock)) >= 4, f"degenerate stream, parity would prove little: {stock}"
+    unreproducible = stock_run_to_run(model, prompt, stock, stock_logits)
+    if unreproducible:
+        pytest.skip(unreproducible)
 
     ops = mlx_moe_fix.status()["ops"]
     references_only = all(op["path"] == "reference" for op in ops.values())
@@ -119,3 +134,14 @@ def test_clear_choices_check_fails(case):
         rerouted[:3] = [True] * 3
     with pytest.raises(AssertionError):
         assert_clear_choices_match(stock, logits, choices, patched, rerouted, 5e-2)
+
+
+def test_stock_run_to_run_tells_an_unreproducible_stock(monkeypatch):
+    stock, logits = synthetic_stream([1.0] * 4)
+    monkeypatch.setattr(zoo, "greedy_decode", lambda model, prompt, n: (list(stock), mx.array(logits)))
+    assert stock_run_to_run(None, [], stock, logits) is None
+    moved = mx.array(logits)
+    moved[2] = moved[2] + 0.5
+    monkeypatch.setattr(zoo, "greedy_decode", lambda model, prompt, n: (list(stock), moved))
+    reason = stock_run_to_run(None, [], stock, logits)
+    assert "from step 2" in reason and "tokens equal" in reason
