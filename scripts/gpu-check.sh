@@ -10,6 +10,7 @@
 #     KERNELS_ARGS="--shapes qwen3,mixtral --tokens 1,2048,8192" scripts/gpu-check.sh
 #     MODELS_ARGS="--models gpt_oss,deepseek_v3 --prompts 512,2048,8192" scripts/gpu-check.sh
 #     SKIP_TESTS=1 SKIP_KERNELS=1 scripts/gpu-check.sh        # models only
+#     SAVE_PTX_CACHE=1 scripts/gpu-check.sh    # MLX's compiled kernels back under $OUT, to carry next time
 #
 # (the *_ARGS replace the defaults below; see `python3 -m benchmarks.kernels --help` and
 # `python3 -m benchmarks.models --help`). Each part runs under a time limit (TESTS_TIMEOUT,
@@ -26,6 +27,11 @@ export MLX_MOE_FIX_CUDA_PREFILL=${MLX_MOE_FIX_CUDA_PREFILL:-1}
 
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
+
+# MLX's compiled kernels from an earlier call, if carried (scripts/ptx-cache.sh); SAVE_PTX_CACHE=1
+# packs them under $out at the end for the next call (parts of 15 MiB; a call returns 8 files).
+# shellcheck source=scripts/ptx-cache.sh
+source "$(dirname "${BASH_SOURCE[0]}")/ptx-cache.sh"
 
 # Stock runs are slow (stock mixtral prefills ~219 tok/s: a 2048-token prompt takes ~9 s a run,
 # and MLX's first run at a new shape is slower still), so the default selection skips T = 4 and
@@ -103,4 +109,5 @@ summary_args=()
     echo
     python3 -m benchmarks.summary "${summary_args[@]}"
 } | tee "$out/summary.md" || failed=1
+[ -n "${SAVE_PTX_CACHE:-}" ] && { ptx_cache_save "$out" || failed=1; }
 exit "$failed"

@@ -24,12 +24,17 @@ WEIGHT_INPUTS = {"gate_w", "up_w", "w", "w0", "w1"}
 FLOAT_INPUTS = {"params", "gate_scale", "out_scale", "scale"}
 
 
-def signature(name, inputs, outputs, t):
+BIAS_INPUTS = {"bias0", "bias1", "gate_bias", "up_bias", "bias"}  # S, or the float32 placeholder
+
+
+def signature(name, inputs, outputs, t, has_bias):
     def ctype(n):
         if n in INT_INPUTS:
             return INT_INPUTS[n]
         if n in WEIGHT_INPUTS:
             return "uint32_t"
+        if n in BIAS_INPUTS:
+            return t if has_bias else "float"
         return "float" if n in FLOAT_INPUTS else t
 
     params = [f"const {ctype(n)}* {n}" for n in inputs] + [f"{ctype(n)}* {n}" for n in outputs]
@@ -42,7 +47,8 @@ def translation_unit(module, filename, variants):
     for i, (stage, t, constants) in enumerate(variants):
         lines = [f"  using T = {t}; using S = {t}; using SC = float; using WT = {t};"]
         lines += [f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};" for k, v in constants.items()]
-        text += f"\n{signature(f'k{i}', module.INPUTS[stage], module.OUTPUTS[stage], t)} {{\n" + "\n".join(lines)
+        text += f"\n{signature(f'k{i}', module.INPUTS[stage], module.OUTPUTS[stage], t, constants.get('HAS_BIAS'))} {{\n"
+        text += "\n".join(lines)
         text += f"\n{source[stage]}\n}}\n"
     return text
 
@@ -61,7 +67,7 @@ def compile_ok(tmp_path, text):
 def test_decode_kernels_compile(tmp_path, t):
     variants = []
     for bits, group in ((4, 64), (8, 32)):
-        base = {"BITS": bits, "GROUP": group, "WARPS": 8}
+        base = {"BITS": bits, "GROUP": group, "WARPS": 8, "HAS_BIAS": bits == 8}
         variants += [("gate_up", t, {**base, "GATED": gated}) for gated in (True, False)]
         variants += [("down", t, {**base, "INPUT_PER_PAIR": p, "COMBINE": c}) for p in (True, False) for c in (True, False)]
     compile_ok(tmp_path, translation_unit(DECODE, "moe_decode.cu", variants))
@@ -71,10 +77,24 @@ def test_decode_kernels_compile(tmp_path, t):
 def test_prefill_kernel_compiles(tmp_path, t):
     variants = [
         ("grouped", t, {"BITS": bits, "GROUP": group, "BM": bm, "PAIRS_IN": pairs_in, "ACTIVATE": activate, "GATED": gated,
-                     "ACT": act, "LIMITED": act < 2})
+                     "ACT": act, "LIMITED": act < 2, "HAS_BIAS": act == 1})
         for bits, group, bm in ((4, 128, 64), (8, 64, 128), (4, 32, 128))
         for pairs_in, activate, gated, act in ((True, True, True, 0), (True, True, True, 1), (True, True, False, 3),
                                                (False, False, False, 0), (True, False, False, 0))
     ]
     variants.append(("route", t, {"TILE": 128, "MAX_EXPERTS": PREFILL.ROUTE_MAX_EXPERTS}))
     compile_ok(tmp_path, translation_unit(PREFILL, "moe_prefill.cu", variants))
+
+
+def test_a_bias_signature_that_disagrees_with_has_bias_does_not_compile(tmp_path):
+    # MLX reuses a compiled kernel by name and template arguments: HAS_BIAS must tell the bias
+    # inputs' type apart, and a kernel built with the wrong one must not compile at all.
+    constants = {"BITS": 4, "GROUP": 64, "WARPS": 8, "GATED": True, "HAS_BIAS": True}
+    text = translation_unit(DECODE, "moe_decode.cu", [("gate_up", "__nv_bfloat16", constants)])
+    mismatched = text.replace("const __nv_bfloat16* up_bias", "const float* up_bias")
+    assert mismatched != text
+    path = tmp_path / "kernels.cu"
+    path.write_text(mismatched)
+    done = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "-c", "-o", str(tmp_path / "k.o"), str(path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "HAS_BIAS disagrees" in done.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import mlx.core as mx
 
@@ -21,8 +22,11 @@ def cuda_kernel_object(filename: str, section: str, input_names: tuple, output_n
     if not mx.cuda.is_available():
         return None
     source = sections("cuda", filename)
+    # The source's digest in the name: MLX keeps compiled kernels on disk under their names
+    # (MLX_PTX_CACHE_DIR), so an edited source must not find its old build there.
+    digest = hashlib.sha1((source["header"] + source[section]).encode()).hexdigest()[:12]
     return mx.fast.cuda_kernel(
-        name=f"mlx_moe_fix_{filename.split('.')[0]}_{section}_smem{shared_bytes}",
+        name=f"mlx_moe_fix_{filename.split('.')[0]}_{section}_smem{shared_bytes}_{digest}",
         input_names=list(input_names),
         output_names=list(output_names),
         source=source[section],
@@ -53,6 +57,13 @@ def kernel_dims(in_dim, out_dim, top_k, activation=None, has_bias=False, has_sca
     act = ACTIVATION_CODES[activation.kind] if activation is not None else 0
     has_limit = activation is not None and activation.limit is not None
     return int_array(in_dim, out_dim, top_k, act, int(has_limit), int(has_bias), int(has_scale))
+
+
+def bias_template(linear) -> tuple:
+    """The HAS_BIAS template constant: MLX names a compiled kernel by its template arguments and
+    not its inputs' dtypes, and an absent bias is passed as a float32 placeholder, so without it
+    a kernel compiled for one bias signature would be reused for the other."""
+    return ("HAS_BIAS", linear.bias is not None)
 
 
 def kernel_params(activation) -> mx.array:

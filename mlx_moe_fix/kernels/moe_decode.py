@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from .backend import Implementation, choose
 from .experts import ExpertLinear, MoEExperts
-from .launch import absent, cuda_kernel_object, kernel_dims, kernel_params, quantized_experts_reason
+from .launch import absent, bias_template, cuda_kernel_object, kernel_dims, kernel_params, quantized_experts_reason
 from .reference import combine, expert_chain
 
 WARPS_PER_BLOCK = 8  # output rows per block, one warp each
@@ -111,7 +111,8 @@ def _gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype) -> Launc
          experts.gate_scale if has_scale else absent(),
          kernel_dims(up.input_dims, up.output_dims, top_k, experts.activation, up.bias is not None, has_scale),
          kernel_params(experts.activation)],
-        _quant_templates(up, dtype) + [("SC", experts.gate_scale.dtype if has_scale else mx.float32), ("GATED", gated)],
+        _quant_templates(up, dtype) + [("SC", experts.gate_scale.dtype if has_scale else mx.float32), ("GATED", gated),
+                                       bias_template(up)],
         grid, block, [(pairs, up.output_dims)], [dtype],
     )
 
@@ -130,7 +131,7 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
         _quant_templates(linear, dtype) + [
             ("SC", out_scale.dtype if out_scale is not None else mx.float32),
             ("WT", weights_dtype if combined else mx.float32),
-            ("INPUT_PER_PAIR", input_per_pair), ("COMBINE", combined)],
+            ("INPUT_PER_PAIR", input_per_pair), ("COMBINE", combined), bias_template(linear)],
         grid, block, [(rows_out, linear.output_dims)], [dtype],
     )
 

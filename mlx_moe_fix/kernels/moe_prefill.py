@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from .backend import Implementation, choose
 from .experts import MoEExperts
-from .launch import ACTIVATION_CODES, absent, cuda_kernel_object, int_array, kernel_dims, kernel_params, quantized_experts_reason
+from .launch import ACTIVATION_CODES, absent, bias_template, cuda_kernel_object, int_array, kernel_dims, kernel_params, quantized_experts_reason
 from .reference import combine, expert_chain
 
 TILES = (64, 128)  # tile heights (BM in cuda/moe_prefill.cu); BN = BK = 64
@@ -147,7 +147,7 @@ def _grouped(a, routing, pairs: int, top_k: int, matrices: tuple, activation, sc
                   ("BITS", first.bits), ("GROUP", first.group_size), ("BM", tile),
                   ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated),
                   ("ACT", ACTIVATION_CODES[activation.kind] if activation is not None else 0),
-                  ("LIMITED", activation is not None and activation.limit is not None)],
+                  ("LIMITED", activation is not None and activation.limit is not None), bias_template(first)],
         grid=(first.output_dims // BLOCK_N * threads(tile), tiles, 1),
         threadgroup=(threads(tile), 1, 1),
         output_shapes=[(tiles * tile if activate else pairs, first.output_dims)],

@@ -1,7 +1,18 @@
 // Device helpers shared by every kernel source: mlx_moe_fix/kernels/sources.py puts this file
 // in front of each source's `header` section.
 
+#include <cuda/std/type_traits>
+
 namespace moe_common {
+
+// MLX names a compiled cuda_kernel by its name and template arguments, not by its inputs' types,
+// and reuses the first compile under that name. An additive bias input comes as S, or as the
+// float32 placeholder of an absent one: the launchers pass HAS_BIAS as a template constant so
+// that the two signatures get two names, and each kernel checks the constant against its
+// signature with this.
+template <bool HAS_BIAS, typename S, typename Pointer>
+inline constexpr bool bias_signature_matches =
+    cuda::std::is_same_v<cuda::std::remove_cv_t<cuda::std::remove_pointer_t<Pointer>>, cuda::std::conditional_t<HAS_BIAS, S, float>>;
 
 // Stock MLX rounds every op's result to the array dtype T: the kernels' epilogues round at the
 // same points, so that outputs match stock bit for bit wherever the fp32 sums round alike.

@@ -6,7 +6,8 @@
 // set is one NVRTC compile):
 //   T   activation / output type        S   scales, affine biases and additive bias type
 //   SC  per-expert scale type           WT  routing weight type
-//   BITS 4 or 8, GROUP 32/64/128, WARPS (rows per block)
+//   BITS 4 or 8, GROUP 32/64/128, WARPS (rows per block), HAS_BIAS (the bias inputs' signature:
+//   S, or the float32 placeholder; see moe_common::bias_signature_matches)
 //   gate_up: GATED;  down: INPUT_PER_PAIR, COMBINE
 // Run-time values (an int32 array `dims` and a float array `params`, uniform across the grid):
 //   dims: IN_DIM, OUT_DIM, TOP_K, ACT (0 swiglu, 1 swiglu_oai, 2 gelu, 3 gelu_approx,
@@ -116,6 +117,8 @@ __device__ __forceinline__ void rows_dot(
 // GATED false: an MLP's first projection: only up_* is read.
 {
   using namespace moe_decode;
+  static_assert(bias_signature_matches<HAS_BIAS, S, decltype(up_bias)> &&
+                bias_signature_matches<HAS_BIAS, S, decltype(gate_bias)>, "HAS_BIAS disagrees with the bias inputs");
   extern __shared__ float staged[];
   const Dims d(dims);
   const int pair = blockIdx.y;
@@ -164,6 +167,7 @@ __device__ __forceinline__ void rows_dot(
 // are staged once per block.
 {
   using namespace moe_decode;
+  static_assert(bias_signature_matches<HAS_BIAS, S, decltype(bias)>, "HAS_BIAS disagrees with the bias input");
   extern __shared__ float staged[];
   const Dims d(dims);
   const int first_pair = COMBINE ? blockIdx.y * d.top_k : blockIdx.y;

@@ -15,6 +15,8 @@
 //   ACTIVATE:  epilogue applies the activation and writes padded rows; else it writes the
 //              projection per pair (rows of `out` in pair order)
 //   GATED:     two weight matrices (gate = 0, up = 1) feed the activation
+//   HAS_BIAS: the bias inputs' signature (S, or the float32 placeholder; see
+//              moe_common::bias_signature_matches)
 //   ACT, LIMITED: the activation (codes of moe_common::activate), with its clamp stage; constants
 //              here, unlike the decode kernels' run-time ones, because the epilogue is unrolled
 //              32 times and every activation's code in it made NVRTC compile for seconds
@@ -93,6 +95,8 @@ __device__ __forceinline__ float small_uint_to_float(unsigned q) {
   constexpr int W_LOADS = (W_VECS + THREADS - 1) / THREADS;
   static_assert(BM * BK / 8 % THREADS == 0, "A chunks split evenly");
   static_assert(GROUP % (128 / BITS) == 0, "a weight vector never straddles a group");
+  static_assert(bias_signature_matches<HAS_BIAS, S, decltype(bias0)> &&
+                bias_signature_matches<HAS_BIAS, S, decltype(bias1)>, "HAS_BIAS disagrees with the bias inputs");
 
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* sa = reinterpret_cast<T*>(shared_bytes);   // [2][BM * LDS]

@@ -1,0 +1,24 @@
+# Sourced (bash) on the GPU machine, after .mlx-cuda/setup.sh:   source scripts/ptx-cache.sh
+#
+# MLX keeps every CUDA kernel it JIT-compiles (its own, one per shape, and ours) in
+# MLX_PTX_CACHE_DIR, under the kernel's name. A fresh GPU machine has none, and compiling them is
+# most of a GPU test's time (stock's first sorted SwitchGLU call at one Qwen3 shape: 42 s). This
+# restores the cache an earlier call saved, from .mlx-ptx-cache/ in the repo root (ignored by git:
+# name it in `carry`), and defines `ptx_cache_save DIR`, which packs the cache into
+# DIR/mlx-ptx-cache.tar.xz.00, .01, ... (parts of at most 15 MiB: files come back from a call
+# up to 16 MiB each) for the next call. Keep them, here, with
+#     mkdir -p .mlx-ptx-cache && cp FILES_AT/mlx-ptx-cache.tar.xz.* .mlx-ptx-cache/
+# Our kernels' names carry their sources' digest, so an edited kernel never loads an old build.
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx-cache}
+mkdir -p "$MLX_PTX_CACHE_DIR"
+if compgen -G ".mlx-ptx-cache/mlx-ptx-cache.tar.xz.*" >/dev/null; then
+    cat .mlx-ptx-cache/mlx-ptx-cache.tar.xz.* | tar xJf - -C "$MLX_PTX_CACHE_DIR" &&
+        echo "ptx cache: $(find "$MLX_PTX_CACHE_DIR" -type f | wc -l) files restored" >&2
+fi
+
+ptx_cache_save() {
+    local dest=$1
+    mkdir -p "$dest" && rm -f "$dest"/mlx-ptx-cache.tar.xz.* &&
+        tar cJf - -C "$MLX_PTX_CACHE_DIR" . | split -b 15M -d - "$dest/mlx-ptx-cache.tar.xz." &&
+        echo "ptx cache: $(find "$MLX_PTX_CACHE_DIR" -type f | wc -l) files saved in $(ls "$dest"/mlx-ptx-cache.tar.xz.* | wc -l) parts" >&2
+}
