@@ -124,3 +124,14 @@ def test_decode_graph_patched_adds_no_primitives_to_a_decode_step():
     for name in moe:
         assert rows[(name, "patched")][0] == rows[(name, "stock")][0], (name, rows)
         assert float(rows[(name, "stock")][0]) > 0
+
+
+def test_decode_attribution_smoke_times_every_variant(tmp_path):
+    path = str(tmp_path / "attribution.json")
+    table = run_module("benchmarks.decode_attribution", "--smoke", "--models", "qwen3_moe", "--json", path)
+    with open(path) as f:
+        seconds = json.load(f)["seconds_per_token"]["qwen3_moe"]
+    assert set(seconds["qwen3_moe"]) == {"full", "patched", "no experts", "no MoE"}
+    assert set(seconds["qwen3_dense"]) == {"full", "no MLP"}
+    assert all(s > 0 for variant in seconds.values() for s in variant.values())
+    assert "routing + combine" in table
