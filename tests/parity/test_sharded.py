@@ -3,6 +3,11 @@ group MLX gives without a distributed backend: the sharded code path (in-place s
 weights, the MoE block's all_sum) runs through the ops and keeps stock's greedy tokens. The
 multi-GPU run belongs to the GPU machine."""
 
+import json
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import pytest
 
@@ -26,3 +31,28 @@ def test_sharded_model_keeps_tokens_through_the_ops(family):
     assert stock == unsharded and patched == stock
     paths = {(r.phase, r.path) for r in mlx_moe_fix.path_counts() if r.layer == "SwitchGLU"}
     assert paths == {("prefill", "reference"), ("decode", "reference")}, mlx_moe_fix.path_counts()
+
+
+def test_two_ranks_on_the_cpu_keep_the_unsharded_tokens():
+    """Two processes over MLX's ring backend (localhost): the model really split across ranks,
+    its MoE blocks all-summing between them. gpt_oss: the zoo family whose expert widths
+    (128 = two groups of 64) split in two; the zoo's qwen3_moe experts (64 wide) do not, and
+    mlx-lm's mixtral has no shard()."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+    if not os.path.exists(launcher):
+        pytest.skip(f"no mlx.launch beside {sys.executable}")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    port = str(20000 + os.getpid() % 20000)
+    done = subprocess.run(
+        [launcher, "-n", "2", "--backend", "ring", "--starting-port", port, sys.executable, "-m",
+         "benchmarks.sharded_tokens", "--family", "gpt_oss", "--backend", "ring"],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    assert result["ranks"] == 2
+    whole, sharded = result["expert_widths"]
+    assert sharded * 2 == whole, result["expert_widths"]
+    assert len(set(result["unsharded"])) >= 4, result
+    assert result["stock"] == result["unsharded"] and result["patched"] == result["stock"], result
+    assert ["SwitchGLU", "decode", "reference"] in result["paths"] and ["SwitchGLU", "prefill", "reference"] in result["paths"]
