@@ -426,37 +426,77 @@ def forced_decode(model, prompt: list[int], tokens: list[int]) -> tuple[list[int
     return choices, logits
 
 
+# Routers whose weights jump without any expert changing: phimoe's sparsemixer masks, for each
+# pick, the gates more than 2 * jitter_eps below the top one, so a gate crossing that band moves
+# the softmax. Recorded beside the indices: {module: function name}.
+WEIGHT_ROUTERS = {"mlx_lm.models.phimoe": "sparsemixer"}
+REWEIGHTED = 5e-2  # a routing weight that moved by more than this (relative) moved by a jump
+
+
 @contextlib.contextmanager
 def recording_routes(model):
-    """Within the block, every MoE layer of ``model`` appends the experts it is called with (each
-    token's top-k, sorted) to the yielded list: one entry per layer and forward, in call order.
-    Two runs of a model on the same tokens can then be told apart where a router's near-tie
-    sent a token to another expert (that moves the output far more than any rounding)."""
-    routes: list[mx.array] = []
+    """Within the block, every MoE layer of ``model`` appends what it is called with to the yielded
+    list: (each token's top-k experts, sorted; their routing weights in that order where the
+    router is one of WEIGHT_ROUTERS, else None), one entry per layer and forward, in call order.
+    Two runs of a model on the same tokens can then be told apart where a router's near-tie sent
+    a token to another expert or jumped a weight (that moves the output far more than any
+    rounding)."""
+    import sys
+
+    routes: list[tuple] = []
+    weights: list[Optional[mx.array]] = [None]  # the last recorded router's, for the next layer call
     swapped = []
     for _, layer in moe_layers(model):
         base = type(layer)
 
         class Recording(base):
             def __call__(self, x, indices, *args, **kwargs):
-                routes.append(mx.sort(indices, axis=-1))
+                routes.append((mx.sort(indices, axis=-1), weights[0]))
+                weights[0] = None
                 return super().__call__(x, indices, *args, **kwargs)
 
         swapped.append((layer, base))
         layer.__class__ = Recording
+    routers = []
+    for name, function in WEIGHT_ROUTERS.items():
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        router = getattr(module, function)
+
+        def recorded(*args, _router=router, **kwargs):
+            indices, scores = _router(*args, **kwargs)
+            weights[0] = mx.take_along_axis(scores, mx.argsort(indices, axis=-1), axis=-1)
+            return indices, scores
+
+        routers.append((module, function, router))
+        setattr(module, function, recorded)
     try:
         yield routes
     finally:
         for layer, base in swapped:
             layer.__class__ = base
+        for module, function, router in routers:
+            setattr(module, function, router)
 
 
-def rerouted_steps(routes: list[mx.array], other: list[mx.array], layers: int) -> list[bool]:
+def rerouted_steps(routes: list[tuple], other: list[tuple], layers: int) -> list[bool]:
     """Per forward (prefill, then each decode step): whether any of the ``layers`` MoE layers
-    routed some token to other experts in ``routes`` than in ``other`` (recording_routes)."""
+    routed some token to other experts in ``routes`` than in ``other``, or moved a recorded
+    routing weight by more than REWEIGHTED (recording_routes)."""
     if len(routes) != len(other) or len(routes) % layers:
         raise ValueError(f"routes of {len(routes)} and {len(other)} layer calls for {layers} MoE layers")
-    return [any(not mx.array_equal(routes[c], other[c]).item() for c in range(step, step + layers))
+
+    def differ(a, b):
+        (experts, weights), (other_experts, other_weights) = a, b
+        if not mx.array_equal(experts, other_experts).item():
+            return True
+        if weights is None or other_weights is None:
+            return False
+        moved = mx.abs(weights.astype(mx.float32) - other_weights.astype(mx.float32))
+        return (moved > REWEIGHTED * mx.abs(other_weights.astype(mx.float32))).any().item()
+
+    return [any(differ(routes[c], other[c]) for c in range(step, step + layers))
             for step in range(0, len(routes), layers)]
 
 

@@ -97,10 +97,29 @@ def test_recording_routes_sees_every_layer_call_and_restores_the_layers():
         zoo.forced_decode(model, prompt, tokens)
     assert [type(layer) for _, layer in layers] == classes
     assert len(first) == 3 * len(layers)
-    assert first[0].shape == (1, len(prompt), zoo.EXPERTS["qwen3_moe"][1])
+    assert first[0][0].shape == (1, len(prompt), zoo.EXPERTS["qwen3_moe"][1]) and first[0][1] is None
     assert zoo.rerouted_steps(first, second, len(layers)) == [False] * 3
     moved = list(first)
-    moved[len(layers)] = moved[len(layers)] + 1  # layer 0 of the first decode step
+    moved[len(layers)] = (moved[len(layers)][0] + 1, None)  # layer 0 of the first decode step
     assert zoo.rerouted_steps(moved, first, len(layers)) == [False, True, False]
     with pytest.raises(ValueError):
         zoo.rerouted_steps(first[:-1], second, len(layers))
+
+
+def test_recording_routes_sees_phimoe_weights_and_their_jumps():
+    model = zoo.build("phimoe", 4)
+    layers = len(zoo.moe_layers(model))
+    prompt = zoo.prompt_for("phimoe")
+    with zoo.recording_routes(model) as routes:
+        zoo.greedy_tokens(model, prompt, 2)
+    assert all(w is not None and w.shape == e.shape for e, w in routes)
+    assert zoo.rerouted_steps(routes, routes, layers) == [False, False]
+    nudged = [(e, w * (1 + zoo.REWEIGHTED / 2)) for e, w in routes]
+    assert zoo.rerouted_steps(nudged, routes, layers) == [False, False]
+    jumped = list(routes)
+    experts, weights = jumped[layers]
+    jumped[layers] = (experts, weights * (1 + 2 * zoo.REWEIGHTED))
+    assert zoo.rerouted_steps(jumped, routes, layers) == [False, True]
+    import mlx_lm.models.phimoe as phimoe
+
+    assert phimoe.sparsemixer.__name__ == "sparsemixer"  # put back
