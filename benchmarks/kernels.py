@@ -28,6 +28,8 @@ layers, each with its own weight arrays and routing (so caches cannot hide the H
 and the time is divided by the layer count. Its GB/s counts the packed weights + scales +
 biases of the distinct experts each layer routes to. Per-layer times include building the
 graph in Python, which mlx-lm overlaps with GPU work during decode: they are upper bounds.
+Larger T is prefill: one timed graph evaluates --prefill-layers independent layers (default 4),
+so that one eval round trip is not charged whole to a sub-millisecond kernel.
 
 Unless --no-block, the same sizes run a whole quantized mlx-lm `SwitchGLU` (gate, up,
 down) stock and patched, switching with `mlx_moe_fix.revert()` / `apply()` in this process.
@@ -342,10 +344,12 @@ class Case:
 
 
 def pool_size(shape: Shape, bytes_per_layer: int, args) -> int:
-    """How many independent layers decode rows chain: --layers, capped by --pool-gb."""
-    if not any(t <= args.chain_max_tokens for t in args.tokens):
-        return 1
-    return max(1, min(args.layers, int(args.pool_gb * 1e9 // bytes_per_layer)))
+    """How many independent layers to build: --layers for decode rows to chain, --prefill-layers
+    for prefill rows, capped by --pool-gb."""
+    wanted = args.prefill_layers
+    if any(t <= args.chain_max_tokens for t in args.tokens):
+        wanted = max(wanted, args.layers)
+    return max(1, min(wanted, int(args.pool_gb * 1e9 // bytes_per_layer)))
 
 
 def stock_choice(tokens: int, top_k: int) -> str:
@@ -370,7 +374,7 @@ def run_projection_cases(
     cases = []
     for tokens in args.tokens:
         decode = tokens <= args.chain_max_tokens
-        layers = pool if decode else pool[:1]
+        layers = pool if decode else pool[: args.prefill_layers]
         for layer in layers:
             layer.indices = random_routing(tokens, shape.experts, shape.top_k)
         x = mx.random.normal((tokens, shape.hidden), dtype=mx.bfloat16)
@@ -455,7 +459,7 @@ def run_block_cases(shape: Shape, args, progress: Progress) -> List[Case]:
     cases = []
     for tokens in args.tokens:
         decode = tokens <= args.chain_max_tokens
-        chain = blocks if decode else blocks[:1]
+        chain = blocks if decode else blocks[: args.prefill_layers]
         routing = [random_routing(tokens, shape.experts, shape.top_k) for _ in chain]
         x = mx.random.normal((tokens, shape.hidden), dtype=mx.bfloat16)
         mx.eval(x, routing)
@@ -657,6 +661,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--layers", type=int, default=32, help="layers chained for decode rows")
     p.add_argument(
+        "--prefill-layers",
+        type=int,
+        default=4,
+        help="independent layers per timed graph for prefill rows: one eval round trip per call "
+        "is a large share of a sub-millisecond kernel (1: one layer per call, as before)",
+    )
+    p.add_argument(
         "--pool-gb",
         type=float,
         default=32.0,
@@ -691,7 +702,7 @@ def parse_args(argv=None):
     if args.smoke:
         args.shapes_list = list(SMOKE_SHAPES.values())
         args.tokens = [1, 4, 64]
-        args.chain_max_tokens, args.layers = 4, 2
+        args.chain_max_tokens, args.layers, args.prefill_layers = 4, 2, 2
         args.warmup, args.reps = 1, 2
     else:
         unknown = set(args.shapes.split(",")) - set(SHAPES)

@@ -7,8 +7,10 @@ SwitchGLU for comparison.
     python3 -m benchmarks.prefill_split --hidden 4096 --ffn 14336 --experts 8 --top-k 2 --tokens 2048
 
 One layer, bf16 activations, 4-bit affine experts (group 64), random routing. Each stage is timed
-alone on already-evaluated inputs (medians after warm-up at the same shape); TFLOP/s counts the
-useful FLOPs (2 * pairs * in * out per projection), not the padding rows of the tiles.
+alone on already-evaluated inputs, `--launches` copies of it per evaluated graph (medians after
+warm-up at the same shape, divided by the copies; 1 times single launches, each with its own
+eval round trip); TFLOP/s counts the useful FLOPs (2 * pairs * in * out per projection), not the
+padding rows of the tiles.
 """
 
 import argparse
@@ -22,7 +24,7 @@ from mlx_moe_fix.kernels.reference import combine
 
 from .kernels import random_routing
 from .switch_glu import add_shape_arguments, experts_of, quantized_switch_glu
-from .timing import bench, environment, environment_line, fmt, markdown_table
+from .timing import bench, environment, environment_line, fmt, markdown_table, repeated
 
 
 def first_call(fn):
@@ -39,6 +41,7 @@ def main(argv=None):
     add_shape_arguments(parser)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--launches", type=int, default=8, help="copies of a stage per timed graph")
     parser.add_argument("--no-stock", action="store_true",
                         help="skip stock SwitchGLU (its first call JIT-compiles for up to ~40 s per shape)")
     args = parser.parse_args(argv)
@@ -90,8 +93,8 @@ def main(argv=None):
     rows = []
     for name, fn, flops in stages:
         cold, _ = first_call(fn)
-        stats = bench(fn, warmup=3, reps=args.reps)
-        rows.append([name, fmt(cold * 1e3), fmt(stats.median * 1e6), fmt(flops / stats.median / 1e12) if flops else "-"])
+        seconds = bench(repeated(fn, args.launches), warmup=3, reps=args.reps).median / args.launches
+        rows.append([name, fmt(cold * 1e3), fmt(seconds * 1e6), fmt(flops / seconds / 1e12) if flops else "-"])
     total_flops = 3 * 2 * pairs * args.hidden * args.ffn
     layers = [("patched SwitchGLU + combine", lambda: mlx_moe_fix.apply())]
     if not args.no_stock:
@@ -99,15 +102,16 @@ def main(argv=None):
     for name, switch in layers:
         switch()
         cold, _ = first_call(patched_layer)
-        stats = bench(patched_layer, warmup=3, reps=args.reps)
-        rows.append([name, fmt(cold * 1e3), fmt(stats.median * 1e6), fmt(total_flops / stats.median / 1e12)])
+        seconds = bench(repeated(patched_layer, args.launches), warmup=3, reps=args.reps).median / args.launches
+        rows.append([name, fmt(cold * 1e3), fmt(seconds * 1e6), fmt(total_flops / seconds / 1e12)])
     mlx_moe_fix.revert()
 
     print(environment_line(environment()))
     print(f"hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, top-{args.top_k}, T={args.tokens}: "
           f"{pairs} pairs, {tile}-row tiles, {tiles} tiles in the grid")
     print(f"first launch of the route kernel and the two GEMM variants (NVRTC compiles included): {compile_seconds:.2f} s")
-    print(markdown_table(["stage", "first call ms", "median us", "TFLOP/s"], rows))
+    print(f"{args.launches} launches per timed graph")
+    print(markdown_table(["stage", "first call ms", "median us per launch", "TFLOP/s"], rows))
 
 
 if __name__ == "__main__":

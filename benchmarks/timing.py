@@ -64,6 +64,13 @@ def mlx_finish(out: Any) -> None:
     mx.synchronize()
 
 
+def repeated(fn: Callable[[], Any], launches: int) -> Callable[[], List[Any]]:
+    """`fn` built `launches` times into one graph: timing that spreads one `mx.eval` round trip
+    over the launches, which single sub-millisecond kernels cannot afford (timed one per eval,
+    identical kernels on the H200 came out up to 1.7x apart). Divide its times by `launches`."""
+    return lambda: [fn() for _ in range(launches)]
+
+
 def bench(
     fn: Callable[[], Any],
     warmup: int = 3,
