@@ -77,8 +77,10 @@ def test_decode_kernels_compile(tmp_path, t):
 def test_prefill_kernel_compiles(tmp_path, t):
     variants = [
         ("grouped", t, {"BITS": bits, "GROUP": group, "BM": bm, "PAIRS_IN": pairs_in, "ACTIVATE": activate, "GATED": gated,
-                     "ACT": act, "LIMITED": act < 2, "HAS_BIAS": act == 1})
-        for bits, group, bm in ((4, 128, 64), (8, 64, 128), (4, 32, 128))
+                     "ACT": act, "LIMITED": act < 2, "HAS_BIAS": act == 1,
+                     "HALF2_DEQUANT": half2 and (bits == 4 or t == "__half")})
+        for bits, group, bm in ((4, 128, 64), (8, 64, 128), (4, 32, 128), (4, 64, 32))
+        for half2 in (False, True)
         for pairs_in, activate, gated, act in ((True, True, True, 0), (True, True, True, 1), (True, True, False, 3),
                                                (False, False, False, 0), (True, False, False, 0))
     ]

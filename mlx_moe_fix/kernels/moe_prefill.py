@@ -28,6 +28,10 @@ from .reference import combine, expert_chain
 
 TILES = (64, 128)  # tile heights (BM in cuda/moe_prefill.cu); BN = BK = 64
 TALL_TILE_MIN_ROWS = 256  # mean rows per expert from which 128-row tiles pay
+# Experiment knobs (benchmarks/prefill_sweep.py): a fixed tile height instead of the rule above,
+# and dequantisation in T's two-lane arithmetic where it is exact.
+FIXED_TILE: Optional[int] = None
+HALF2_DEQUANT = False
 BLOCK_N = BLOCK_K = 64
 SHARED_ROW = BLOCK_K + 8  # elements per shared-memory row (LDS)
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL"
@@ -72,7 +76,14 @@ def cuda_kernel(section: str, shared: int = 0):
 
 
 def tile_height(pairs: int, num_experts: int) -> int:
+    if FIXED_TILE is not None:
+        return FIXED_TILE
     return TILES[1] if pairs >= TALL_TILE_MIN_ROWS * num_experts else TILES[0]
+
+
+def half2_dequant(linear, dtype) -> bool:
+    """Whether the two-lane dequantisation is on and exact for these weights and activations."""
+    return HALF2_DEQUANT and linear.scales.dtype == dtype and (linear.bits == 4 or dtype == mx.float16)
 
 
 def grid_tiles(pairs: int, num_experts: int, tile: int) -> int:
@@ -145,6 +156,7 @@ def _grouped(a, routing, pairs: int, top_k: int, matrices: tuple, activation, sc
                 kernel_params(activation)],
         template=[("T", a.dtype), ("S", first.scales.dtype), ("SC", scale.dtype if scale is not None else mx.float32),
                   ("BITS", first.bits), ("GROUP", first.group_size), ("BM", tile),
+                  ("HALF2_DEQUANT", half2_dequant(first, a.dtype)),
                   ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated),
                   ("ACT", ACTIVATION_CODES[activation.kind] if activation is not None else 0),
                   ("LIMITED", activation is not None and activation.limit is not None), bias_template(first)],

@@ -17,6 +17,7 @@
 //   GATED:     two weight matrices (gate = 0, up = 1) feed the activation
 //   HAS_BIAS: the bias inputs' signature (S, or the float32 placeholder; see
 //              moe_common::bias_signature_matches)
+//   HALF2_DEQUANT: dequantise in T's two-lane arithmetic (grouped::dequant_pair); needs S == T
 //   ACT, LIMITED: the activation (codes of moe_common::activate), with its clamp stage; constants
 //              here, unlike the decode kernels' run-time ones, because the epilogue is unrolled
 //              32 times and every activation's code in it made NVRTC compile for seconds
@@ -76,6 +77,30 @@ __device__ __forceinline__ float small_uint_to_float(unsigned q) {
   return __uint_as_float(0x4B000000u | q) - 8388608.f;
 }
 
+// Two consecutive BITS-bit values of `word` (the pair from bit `shift` on) dequantised in T's own
+// two-lane arithmetic: OR-ed under the exponent of MAGIC they become MAGIC + q exactly, then
+// (x - MAGIC) * scale + bias rounds once. Needs MAGIC + q exact in T: 4-bit values for bf16
+// (MAGIC 128), 4- or 8-bit for fp16 (MAGIC 1024); scale2 / bias2 hold the pair's scale and bias.
+template <typename T, int BITS>
+__device__ __forceinline__ unsigned dequant_pair(unsigned word, int shift, unsigned scale2, unsigned bias2) {
+  constexpr unsigned MASK = (1u << BITS) - 1u;
+  constexpr bool BF16 = cuda::std::is_same_v<T, __nv_bfloat16>;
+  static_assert(BITS == 4 || !BF16, "bf16 holds MAGIC + q exactly only for 4-bit q");
+  const unsigned x = word >> shift;
+  unsigned packed = (x & MASK) | ((x << (16 - BITS)) & (MASK << 16)) | (BF16 ? 0x43004300u : 0x64006400u);
+  if constexpr (BF16) {
+    const __nv_bfloat162 magic = __floats2bfloat162_rn(128.f, 128.f);
+    __nv_bfloat162 v = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&packed), magic);
+    v = __hfma2(v, *reinterpret_cast<__nv_bfloat162*>(&scale2), *reinterpret_cast<__nv_bfloat162*>(&bias2));
+    return *reinterpret_cast<unsigned*>(&v);
+  } else {
+    const __half2 magic = __floats2half2_rn(1024.f, 1024.f);
+    __half2 v = __hsub2(*reinterpret_cast<__half2*>(&packed), magic);
+    v = __hfma2(v, *reinterpret_cast<__half2*>(&scale2), *reinterpret_cast<__half2*>(&bias2));
+    return *reinterpret_cast<unsigned*>(&v);
+  }
+}
+
 }  // namespace grouped
 
 //// grouped
@@ -97,6 +122,7 @@ __device__ __forceinline__ float small_uint_to_float(unsigned q) {
   static_assert(GROUP % (128 / BITS) == 0, "a weight vector never straddles a group");
   static_assert(bias_signature_matches<HAS_BIAS, S, decltype(bias0)> &&
                 bias_signature_matches<HAS_BIAS, S, decltype(bias1)>, "HAS_BIAS disagrees with the bias inputs");
+  static_assert(!HALF2_DEQUANT || cuda::std::is_same_v<S, T>, "two-lane dequantisation takes scales of T");
 
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* sa = reinterpret_cast<T*>(shared_bytes);   // [2][BM * LDS]
@@ -165,12 +191,17 @@ __device__ __forceinline__ float small_uint_to_float(unsigned q) {
         const unsigned words[4] = {w_reg[m][i].x, w_reg[m][i].y, w_reg[m][i].z, w_reg[m][i].w};
         const float scale = scale_reg[m][i], bias = bias_reg[m][i];
         unsigned packed[4 * PER_WORD / 2];
+        const unsigned scale2 = pack2<T>(scale, scale), bias2 = pack2<T>(bias, bias);
 #pragma unroll
         for (int j = 0; j < 4 * PER_WORD / 2; ++j) {
           const unsigned word = words[j * 2 / PER_WORD];
           const int shift = BITS * (j * 2 % PER_WORD);
-          packed[j] = pack2<T>(fmaf(scale, small_uint_to_float((word >> shift) & MASK), bias),
-                               fmaf(scale, small_uint_to_float((word >> (shift + BITS)) & MASK), bias));
+          if constexpr (HALF2_DEQUANT) {
+            packed[j] = dequant_pair<T, BITS>(word, shift, scale2, bias2);
+          } else {
+            packed[j] = pack2<T>(fmaf(scale, small_uint_to_float((word >> shift) & MASK), bias),
+                                 fmaf(scale, small_uint_to_float((word >> (shift + BITS)) & MASK), bias));
+          }
         }
 #pragma unroll
         for (int j = 0; j < 4 * PER_WORD / 2; j += 4)
