@@ -11,28 +11,19 @@ against a float32 oracle.
 
 import argparse
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU
+from types import SimpleNamespace
 
-from mlx_moe_fix.kernels import Activation, ExpertLinear, MoEExperts
+import mlx.core as mx
+
 from mlx_moe_fix.kernels import moe_prefill as prefill
 
 from .kernels import random_routing
+from .switch_glu import experts_of, quantized_switch_glu
 from .timing import bench, fmt, markdown_table
 
 SHAPES = {"qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2)}
 CASES = [("qwen3", 512), ("qwen3", 2048), ("qwen3", 8192), ("mixtral", 512), ("mixtral", 2048)]
 VARIANTS = [(None, False), (None, True), (32, False), (32, True), (64, False), (64, True), (128, False), (128, True)]
-
-
-def layer_for(hidden, ffn, experts):
-    layer = SwitchGLU(hidden, ffn, experts)
-    nn.quantize(layer, group_size=64, bits=4)
-    layer.set_dtype(mx.bfloat16)
-    mx.eval(layer.parameters())
-    return MoEExperts(tuple(ExpertLinear.from_module(layer[n]) for n in ("gate_proj", "up_proj", "down_proj")),
-                      Activation("swiglu"))
 
 
 def run_variant(x, indices, experts, tile, half2, reps):
@@ -67,7 +58,7 @@ def main(argv=None):
     rows = []
     for shape, tokens in CASES:
         hidden, ffn, experts_count, top_k = SHAPES[shape]
-        experts = layer_for(hidden, ffn, experts_count)
+        experts = experts_of(quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=experts_count)))
         x = (mx.random.normal((tokens, hidden)) * 0.5).astype(mx.bfloat16)
         indices = random_routing(tokens, experts_count, top_k)
         mx.eval(x, indices)
