@@ -15,7 +15,10 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 
-from mlx_moe_fix.kernels import moe_prefill as prefill
+import importlib
+
+# the module, which mlx_moe_fix.kernels shadows with its dispatcher of the same name
+prefill = importlib.import_module("mlx_moe_fix.kernels.moe_prefill")
 
 from .kernels import random_routing
 from .switch_glu import experts_of, quantized_switch_glu
