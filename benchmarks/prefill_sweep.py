@@ -1,21 +1,23 @@
-"""Experiment: the grouped prefill kernel's knobs (tile height, two-lane dequantisation) at the
-shapes of benchmarks/prefill_split.py, each variant checked against the default variant's output.
+"""Experiment: the grouped prefill GEMMs (`grouped`, dequantising through shared memory, and
+`grouped_registers`, dequantising in registers) and their knobs (tile height, two-lane
+dequantisation) at the shapes of benchmarks/prefill_split.py, each variant checked against the
+first variant's output.
 
     python3 -m benchmarks.prefill_sweep                       # Qwen3 T=512/2048/8192, Mixtral T=512/2048
 
-One SwitchGLU layer (4-bit g64, bf16), gate+up and down GEMMs timed alone (median of 10 after
-warm-up); TFLOP/s of useful FLOPs as in prefill_split. "rel err" is the layer output against the
-default variant's (the rule's tile height, fp32 dequantisation), which the GPU tests check
-against a float32 oracle.
+One SwitchGLU layer (4-bit g64, bf16), gate+up and down GEMMs timed alone: each timed call
+builds `--launches` launches of the GEMM into one graph, so that the per-launch time is not
+dominated by one `mx.eval` round trip (timing one launch per eval gave identical variants up
+to 1.7x apart); median of `--reps` calls after warm-up, divided by the launches. TFLOP/s of
+useful FLOPs as in prefill_split. "rel err" is the layer output against the first variant's
+(`grouped` at the rule's tile height), which the GPU tests check against a float32 oracle.
 """
 
 import argparse
-
+import importlib
 from types import SimpleNamespace
 
 import mlx.core as mx
-
-import importlib
 
 # the module, which mlx_moe_fix.kernels shadows with its dispatcher of the same name
 prefill = importlib.import_module("mlx_moe_fix.kernels.moe_prefill")
@@ -26,14 +28,17 @@ from .timing import bench, fmt, markdown_table
 
 SHAPES = {"qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2)}
 CASES = [("qwen3", 512), ("qwen3", 2048), ("qwen3", 8192), ("mixtral", 512), ("mixtral", 2048)]
-VARIANTS = [(None, False), (None, True), (32, False), (32, True), (64, False), (64, True), (128, False), (128, True)]
+# (GEMM, tile knob, two-lane dequantisation in `grouped`)
+VARIANTS = [("grouped", None, False), ("grouped", None, True), ("registers", None, False), ("registers", 32, False),
+            ("registers", 64, False), ("registers", 128, False)]
 
 
-def run_variant(x, indices, experts, tile, half2, reps):
-    prefill.FIXED_TILE, prefill.HALF2_DEQUANT = tile, half2
+def run_variant(x, indices, experts, variant, reps, launches):
+    gemm, prefill.FIXED_TILE, prefill.HALF2_DEQUANT = variant
+    prefill.REGISTER_DEQUANT = gemm == "registers"
     pairs, top_k = indices.size, indices.shape[-1]
     tile = prefill.tile_height(pairs, experts.num_experts)
-    row_pair, tile_expert, tiles = prefill.route_kernel(indices.reshape(-1), experts.num_experts, tile)
+    row_pair, tile_expert, tiles = prefill.route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile)
     mx.eval(row_pair, tile_expert)
     plan = (row_pair, tile_expert, tiles, tile)
     gate, up, down = experts.projections
@@ -49,17 +54,27 @@ def run_variant(x, indices, experts, tile, half2, reps):
 
     out = down_proj()
     mx.eval(out)
-    return tile, bench(gate_up, 3, reps), bench(down_proj, 3, reps), out
+    def repeated(fn):
+        return lambda: [fn() for _ in range(launches)]
+
+    return tile, bench(repeated(gate_up), 3, reps), bench(repeated(down_proj), 3, reps), out
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--launches", type=int, default=8, help="GEMM launches per timed graph")
+    parser.add_argument("--cases", default=",".join(f"{s}:{t}" for s, t in CASES), help="shape:tokens,...")
+    parser.add_argument("--variants", default=",".join(map(str, range(len(VARIANTS)))),
+                        help="indices into VARIANTS (the first one given is the error reference)")
     args = parser.parse_args(argv)
+    cases = [(shape, int(tokens)) for shape, tokens in (c.split(":") for c in args.cases.split(","))]
+    variants = [VARIANTS[int(i)] for i in args.variants.split(",")]
     if not mx.cuda.is_available():
         raise SystemExit("prefill_sweep times the CUDA kernel: run it on a CUDA GPU")
+    columns = ["case", "GEMM", "tile knob", "tile", "two-lane", "gate+up TF/s", "down TF/s", "rel err"]
     rows = []
-    for shape, tokens in CASES:
+    for shape, tokens in cases:
         hidden, ffn, experts_count, top_k = SHAPES[shape]
         experts = experts_of(quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=experts_count)))
         x = (mx.random.normal((tokens, hidden)) * 0.5).astype(mx.bfloat16)
@@ -67,17 +82,18 @@ def main(argv=None):
         mx.eval(x, indices)
         flops = 2 * indices.size * hidden * ffn
         reference = None
-        for fixed, half2 in VARIANTS:
-            tile, gate_up, down, out = run_variant(x, indices, experts, fixed, half2, args.reps)
+        for variant in variants:
+            tile, gate_up, down, out = run_variant(x, indices, experts, variant, args.reps, args.launches)
             if reference is None:
                 reference = out.astype(mx.float32)
             error = (mx.linalg.norm(out.astype(mx.float32) - reference) / mx.linalg.norm(reference)).item()
-            rows.append([f"{shape} T={tokens}", "rule" if fixed is None else fixed, tile, half2,
-                         fmt(2 * flops / gate_up.median / 1e12), fmt(flops / down.median / 1e12), f"{error:.1e}"])
-            print(markdown_table(["case", "tile knob", "tile", "half2", "gate+up TF/s", "down TF/s", "rel err"], rows[-1:]),
-                  flush=True)
-    prefill.FIXED_TILE, prefill.HALF2_DEQUANT = None, False
-    print(markdown_table(["case", "tile knob", "tile", "half2", "gate+up TF/s", "down TF/s", "rel err"], rows))
+            gemm, fixed, half2 = variant
+            rows.append([f"{shape} T={tokens}", gemm, "rule" if fixed is None else fixed, tile, half2,
+                         fmt(2 * flops * args.launches / gate_up.median / 1e12),
+                         fmt(flops * args.launches / down.median / 1e12), f"{error:.1e}"])
+            print(markdown_table(columns, rows[-1:]), flush=True)
+    prefill.FIXED_TILE, prefill.HALF2_DEQUANT, prefill.REGISTER_DEQUANT = None, False, False
+    print(markdown_table(columns, rows))
 
 
 if __name__ == "__main__":

@@ -84,6 +84,12 @@ def test_prefill_kernel_compiles(tmp_path, t):
         for pairs_in, activate, gated, act in ((True, True, True, 0), (True, True, True, 1), (True, True, False, 3),
                                                (False, False, False, 0), (True, False, False, 0))
     ]
+    variants += [
+        ("grouped_registers", t, {"BITS": bits, "GROUP": group, "BM": bm, "PAIRS_IN": pairs_in, "ACTIVATE": activate,
+                                  "GATED": gated, "ACT": act, "LIMITED": act < 2, "HAS_BIAS": bits == 8})
+        for bits, group, bm in ((4, 64, 64), (8, 32, 128), (4, 128, 32))
+        for pairs_in, activate, gated, act in ((True, True, True, 0), (False, False, False, 0))
+    ]
     variants.append(("route", t, {"TILE": 128, "MAX_EXPERTS": PREFILL.ROUTE_MAX_EXPERTS}))
     compile_ok(tmp_path, translation_unit(PREFILL, "moe_prefill.cu", variants))
 
