@@ -28,13 +28,14 @@ from .timing import bench, fmt, markdown_table
 
 SHAPES = {"qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2)}
 CASES = [("qwen3", 512), ("qwen3", 2048), ("qwen3", 8192), ("mixtral", 512), ("mixtral", 2048)]
-# (GEMM, tile knob, two-lane dequantisation in `grouped`)
-VARIANTS = [("grouped", None, False), ("grouped", None, True), ("registers", None, False), ("registers", 32, False),
-            ("registers", 64, False), ("registers", 128, False)]
+# (GEMM, tile knob, two-lane dequantisation in `grouped`, pipeline stages of `grouped_registers`)
+VARIANTS = [("grouped", None, False, 3), ("grouped", None, True, 3), ("registers", None, False, 3),
+            ("registers", 32, False, 3), ("registers", 64, False, 3), ("registers", 128, False, 3),
+            ("registers", None, False, 4)]
 
 
 def run_variant(x, indices, experts, variant, reps, launches):
-    gemm, prefill.FIXED_TILE, prefill.HALF2_DEQUANT = variant
+    gemm, prefill.FIXED_TILE, prefill.HALF2_DEQUANT, prefill.REGISTERS_STAGES = variant
     prefill.REGISTER_DEQUANT = gemm == "registers"
     pairs, top_k = indices.size, indices.shape[-1]
     tile = prefill.tile_height(pairs, experts.num_experts)
@@ -72,7 +73,7 @@ def main(argv=None):
     variants = [VARIANTS[int(i)] for i in args.variants.split(",")]
     if not mx.cuda.is_available():
         raise SystemExit("prefill_sweep times the CUDA kernel: run it on a CUDA GPU")
-    columns = ["case", "GEMM", "tile knob", "tile", "two-lane", "gate+up TF/s", "down TF/s", "rel err"]
+    columns = ["case", "GEMM", "tile knob", "tile", "two-lane", "stages", "gate+up TF/s", "down TF/s", "rel err"]
     rows = []
     for shape, tokens in cases:
         hidden, ffn, experts_count, top_k = SHAPES[shape]
@@ -87,12 +88,12 @@ def main(argv=None):
             if reference is None:
                 reference = out.astype(mx.float32)
             error = (mx.linalg.norm(out.astype(mx.float32) - reference) / mx.linalg.norm(reference)).item()
-            gemm, fixed, half2 = variant
-            rows.append([f"{shape} T={tokens}", gemm, "rule" if fixed is None else fixed, tile, half2,
+            gemm, fixed, half2, stages = variant
+            rows.append([f"{shape} T={tokens}", gemm, "rule" if fixed is None else fixed, tile, half2, stages,
                          fmt(2 * flops * args.launches / gate_up.median / 1e12),
                          fmt(flops * args.launches / down.median / 1e12), f"{error:.1e}"])
             print(markdown_table(columns, rows[-1:]), flush=True)
-    prefill.FIXED_TILE, prefill.HALF2_DEQUANT, prefill.REGISTER_DEQUANT = None, False, False
+    prefill.FIXED_TILE, prefill.HALF2_DEQUANT, prefill.REGISTER_DEQUANT, prefill.REGISTERS_STAGES = None, False, False, 3
     print(markdown_table(columns, rows))
 
 

@@ -343,7 +343,7 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned word, int shift, unsig
 // `grouped`'s contract (inputs, output, template constants, run-time values), with the weights
 // dequantised in registers instead of through shared memory. Each block computes BM rows x 128
 // columns (per matrix) with WARPS_M x 4 warps of WM x 32; STAGES-stage cp.async pipeline of
-// activation rows and of packed weight rows, k-steps of 64.
+// activation rows and of packed weight rows (STAGES: a template constant, 3 or 4), k-steps of 64.
 //
 // The reduction order inside a 64-wide k-step is free, so the mma operands use a permuted k: in
 // each k16 mma, logical k (2t, 2t+1, 2t+8, 2t+9) of the thread with lane % 4 = t is the same four
@@ -361,7 +361,6 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned word, int shift, unsig
   constexpr int RBN = 128, WN = 32, WARPS_N = RBN / WN;
   constexpr int WM = BM < 64 ? BM : 64, WARPS_M = BM / WM, MI = WM / 16;
   constexpr int THREADS = WARPS_M * WARPS_N * 32;
-  constexpr int STAGES = 3;
   constexpr int W_ROW_BYTES = BK * BITS / 8;              // one row's packed weights per k-step
   constexpr int W_STAGE_BYTES = RBN * W_ROW_BYTES;        // per matrix
   constexpr int A_STAGE = BM * LDS;                       // values of T
