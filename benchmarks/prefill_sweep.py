@@ -5,7 +5,8 @@ first variant's output.
 
     python3 -m benchmarks.prefill_sweep                       # Qwen3 T=512/2048/8192, Mixtral T=512/2048
 
-One SwitchGLU layer (4-bit g64, bf16), gate+up and down GEMMs timed alone: each timed call
+One SwitchGLU layer (4-bit g64, bf16), gate+up and down GEMMs timed alone (and the routed
+experts' weight bytes over their sum, for the batched-decode shapes): each timed call
 builds `--launches` launches of the GEMM into one graph, so that the per-launch time is not
 dominated by one `mx.eval` round trip (timing one launch per eval gave identical variants up
 to 1.7x apart); median of `--reps` calls after warm-up, divided by the launches. TFLOP/s of
@@ -27,11 +28,14 @@ from .switch_glu import experts_of, quantized_switch_glu
 from .timing import bench, fmt, markdown_table
 
 SHAPES = {"qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2)}
-CASES = [("qwen3", 512), ("qwen3", 2048), ("qwen3", 8192), ("mixtral", 512), ("mixtral", 2048)]
+# Prefill shapes, and batched-decode ones (T = 16, 64: few rows per expert, where 16-row tiles read
+# each routed expert's weights once and the per-pair decode GEMV reads them once per pair).
+CASES = [("qwen3", 512), ("qwen3", 2048), ("qwen3", 8192), ("mixtral", 512), ("mixtral", 2048),
+         ("qwen3", 16), ("qwen3", 64), ("mixtral", 16)]
 # (GEMM, tile knob, two-lane dequantisation in `grouped`, pipeline stages of `grouped_registers`)
 VARIANTS = [("grouped", None, False, 3), ("grouped", None, True, 3), ("registers", None, False, 3),
             ("registers", 32, False, 3), ("registers", 64, False, 3), ("registers", 128, False, 3),
-            ("registers", None, False, 4)]
+            ("registers", None, False, 4), ("registers", 16, False, 3)]
 
 
 def run_variant(x, indices, experts, variant, reps, launches):
@@ -73,7 +77,8 @@ def main(argv=None):
     variants = [VARIANTS[int(i)] for i in args.variants.split(",")]
     if not mx.cuda.is_available():
         raise SystemExit("prefill_sweep times the CUDA kernel: run it on a CUDA GPU")
-    columns = ["case", "GEMM", "tile knob", "tile", "two-lane", "stages", "gate+up TF/s", "down TF/s", "rel err"]
+    columns = ["case", "GEMM", "tile knob", "tile", "two-lane", "stages", "gate+up TF/s", "down TF/s",
+               "weights GB/s", "rel err"]
     rows = []
     for shape, tokens in cases:
         hidden, ffn, experts_count, top_k = SHAPES[shape]
@@ -82,6 +87,9 @@ def main(argv=None):
         indices = random_routing(tokens, experts_count, top_k)
         mx.eval(x, indices)
         flops = 2 * indices.size * hidden * ffn
+        # Bytes of the routed experts' packed weights, scales and biases (each read once at best).
+        routed = len(set(indices.reshape(-1).tolist()))
+        weight_bytes = 3 * routed * hidden * ffn * (4 / 8 + 2 * 2 / 64)
         reference = None
         for variant in variants:
             tile, gate_up, down, out = run_variant(x, indices, experts, variant, args.reps, args.launches)
@@ -91,7 +99,8 @@ def main(argv=None):
             gemm, fixed, half2, stages = variant
             rows.append([f"{shape} T={tokens}", gemm, "rule" if fixed is None else fixed, tile, half2, stages,
                          fmt(2 * flops * args.launches / gate_up.median / 1e12),
-                         fmt(flops * args.launches / down.median / 1e12), f"{error:.1e}"])
+                         fmt(flops * args.launches / down.median / 1e12),
+                         fmt(weight_bytes * args.launches / (gate_up.median + down.median) / 1e9), f"{error:.1e}"])
             print(markdown_table(columns, rows[-1:]), flush=True)
     prefill.FIXED_TILE, prefill.HALF2_DEQUANT, prefill.REGISTER_DEQUANT, prefill.REGISTERS_STAGES = None, False, False, 3
     print(markdown_table(columns, rows))

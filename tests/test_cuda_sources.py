@@ -87,7 +87,7 @@ def test_prefill_kernel_compiles(tmp_path, t):
     variants += [
         ("grouped_registers", t, {"BITS": bits, "GROUP": group, "BM": bm, "PAIRS_IN": pairs_in, "ACTIVATE": activate,
                                   "GATED": gated, "ACT": act, "LIMITED": act < 2, "HAS_BIAS": bits == 8, "STAGES": stages})
-        for (bits, group, bm), stages in (((4, 64, 64), 3), ((8, 32, 128), 4), ((4, 128, 32), 3))
+        for (bits, group, bm), stages in (((4, 64, 64), 3), ((8, 32, 128), 4), ((4, 128, 32), 3), ((8, 64, 16), 3))
         for pairs_in, activate, gated, act in ((True, True, True, 0), (False, False, False, 0))
     ]
     variants.append(("route", t, {"TILE": 128, "MAX_EXPERTS": PREFILL.ROUTE_MAX_EXPERTS}))
