@@ -25,7 +25,7 @@ prefill = importlib.import_module("mlx_moe_fix.kernels.moe_prefill")
 
 from .kernels import random_routing
 from .switch_glu import experts_of, quantized_switch_glu
-from .timing import bench, fmt, markdown_table
+from .timing import bench, fmt, markdown_table, repeated
 
 SHAPES = {"qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2)}
 # Prefill shapes, and batched-decode ones (T = 16, 64: few rows per expert, where 16-row tiles read
@@ -59,10 +59,7 @@ def run_variant(x, indices, experts, variant, reps, launches):
 
     out = down_proj()
     mx.eval(out)
-    def repeated(fn):
-        return lambda: [fn() for _ in range(launches)]
-
-    return tile, bench(repeated(gate_up), 3, reps), bench(repeated(down_proj), 3, reps), out
+    return tile, bench(repeated(gate_up, launches), 3, reps), bench(repeated(down_proj, launches), 3, reps), out
 
 
 def main(argv=None):
