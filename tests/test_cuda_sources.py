@@ -67,7 +67,7 @@ def compile_ok(tmp_path, text):
 def test_decode_kernels_compile(tmp_path, t):
     variants = []
     for bits, group in ((4, 64), (8, 32)):
-        base = {"BITS": bits, "GROUP": group, "WARPS": 8, "HAS_BIAS": bits == 8}
+        base = {"BITS": bits, "GROUP": group, "WARPS": 8, "HAS_BIAS": bits == 8, "RPW": 4 if bits == 4 else 1}
         variants += [("gate_up", t, {**base, "GATED": gated}) for gated in (True, False)]
         variants += [("down", t, {**base, "INPUT_PER_PAIR": p, "COMBINE": c}) for p in (True, False) for c in (True, False)]
     compile_ok(tmp_path, translation_unit(DECODE, "moe_decode.cu", variants))
@@ -97,7 +97,7 @@ def test_prefill_kernel_compiles(tmp_path, t):
 def test_a_bias_signature_that_disagrees_with_has_bias_does_not_compile(tmp_path):
     # MLX reuses a compiled kernel by name and template arguments: HAS_BIAS must tell the bias
     # inputs' type apart, and a kernel built with the wrong one must not compile at all.
-    constants = {"BITS": 4, "GROUP": 64, "WARPS": 8, "GATED": True, "HAS_BIAS": True}
+    constants = {"BITS": 4, "GROUP": 64, "WARPS": 8, "GATED": True, "HAS_BIAS": True, "RPW": 1}
     text = translation_unit(DECODE, "moe_decode.cu", [("gate_up", "__nv_bfloat16", constants)])
     mismatched = text.replace("const __nv_bfloat16* up_bias", "const float* up_bias")
     assert mismatched != text
