@@ -20,7 +20,7 @@ MLX_ENABLE_TF32=0 MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} timeout -s INT -k 15 "${TE
     scripts/pytest-shards.sh 4 tests/parity/test_ops.py -q -rs -p no:cacheprovider --tb=short -k cuda \
     >"$out/tests.log" 2>&1
 echo "tests: exit $?" | tee "$out/status.txt"
-timeout -s INT -k 15 "${SWEEP_TIMEOUT:-240}" python3 -m benchmarks.prefill_sweep >"$out/sweep.log" 2>&1
+timeout -s INT -k 15 "${SWEEP_TIMEOUT:-200}" python3 -m benchmarks.prefill_sweep >"$out/sweep.log" 2>&1
 echo "sweep: exit $?" | tee -a "$out/status.txt"
 {
     timeout -s INT -k 15 "${SPLIT_TIMEOUT:-60}" python3 -m benchmarks.decode_split
