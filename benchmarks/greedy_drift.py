@@ -9,6 +9,7 @@ stock's top-2 margin, and whether a MoE layer routed a token to other experts th
 
 import argparse
 import os
+import time
 
 import mlx.core as mx
 
@@ -38,9 +39,12 @@ def main(argv=None):
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     model = zoo.build(args.family, args.bits, dtype=mx.bfloat16)
     prompt = zoo.prompt_for(args.family)
     stock, stock_logits, stock_routes = run(model, prompt, None)
+    # Progress as it goes: a first run on a fresh GPU machine can spend minutes compiling.
+    print(f"stock: {len(stock)} tokens after {time.perf_counter() - started:.0f} s", flush=True)
     layers = len(zoo.moe_layers(model))
     columns = ["step", "stock top-2 margin"]
     table = [[step, f"{(lambda t: t[1] - t[0])(mx.sort(stock_logits[step])[-2:].tolist()):.3g}"]
@@ -55,10 +59,15 @@ def main(argv=None):
                 choices, logits, routes = run(model, prompt, stock)
         columns += [f"{name}: rel err", "rerouted", "same token"]
         rerouted = zoo.rerouted_steps(routes, stock_routes, layers)
-        for step in range(len(stock)):
-            error = (mx.linalg.norm(logits[step] - stock_logits[step]) / mx.linalg.norm(stock_logits[step])).item()
+        errors = [(mx.linalg.norm(logits[step] - stock_logits[step]) / mx.linalg.norm(stock_logits[step])).item()
+                  for step in range(len(stock))]
+        for step, error in enumerate(errors):
             table[step] += [f"{error:.2e}", rerouted[step], choices[step] == stock[step]]
-        print(f"{name}: done", flush=True)
+        worst = max(range(len(errors)), key=errors.__getitem__)
+        print(f"{name}: largest logits error {errors[worst]:.2e} at step {worst}; rerouted steps "
+              f"{[i for i, r in enumerate(rerouted) if r]}; other tokens at "
+              f"{[i for i, (c, t) in enumerate(zip(choices, stock)) if c != t]}; "
+              f"{time.perf_counter() - started:.0f} s", flush=True)
     print(markdown_table(columns, table))
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 
 from typing import Optional
 
@@ -441,8 +442,6 @@ def recording_routes(model):
     Two runs of a model on the same tokens can then be told apart where a router's near-tie sent
     a token to another expert or jumped a weight (that moves the output far more than any
     rounding)."""
-    import sys
-
     routes: list[tuple] = []
     weights: list[Optional[mx.array]] = [None]  # the last recorded router's, for the next layer call
     swapped = []
