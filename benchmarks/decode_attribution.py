@@ -25,12 +25,11 @@ import statistics
 from typing import Callable, Dict, Iterator, List
 
 import mlx.core as mx
-import numpy as np
 
 import mlx_moe_fix
 
-from .models import build_model, model_specs, set_mode, time_decode
-from .timing import environment, environment_line, log, markdown_table, write_json
+from .models import MOE_MODELS, build_model, set_mode, start_run, time_decode
+from .timing import log, markdown_table, write_json
 
 
 def identity(self, x, *args, **kwargs):
@@ -123,16 +122,15 @@ def parse_args(argv=None):
     if args.smoke:
         args.decode_prompt, args.decode_tokens, args.repeats = 8, 4, 1
     args.models = args.models.split(",")
+    unknown = set(args.models) - set(MOE_MODELS)
+    if unknown:
+        p.error(f"unknown models {sorted(unknown)}; choose from {MOE_MODELS}")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    mx.random.seed(args.seed)
-    rng = np.random.default_rng(args.seed)
-    env = environment()
-    log("[attribution] " + environment_line(env))
-    specs = model_specs(args.smoke, args.deepseek_layers)
+    rng, env, specs = start_run(args, "attribution")
     results, rows = {}, []
     for name in args.models:
         spec = specs[name]

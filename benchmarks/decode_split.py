@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx_moe_fix
 
 from .switch_glu import add_shape_arguments, experts_of, quantized_switch_glu
+from .timing import relative_error
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (baseline-h200.md)
 
@@ -39,11 +40,6 @@ def split(fn, reps):
         builds.append(built - start)
         evals.append(time.perf_counter() - built)
     return statistics.median(builds), statistics.median(evals)
-
-
-def relative_error(out, ref) -> float:
-    out, ref = out.astype(mx.float32), ref.astype(mx.float32)
-    return (mx.linalg.norm(out - ref) / mx.linalg.norm(ref)).item()
 
 
 def main(argv=None):

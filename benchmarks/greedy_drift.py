@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx_moe_fix
 from mlx_moe_fix import zoo
 
-from .timing import markdown_table
+from .timing import markdown_table, relative_error
 
 SWITCHES = ("MLX_MOE_FIX_CUDA_DECODE", "MLX_MOE_FIX_CUDA_PREFILL")
 # "stock again": a second unpatched run, stock's own run-to-run spread on this backend.
@@ -47,8 +47,8 @@ def main(argv=None):
     print(f"stock: {len(stock)} tokens after {time.perf_counter() - started:.0f} s", flush=True)
     layers = len(zoo.moe_layers(model))
     columns = ["step", "stock top-2 margin"]
-    table = [[step, f"{(lambda t: t[1] - t[0])(mx.sort(stock_logits[step])[-2:].tolist()):.3g}"]
-             for step in range(len(stock))]
+    top_two = mx.sort(stock_logits, axis=-1)[:, -2:].tolist()
+    table = [[step, f"{top[1] - top[0]:.3g}"] for step, top in enumerate(top_two)]
     for name in args.configs.split(","):
         if CONFIGS[name] is None:
             choices, logits, routes = run(model, prompt, stock)
@@ -59,8 +59,7 @@ def main(argv=None):
                 choices, logits, routes = run(model, prompt, stock)
         columns += [f"{name}: rel err", "rerouted", "same token"]
         rerouted = zoo.rerouted_steps(routes, stock_routes, layers)
-        errors = [(mx.linalg.norm(logits[step] - stock_logits[step]) / mx.linalg.norm(stock_logits[step])).item()
-                  for step in range(len(stock))]
+        errors = [relative_error(logits[step], stock_logits[step]) for step in range(len(stock))]
         for step, error in enumerate(errors):
             table[step] += [f"{error:.2e}", rerouted[step], choices[step] == stock[step]]
         worst = max(range(len(errors)), key=errors.__getitem__)

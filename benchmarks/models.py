@@ -651,13 +651,18 @@ def parse_args(argv=None):
     return args
 
 
+def start_run(args, tag: str):
+    """(rng, environment, model specs) of a model benchmark run: seeds MLX and the rng from
+    --seed, logs the environment under `tag`."""
+    mx.random.seed(args.seed)
+    env = environment()
+    log(f"[{tag}] " + environment_line(env))
+    return np.random.default_rng(args.seed), env, model_specs(args.smoke, args.deepseek_layers)
+
+
 def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
-    mx.random.seed(args.seed)
-    rng = np.random.default_rng(args.seed)
-    env = environment()
-    log("[models] " + environment_line(env))
-    specs = model_specs(args.smoke, args.deepseek_layers)
+    rng, env, specs = start_run(args, "models")
 
     names = []
     for moe in args.models:

@@ -1,8 +1,12 @@
 """Greedy tokens of a zoo model sharded over a distributed group, stock and patched, beside the
 same model unsharded: run under `mlx.launch`, one process per rank.
 
-    mlx.launch -n 2 --backend ring python3 -m benchmarks.sharded_tokens --family qwen3_moe   # CPU
-    mlx.launch -n 2 --backend nccl python3 -m benchmarks.sharded_tokens --family mixtral     # 2 GPUs
+    mlx.launch -n 2 --backend ring python3 -m benchmarks.sharded_tokens --backend ring   # CPU
+    mlx.launch -n 2 --backend nccl python3 -m benchmarks.sharded_tokens --backend nccl   # 2 GPUs
+
+The family's expert widths must split into whole quantization groups per rank: of the zoo, gpt_oss
+(128 wide, 2 groups of 64) does for two ranks; qwen3_moe's experts (64) do not, and mlx-lm's
+mixtral has no shard().
 
 Every rank builds the same seeded model, `model.shard(group)` splits its expert projections
 across the ranks (upstream's sharding: each rank holds a slice of every expert's width and the
@@ -21,7 +25,7 @@ from mlx_moe_fix import zoo
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", default="qwen3_moe", choices=zoo.FAMILIES)
+    p.add_argument("--family", default="gpt_oss", choices=zoo.FAMILIES)
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--backend", default="any", help="mx.distributed.init's backend")
@@ -42,8 +46,7 @@ def main(argv=None):
     paths = sorted({(r.layer, r.phase, r.path) for r in mlx_moe_fix.path_counts()})
     if group.rank() == 0:
         print(json.dumps({"ranks": group.size(), "device": str(mx.default_device()), "expert_widths": widths,
-                          "unsharded": unsharded,
-                          "stock": stock, "patched": patched, "paths": paths}), flush=True)
+                          "unsharded": unsharded, "stock": stock, "patched": patched, "paths": paths}), flush=True)
 
 
 if __name__ == "__main__":

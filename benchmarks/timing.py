@@ -64,6 +64,12 @@ def mlx_finish(out: Any) -> None:
     mx.synchronize()
 
 
+def relative_error(out: mx.array, ref: mx.array) -> float:
+    """||out - ref|| / ||ref||, in float32."""
+    out, ref = out.astype(mx.float32), ref.astype(mx.float32)
+    return (mx.linalg.norm(out - ref) / mx.linalg.norm(ref)).item()
+
+
 def repeated(fn: Callable[[], Any], launches: int) -> Callable[[], List[Any]]:
     """`fn` built `launches` times into one graph: timing that spreads one `mx.eval` round trip
     over the launches, which single sub-millisecond kernels cannot afford (timed one per eval,

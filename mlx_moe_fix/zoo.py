@@ -121,8 +121,9 @@ def _config(family: str):
             n_shared_experts=1,
             n_routed_experts=E,
             routed_scaling_factor=2.5,
-            # 128, not 64: MLX's CUDA quantized_matmul has no kernel for the per-head (batched)
-            # MLA projections at 64 x 64 with several rows ("No implementation for problem shape").
+            # 128, not 64: MLX's CUDA quantized_matmul has no kernel for 64-wide inputs with
+            # per-head (3-D) weights, as the MLA projections have ("No implementation for problem
+            # shape"; probed on the H200 at 1, 8 and 40 rows).
             kv_lora_rank=128,
             q_lora_rank=128,
             qk_rope_head_dim=32,
@@ -186,7 +187,7 @@ def _config(family: str):
             n_routed_experts=E,
             num_experts_per_tok=K,
             # 128, not 64: as for deepseek_v3, MLX's CUDA quantized_matmul has no kernel for the
-            # grouped output projection at 64 x 64 with several rows.
+            # grouped (3-D) output projection with 64-wide inputs.
             q_lora_rank=128,
             qk_rope_head_dim=32,
             head_dim=128,

@@ -55,6 +55,5 @@ def pytest_collection_modifyitems(config, items):
     index, count = (int(part) for part in shard.split("/"))
     if not 0 <= index < count:
         raise pytest.UsageError(f"MLX_MOE_FIX_SHARD={shard}: want i/n with 0 <= i < n")
-    kept = items[index::count]
-    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-    items[:] = kept
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % count != index])
+    items[:] = items[index::count]

@@ -6,11 +6,11 @@ reproduce stock bit for bit: the 32 tokens must be identical. Where they run ker
 in another order than stock, random models have near-ties, of two kinds: steps where stock's
 top-2 logits are within a few ulps (stock's own CPU and CUDA paths split on them), and router
 near-ties, where a rounding difference sends a token to another expert (or, in phimoe's
-sparsemixer, jumps a routing weight) and moves that step's logits far. There the patched model is fed stock's tokens (teacher forcing) and, at every step
-that every MoE layer routed and weighted as stock did, must produce logits within a bf16 / fp16 tolerance of
-stock's and pick stock's token wherever stock's choice is clear (top-2 margin above NEAR_TIE of
-the top logit); at least 3/4 of the steps must be clear and routed as stock, so the check
-cannot go vacuous."""
+sparsemixer, jumps a routing weight) and moves that step's logits far. There the patched model
+is fed stock's tokens (teacher forcing) and, at every step that every MoE layer routed and
+weighted as stock did, must produce logits within a bf16 / fp16 tolerance of stock's and pick
+stock's token wherever stock's choice is clear (top-2 margin above NEAR_TIE of the top logit);
+at least 3/4 of the steps must be clear and routed as stock, so the check cannot go vacuous."""
 
 import mlx.core as mx
 import pytest
