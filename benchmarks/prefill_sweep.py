@@ -25,7 +25,7 @@ prefill = importlib.import_module("mlx_moe_fix.kernels.moe_prefill")
 
 from .kernels import random_routing
 from .switch_glu import experts_of, quantized_switch_glu
-from .timing import bench, fmt, markdown_table, repeated
+from .timing import bench, fmt, markdown_table, relative_error, repeated
 
 SHAPES = {"qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2)}
 # Prefill shapes, and batched-decode ones (T = 16, 64: few rows per expert, where 16-row tiles read
@@ -91,8 +91,8 @@ def main(argv=None):
         for variant in variants:
             tile, gate_up, down, out = run_variant(x, indices, experts, variant, args.reps, args.launches)
             if reference is None:
-                reference = out.astype(mx.float32)
-            error = (mx.linalg.norm(out.astype(mx.float32) - reference) / mx.linalg.norm(reference)).item()
+                reference = out
+            error = relative_error(out, reference)
             gemm, fixed, half2, stages = variant
             rows.append([f"{shape} T={tokens}", gemm, "rule" if fixed is None else fixed, tile, half2, stages,
                          fmt(2 * flops * args.launches / gate_up.median / 1e12),
