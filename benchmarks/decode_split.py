@@ -64,21 +64,29 @@ def main(argv=None):
         rows.append(("patched SwitchGLU", split(run_layers, args.reps)))
         errors = [relative_error(p, s) for p, s in zip(run_layers(), stock_out)]
     if mx.cuda.is_available():
-        from mlx_moe_fix.kernels.moe_decode import moe_decode_kernel
+        import importlib
 
+        decode = importlib.import_module("mlx_moe_fix.kernels.moe_decode")
         described = [experts_of(layer) for layer in layers]
-        rows.append(("decode kernel, direct", split(lambda: [moe_decode_kernel(x, indices, e) for e in described], args.reps)))
+        weights = mx.softmax(mx.random.normal(indices.shape), axis=-1).astype(mx.bfloat16)
+        for rows_per_warp in (1, 4):  # experiment (branch decode-rows): output rows per warp
+            decode.ROWS_PER_WARP = rows_per_warp
+            rows.append((f"decode kernel, direct, {rows_per_warp} rows/warp",
+                         split(lambda: [decode.moe_decode_kernel(x, indices, e) for e in described], args.reps)))
+            rows.append((f"decode kernel + combine, direct, {rows_per_warp} rows/warp",
+                         split(lambda: [decode.moe_decode_kernel(x, indices, e, weights) for e in described], args.reps)))
+        decode.ROWS_PER_WARP = 4
 
     layer_bytes = args.top_k * 3 * (args.ffn * args.hidden // 2 + 2 * 2 * args.ffn * args.hidden // 64)
     print(f"hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, top-{args.top_k}, {args.layers} layers, "
           f"MLX {mx.__version__}, {mx.default_device()}, MLX_MOE_FIX_CUDA_DECODE={os.environ.get('MLX_MOE_FIX_CUDA_DECODE', '')!r}")
     print(f"expert weights per layer: {layer_bytes / 1e6:.1f} MB = {layer_bytes / HBM_BYTES_PER_S * 1e6:.1f} us at 4.3 TB/s")
     print(f"patched vs stock, max relative error over layers: {max(errors):.2e}")
-    print("| path | build us/layer | eval us/layer | total us/layer |")
-    print("|---|---|---|---|")
+    print("| path | build us/layer | eval us/layer | total us/layer | expert weights GB/s (eval) |")
+    print("|---|---|---|---|---|")
     for name, (build, evaluate) in rows:
         print(f"| {name} | {build / args.layers * 1e6:.1f} | {evaluate / args.layers * 1e6:.1f} | "
-              f"{(build + evaluate) / args.layers * 1e6:.1f} |")
+              f"{(build + evaluate) / args.layers * 1e6:.1f} | {layer_bytes * args.layers / evaluate / 1e9:.0f} |")
 
 
 if __name__ == "__main__":

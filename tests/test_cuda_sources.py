@@ -67,7 +67,7 @@ def compile_ok(tmp_path, text):
 def test_decode_kernels_compile(tmp_path, t):
     variants = []
     for bits, group in ((4, 64), (8, 32)):
-        base = {"BITS": bits, "GROUP": group, "WARPS": 8, "HAS_BIAS": bits == 8}
+        base = {"BITS": bits, "GROUP": group, "WARPS": 8, "HAS_BIAS": bits == 8, "RPW": 4 if bits == 4 else 1}
         variants += [("gate_up", t, {**base, "GATED": gated}) for gated in (True, False)]
         variants += [("down", t, {**base, "INPUT_PER_PAIR": p, "COMBINE": c}) for p in (True, False) for c in (True, False)]
     compile_ok(tmp_path, translation_unit(DECODE, "moe_decode.cu", variants))
@@ -77,10 +77,18 @@ def test_decode_kernels_compile(tmp_path, t):
 def test_prefill_kernel_compiles(tmp_path, t):
     variants = [
         ("grouped", t, {"BITS": bits, "GROUP": group, "BM": bm, "PAIRS_IN": pairs_in, "ACTIVATE": activate, "GATED": gated,
-                     "ACT": act, "LIMITED": act < 2, "HAS_BIAS": act == 1})
-        for bits, group, bm in ((4, 128, 64), (8, 64, 128), (4, 32, 128))
+                     "ACT": act, "LIMITED": act < 2, "HAS_BIAS": act == 1,
+                     "HALF2_DEQUANT": half2 and (bits == 4 or t == "__half")})
+        for bits, group, bm in ((4, 128, 64), (8, 64, 128), (4, 32, 128), (4, 64, 32))
+        for half2 in (False, True)
         for pairs_in, activate, gated, act in ((True, True, True, 0), (True, True, True, 1), (True, True, False, 3),
                                                (False, False, False, 0), (True, False, False, 0))
+    ]
+    variants += [
+        ("grouped_registers", t, {"BITS": bits, "GROUP": group, "BM": bm, "PAIRS_IN": pairs_in, "ACTIVATE": activate,
+                                  "GATED": gated, "ACT": act, "LIMITED": act < 2, "HAS_BIAS": bits == 8, "STAGES": stages})
+        for (bits, group, bm), stages in (((4, 64, 64), 3), ((8, 32, 128), 4), ((4, 128, 32), 3), ((8, 64, 16), 3))
+        for pairs_in, activate, gated, act in ((True, True, True, 0), (False, False, False, 0))
     ]
     variants.append(("route", t, {"TILE": 128, "MAX_EXPERTS": PREFILL.ROUTE_MAX_EXPERTS}))
     compile_ok(tmp_path, translation_unit(PREFILL, "moe_prefill.cu", variants))
@@ -89,7 +97,7 @@ def test_prefill_kernel_compiles(tmp_path, t):
 def test_a_bias_signature_that_disagrees_with_has_bias_does_not_compile(tmp_path):
     # MLX reuses a compiled kernel by name and template arguments: HAS_BIAS must tell the bias
     # inputs' type apart, and a kernel built with the wrong one must not compile at all.
-    constants = {"BITS": 4, "GROUP": 64, "WARPS": 8, "GATED": True, "HAS_BIAS": True}
+    constants = {"BITS": 4, "GROUP": 64, "WARPS": 8, "GATED": True, "HAS_BIAS": True, "RPW": 1}
     text = translation_unit(DECODE, "moe_decode.cu", [("gate_up", "__nv_bfloat16", constants)])
     mismatched = text.replace("const __nv_bfloat16* up_bias", "const float* up_bias")
     assert mismatched != text

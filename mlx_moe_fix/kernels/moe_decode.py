@@ -17,7 +17,11 @@ from .experts import ExpertLinear, MoEExperts
 from .launch import absent, bias_template, cuda_kernel_object, kernel_dims, kernel_params, quantized_experts_reason
 from .reference import combine, expert_chain
 
-WARPS_PER_BLOCK = 8  # output rows per block, one warp each
+WARPS_PER_BLOCK = 8
+# Output rows per warp (RPW in cuda/moe_decode.cu): a warp reads each staged activation vector
+# from shared memory once for all its rows. Experiment knob (branch decode-rows): 1 is the
+# original kernel.
+ROWS_PER_WARP = 4
 
 
 def moe_decode_reference(
@@ -62,7 +66,8 @@ def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:
 
 def _grid(rows: int, blocks_y: int) -> tuple:
     per_block = WARPS_PER_BLOCK * 32
-    return (-(-rows // WARPS_PER_BLOCK) * per_block, blocks_y, 1), (per_block, 1, 1)
+    rows_per_block = WARPS_PER_BLOCK * ROWS_PER_WARP
+    return (-(-rows // rows_per_block) * per_block, blocks_y, 1), (per_block, 1, 1)
 
 
 def _shared_bytes(linear: ExpertLinear, rows: int) -> int:
@@ -95,7 +100,7 @@ class Launch(NamedTuple):
 
 def _quant_templates(linear: ExpertLinear, dtype) -> list:
     return [("T", dtype), ("S", linear.scales.dtype), ("BITS", linear.bits), ("GROUP", linear.group_size),
-            ("WARPS", WARPS_PER_BLOCK)]
+            ("WARPS", WARPS_PER_BLOCK), ("RPW", ROWS_PER_WARP)]
 
 
 def _gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype) -> Launch:
@@ -151,7 +156,7 @@ def _launches(experts: MoEExperts, top_k: int, pairs: int, dtype, weights_dtype)
             combine_outside,
         )
 
-    return experts.memo(("cuda decode launches", top_k, pairs, dtype, weights_dtype), plan)
+    return experts.memo(("cuda decode launches", top_k, pairs, dtype, weights_dtype, ROWS_PER_WARP), plan)
 
 
 def moe_decode_kernel(

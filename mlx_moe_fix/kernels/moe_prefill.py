@@ -28,14 +28,24 @@ from .reference import combine, expert_chain
 
 TILES = (64, 128)  # tile heights (BM in cuda/moe_prefill.cu); BN = BK = 64
 TALL_TILE_MIN_ROWS = 256  # mean rows per expert from which 128-row tiles pay
+# Experiment knobs (benchmarks/prefill_sweep.py): a fixed tile height instead of the rule above,
+# and dequantisation in T's two-lane arithmetic where it is exact.
+FIXED_TILE: Optional[int] = None
+HALF2_DEQUANT = False
+# Experiment (benchmarks/prefill_sweep.py): the `grouped_registers` GEMM (weights dequantised in
+# registers, 128 columns a block, a 3-stage pipeline) instead of `grouped`.
+REGISTER_DEQUANT = False
+REGISTERS_BLOCK_N = 128
+REGISTERS_STAGES = 3
 BLOCK_N = BLOCK_K = 64
 SHARED_ROW = BLOCK_K + 8  # elements per shared-memory row (LDS)
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL"
 # The kernel's parameters, in the order of its `inputs`.
-INPUTS = {"grouped": ["a", "row_pair", "tile_expert", "w0", "s0", "b0", "w1", "s1", "b1",
-                      "bias0", "bias1", "scale", "dims", "params"],
+GROUPED_INPUTS = ["a", "row_pair", "tile_expert", "w0", "s0", "b0", "w1", "s1", "b1", "bias0", "bias1", "scale", "dims",
+                  "params"]
+INPUTS = {"grouped": GROUPED_INPUTS, "grouped_registers": GROUPED_INPUTS,
           "route": ["indices", "sizes"]}
-OUTPUTS = {"grouped": ["out"], "route": ["row_pair", "tile_expert"]}
+OUTPUTS = {"grouped": ["out"], "grouped_registers": ["out"], "route": ["row_pair", "tile_expert"]}
 ROUTE_MAX_EXPERTS = 1024  # the route kernel's shared arrays
 ROUTE_THREADS = 1024
 MAX_GRID_TILES = 65535  # the grouped GEMM's grid has one y index per tile
@@ -65,6 +75,17 @@ def threads(tile: int) -> int:
     return tile // 32 * 64
 
 
+def registers_shared_bytes(tile: int, gated: bool, bits: int) -> int:
+    """grouped_registers' dynamic shared memory: per stage, A rows and packed weight rows."""
+    weights = (2 if gated else 1) * REGISTERS_BLOCK_N * BLOCK_K * bits // 8
+    return REGISTERS_STAGES * (tile * SHARED_ROW * 2 + weights)
+
+
+def registers_threads(tile: int) -> int:
+    """Warps of 64 (or `tile`) rows x 32 columns, four across the block's 128 columns."""
+    return max(tile // 64, 1) * 4 * 32
+
+
 def cuda_kernel(section: str, shared: int = 0):
     """The cuda_kernel object of a section of cuda/moe_prefill.cu, for blocks of `shared` bytes
     of dynamic shared memory, or None where MLX has no CUDA."""
@@ -72,7 +93,14 @@ def cuda_kernel(section: str, shared: int = 0):
 
 
 def tile_height(pairs: int, num_experts: int) -> int:
+    if FIXED_TILE is not None:
+        return FIXED_TILE
     return TILES[1] if pairs >= TALL_TILE_MIN_ROWS * num_experts else TILES[0]
+
+
+def half2_dequant(linear, dtype) -> bool:
+    """Whether the two-lane dequantisation is on and exact for these weights and activations."""
+    return HALF2_DEQUANT and linear.scales.dtype == dtype and (linear.bits == 4 or dtype == mx.float16)
 
 
 def grid_tiles(pairs: int, num_experts: int, tile: int) -> int:
@@ -134,7 +162,13 @@ def _grouped(a, routing, pairs: int, top_k: int, matrices: tuple, activation, sc
     row_pair, tile_expert, tiles, tile = routing
     first, second = matrices[0], matrices[-1]
     gated = len(matrices) == 2
-    return cuda_kernel("grouped", shared_bytes(tile, gated))(
+    if REGISTER_DEQUANT and first.output_dims % 32 == 0 and a.size < 2**32:  # its A offsets are 32-bit
+        section, shared, block_threads = "grouped_registers", registers_shared_bytes(tile, gated, first.bits), registers_threads(tile)
+        blocks_n = -(-first.output_dims // REGISTERS_BLOCK_N)
+    else:
+        section, shared, block_threads = "grouped", shared_bytes(tile, gated), threads(tile)
+        blocks_n = first.output_dims // BLOCK_N
+    return cuda_kernel(section, shared)(
         inputs=[a, row_pair, tile_expert, first.weight, first.scales, first.biases,
                 second.weight, second.scales, second.biases,
                 first.bias if first.bias is not None else absent(),
@@ -145,11 +179,13 @@ def _grouped(a, routing, pairs: int, top_k: int, matrices: tuple, activation, sc
                 kernel_params(activation)],
         template=[("T", a.dtype), ("S", first.scales.dtype), ("SC", scale.dtype if scale is not None else mx.float32),
                   ("BITS", first.bits), ("GROUP", first.group_size), ("BM", tile),
+                  ("HALF2_DEQUANT", half2_dequant(first, a.dtype)),
                   ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated),
                   ("ACT", ACTIVATION_CODES[activation.kind] if activation is not None else 0),
-                  ("LIMITED", activation is not None and activation.limit is not None), bias_template(first)],
-        grid=(first.output_dims // BLOCK_N * threads(tile), tiles, 1),
-        threadgroup=(threads(tile), 1, 1),
+                  ("LIMITED", activation is not None and activation.limit is not None), bias_template(first),
+                  ("STAGES", REGISTERS_STAGES)],
+        grid=(blocks_n * block_threads, tiles, 1),
+        threadgroup=(block_threads, 1, 1),
         output_shapes=[(tiles * tile if activate else pairs, first.output_dims)],
         output_dtypes=[a.dtype],
     )[0]

@@ -3,6 +3,7 @@ current backend runs: the kernel on a GPU that has one, else the reference)."""
 
 import dataclasses
 import os
+import sys
 
 import mlx.core as mx
 import pytest
@@ -146,9 +147,19 @@ def test_cuda_decode_kernel_matches_ref(cuda_device, case):
     check_kernel(moe_decode_kernel, cuda_unsupported_reason(case.experts), moe_decode_reference, case)
 
 
+@pytest.fixture(params=[False, True], ids=["shared-dequant", "register-dequant"])
+def prefill_gemm(request):
+    """Runs a prefill kernel test with each grouped GEMM (experiment branch: both are kept until
+    the GPU says which one stays)."""
+    module = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
+    module.REGISTER_DEQUANT = request.param
+    yield
+    module.REGISTER_DEQUANT = False
+
+
 @CASES
 @given(case=layer_cases())
-def test_cuda_prefill_kernel_matches_ref(cuda_device, case):
+def test_cuda_prefill_kernel_matches_ref(cuda_device, prefill_gemm, case):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel
 
     check_kernel(moe_prefill_kernel, cuda_unsupported_reason(case.experts, case.dtype), moe_prefill_reference, case)
@@ -166,7 +177,7 @@ LARGE_PREFILL_CASES = {
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("name", LARGE_PREFILL_CASES)
-def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, name, dtype):
+def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, prefill_gemm, name, dtype):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel, tile_height
 
     quantization, glu, kind, tokens, routing, bias, tile = LARGE_PREFILL_CASES[name]

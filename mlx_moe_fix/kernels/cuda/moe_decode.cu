@@ -6,7 +6,8 @@
 // set is one NVRTC compile):
 //   T   activation / output type        S   scales, affine biases and additive bias type
 //   SC  per-expert scale type           WT  routing weight type
-//   BITS 4 or 8, GROUP 32/64/128, WARPS (rows per block), HAS_BIAS (the bias inputs' signature:
+//   BITS 4 or 8, GROUP 32/64/128, WARPS (warps per block), RPW (output rows per warp: the
+//   warp reads each staged activation vector once for all of them), HAS_BIAS (the bias inputs' signature:
 //   S, or the float32 placeholder; see moe_common::bias_signature_matches)
 //   gate_up: GATED;  down: INPUT_PER_PAIR, COMBINE
 // Run-time values (an int32 array `dims` and a float array `params`, uniform across the grid):
@@ -80,8 +81,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 // quantization group (GROUP >= 32 values >= one vector's values).
 template <int BITS, int GROUP, int ROWS, typename S>
 __device__ __forceinline__ void rows_dot(
-    float (&out)[ROWS], const uint32_t* const (&w)[ROWS], const S* const (&scales)[ROWS],
-    const S* const (&biases)[ROWS], const float* staged, int in_dim, int lane) {
+    float* out, const uint32_t* const* w, const S* const* scales, const S* const* biases, const float* staged,
+    int in_dim, int lane) {
   constexpr int VALUES = Layout<BITS>::VALUES;
   const int vectors = in_dim / VALUES;
   float acc[ROWS];
@@ -125,37 +126,39 @@ __device__ __forceinline__ void rows_dot(
   stage<BITS>(staged, x + (size_t)(pair / d.top_k) * d.in_dim, d.in_dim);
   __syncthreads();
   const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * WARPS + threadIdx.x / 32;
-  if (row >= d.out_dim) return;
+  const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
+  if (first_row >= d.out_dim) return;
   const size_t expert = indices[pair];
-  const size_t w_offset = (expert * d.out_dim + row) * (d.in_dim * BITS / 32);
-  const size_t s_offset = (expert * d.out_dim + row) * (d.in_dim / GROUP);
-  float up, gate = 0.f;
+  // This warp's RPW rows (rows past OUT_DIM read the last row and are not written), up then gate.
+  const uint32_t* w[2 * RPW];
+  const S* s[2 * RPW];
+  const S* b[2 * RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const size_t at = expert * d.out_dim + min(first_row + r, d.out_dim - 1);
+    w[r] = up_w + at * (d.in_dim * BITS / 32), s[r] = up_s + at * (d.in_dim / GROUP), b[r] = up_b + at * (d.in_dim / GROUP);
+    w[RPW + r] = gate_w + at * (d.in_dim * BITS / 32), s[RPW + r] = gate_s + at * (d.in_dim / GROUP);
+    b[RPW + r] = gate_b + at * (d.in_dim / GROUP);
+  }
+  float dots[2 * RPW];
   if (GATED) {
-    float dots[2];
-    const uint32_t* const w[2] = {up_w + w_offset, gate_w + w_offset};
-    const S* const s[2] = {up_s + s_offset, gate_s + s_offset};
-    const S* const b[2] = {up_b + s_offset, gate_b + s_offset};
-    rows_dot<BITS, GROUP, 2>(dots, w, s, b, staged, d.in_dim, lane);
-    up = dots[0];
-    gate = dots[1];
+    rows_dot<BITS, GROUP, 2 * RPW>(dots, w, s, b, staged, d.in_dim, lane);
   } else {
-    float dots[1];
-    const uint32_t* const w[1] = {up_w + w_offset};
-    const S* const s[1] = {up_s + s_offset};
-    const S* const b[1] = {up_b + s_offset};
-    rows_dot<BITS, GROUP, 1>(dots, w, s, b, staged, d.in_dim, lane);
-    up = dots[0];
+    rows_dot<BITS, GROUP, RPW>(dots, w, s, b, staged, d.in_dim, lane);
   }
-  if (lane != 0) return;
-  up = rnd<T>(up);
-  gate = rnd<T>(gate);
-  if (d.has_bias) {
-    up = rnd<T>(up + static_cast<float>(up_bias[expert * d.out_dim + row]));
-    if (GATED) gate = rnd<T>(gate + static_cast<float>(gate_bias[expert * d.out_dim + row]));
+  // Every lane holds every row's sums: lane r writes row first_row + r.
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const int row = first_row + r;
+    if (lane != r || row >= d.out_dim) continue;
+    float up = rnd<T>(dots[r]), gate = GATED ? rnd<T>(dots[RPW + r]) : 0.f;
+    if (d.has_bias) {
+      up = rnd<T>(up + static_cast<float>(up_bias[expert * d.out_dim + row]));
+      if (GATED) gate = rnd<T>(gate + static_cast<float>(gate_bias[expert * d.out_dim + row]));
+    }
+    if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(gate_scale[expert])));
+    hidden[(size_t)pair * d.out_dim + row] = static_cast<T>(activate<T>(d.act, d.has_limit, up, gate, params[0], params[1]));
   }
-  if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(gate_scale[expert])));
-  hidden[(size_t)pair * d.out_dim + row] = static_cast<T>(activate<T>(d.act, d.has_limit, up, gate, params[0], params[1]));
 }
 
 //// down
@@ -179,24 +182,36 @@ __device__ __forceinline__ void rows_dot(
   }
   __syncthreads();
   const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * WARPS + threadIdx.x / 32;
-  if (row >= d.out_dim) return;
-  float total = 0.f;
+  const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
+  if (first_row >= d.out_dim) return;
+  float total[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) total[r] = 0.f;
   for (int j = 0; j < pairs; ++j) {
     const int pair = first_pair + j;
     const size_t expert = indices[pair];
-    const size_t w_offset = (expert * d.out_dim + row) * (d.in_dim * BITS / 32);
-    const size_t s_offset = (expert * d.out_dim + row) * (d.in_dim / GROUP);
-    float dots[1];
-    const uint32_t* const wr[1] = {w + w_offset};
-    const S* const sr[1] = {s + s_offset};
-    const S* const br[1] = {b + s_offset};
-    rows_dot<BITS, GROUP, 1>(dots, wr, sr, br, staged + j * staged_floats, d.in_dim, lane);
-    float y = rnd<T>(dots[0]);
-    if (d.has_bias) y = rnd<T>(y + static_cast<float>(bias[expert * d.out_dim + row]));
-    if (d.has_scale) y = rnd<T>(y * rnd<T>(static_cast<float>(out_scale[expert])));
-    if (COMBINE) y = rnd<T>(y * rnd<T>(static_cast<float>(weights[pair])));
-    total += y;
+    const uint32_t* wr[RPW];
+    const S* sr[RPW];
+    const S* br[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      const size_t at = expert * d.out_dim + min(first_row + r, d.out_dim - 1);
+      wr[r] = w + at * (d.in_dim * BITS / 32), sr[r] = s + at * (d.in_dim / GROUP), br[r] = b + at * (d.in_dim / GROUP);
+    }
+    float dots[RPW];
+    rows_dot<BITS, GROUP, RPW>(dots, wr, sr, br, staged + j * staged_floats, d.in_dim, lane);
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      const int row = min(first_row + r, d.out_dim - 1);
+      float y = rnd<T>(dots[r]);
+      if (d.has_bias) y = rnd<T>(y + static_cast<float>(bias[expert * d.out_dim + row]));
+      if (d.has_scale) y = rnd<T>(y * rnd<T>(static_cast<float>(out_scale[expert])));
+      if (COMBINE) y = rnd<T>(y * rnd<T>(static_cast<float>(weights[pair])));
+      total[r] += y;
+    }
   }
-  if (lane == 0) out[(size_t)blockIdx.y * d.out_dim + row] = static_cast<T>(total);
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    if (lane == r && first_row + r < d.out_dim) out[(size_t)blockIdx.y * d.out_dim + first_row + r] = static_cast<T>(total[r]);
+  }
 }

@@ -17,6 +17,7 @@
 //   GATED:     two weight matrices (gate = 0, up = 1) feed the activation
 //   HAS_BIAS: the bias inputs' signature (S, or the float32 placeholder; see
 //              moe_common::bias_signature_matches)
+//   HALF2_DEQUANT: dequantise in T's two-lane arithmetic (grouped::dequant_pair); needs S == T
 //   ACT, LIMITED: the activation (codes of moe_common::activate), with its clamp stage; constants
 //              here, unlike the decode kernels' run-time ones, because the epilogue is unrolled
 //              32 times and every activation's code in it made NVRTC compile for seconds
@@ -76,6 +77,30 @@ __device__ __forceinline__ float small_uint_to_float(unsigned q) {
   return __uint_as_float(0x4B000000u | q) - 8388608.f;
 }
 
+// Two consecutive BITS-bit values of `word` (the pair from bit `shift` on) dequantised in T's own
+// two-lane arithmetic: OR-ed under the exponent of MAGIC they become MAGIC + q exactly, then
+// (x - MAGIC) * scale + bias rounds once. Needs MAGIC + q exact in T: 4-bit values for bf16
+// (MAGIC 128), 4- or 8-bit for fp16 (MAGIC 1024); scale2 / bias2 hold the pair's scale and bias.
+template <typename T, int BITS>
+__device__ __forceinline__ unsigned dequant_pair(unsigned word, int shift, unsigned scale2, unsigned bias2) {
+  constexpr unsigned MASK = (1u << BITS) - 1u;
+  constexpr bool BF16 = cuda::std::is_same_v<T, __nv_bfloat16>;
+  static_assert(BITS == 4 || !BF16, "bf16 holds MAGIC + q exactly only for 4-bit q");
+  const unsigned x = word >> shift;
+  unsigned packed = (x & MASK) | ((x << (16 - BITS)) & (MASK << 16)) | (BF16 ? 0x43004300u : 0x64006400u);
+  if constexpr (BF16) {
+    const __nv_bfloat162 magic = __floats2bfloat162_rn(128.f, 128.f);
+    __nv_bfloat162 v = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&packed), magic);
+    v = __hfma2(v, *reinterpret_cast<__nv_bfloat162*>(&scale2), *reinterpret_cast<__nv_bfloat162*>(&bias2));
+    return *reinterpret_cast<unsigned*>(&v);
+  } else {
+    const __half2 magic = __floats2half2_rn(1024.f, 1024.f);
+    __half2 v = __hsub2(*reinterpret_cast<__half2*>(&packed), magic);
+    v = __hfma2(v, *reinterpret_cast<__half2*>(&scale2), *reinterpret_cast<__half2*>(&bias2));
+    return *reinterpret_cast<unsigned*>(&v);
+  }
+}
+
 }  // namespace grouped
 
 //// grouped
@@ -97,6 +122,7 @@ __device__ __forceinline__ float small_uint_to_float(unsigned q) {
   static_assert(GROUP % (128 / BITS) == 0, "a weight vector never straddles a group");
   static_assert(bias_signature_matches<HAS_BIAS, S, decltype(bias0)> &&
                 bias_signature_matches<HAS_BIAS, S, decltype(bias1)>, "HAS_BIAS disagrees with the bias inputs");
+  static_assert(!HALF2_DEQUANT || cuda::std::is_same_v<S, T>, "two-lane dequantisation takes scales of T");
 
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* sa = reinterpret_cast<T*>(shared_bytes);   // [2][BM * LDS]
@@ -165,12 +191,17 @@ __device__ __forceinline__ float small_uint_to_float(unsigned q) {
         const unsigned words[4] = {w_reg[m][i].x, w_reg[m][i].y, w_reg[m][i].z, w_reg[m][i].w};
         const float scale = scale_reg[m][i], bias = bias_reg[m][i];
         unsigned packed[4 * PER_WORD / 2];
+        const unsigned scale2 = pack2<T>(scale, scale), bias2 = pack2<T>(bias, bias);
 #pragma unroll
         for (int j = 0; j < 4 * PER_WORD / 2; ++j) {
           const unsigned word = words[j * 2 / PER_WORD];
           const int shift = BITS * (j * 2 % PER_WORD);
-          packed[j] = pack2<T>(fmaf(scale, small_uint_to_float((word >> shift) & MASK), bias),
-                               fmaf(scale, small_uint_to_float((word >> (shift + BITS)) & MASK), bias));
+          if constexpr (HALF2_DEQUANT) {
+            packed[j] = dequant_pair<T, BITS>(word, shift, scale2, bias2);
+          } else {
+            packed[j] = pack2<T>(fmaf(scale, small_uint_to_float((word >> shift) & MASK), bias),
+                                 fmaf(scale, small_uint_to_float((word >> (shift + BITS)) & MASK), bias));
+          }
         }
 #pragma unroll
         for (int j = 0; j < 4 * PER_WORD / 2; j += 4)
@@ -305,5 +336,244 @@ __device__ __forceinline__ float small_uint_to_float(unsigned q) {
   for (int p = tid; p < pairs; p += threads) {
     const int e = indices[p];
     row_pair[start[e] + atomicAdd(&cursor[e], 1)] = p;
+  }
+}
+
+//// grouped_registers
+// `grouped`'s contract (inputs, output, template constants, run-time values), with the weights
+// dequantised in registers instead of through shared memory. Each block computes BM rows x 128
+// columns (per matrix) with WARPS_M x 4 warps of WM x 32; STAGES-stage cp.async pipeline of
+// activation rows and of packed weight rows (STAGES: a template constant, 3 or 4), k-steps of 64.
+//
+// The reduction order inside a 64-wide k-step is free, so the mma operands use a permuted k: in
+// each k16 mma, logical k (2t, 2t+1, 2t+8, 2t+9) of the thread with lane % 4 = t is the same four
+// physical k for A and for B. They are chosen so that a B register pair is two values 16 bits
+// apart in one packed word: (q >> shift) & 0x000F000F (4-bit) or & 0x00FF00FF (8-bit) puts both
+// under one exponent, and one fused multiply-add in T's two-lane arithmetic dequantises the pair
+// (MAGIC + q is exact in T: 4-bit in bf16, 4/8-bit in fp16; else in fp32, rounded once). The
+// A pairs come out of 16-byte shared loads by byte permutes. Thread t holds physical k
+// 16t .. 16t + 15 of every k-step: 2 packed words a row (4-bit) or 4 (8-bit), one group.
+// Needs IN_DIM % 64 == 0, OUT_DIM % 32 == 0. Dynamic shared memory: STAGES x (BM x LDS values of T
+// + MATRICES x 128 rows x BK x BITS / 8 bytes) (moe_prefill.registers_shared_bytes).
+{
+  using namespace grouped;
+  constexpr int MATRICES = GATED ? 2 : 1;
+  constexpr int RBN = 128, WN = 32, WARPS_N = RBN / WN;
+  constexpr int WM = BM < 64 ? BM : 64, WARPS_M = BM / WM, MI = WM / 16;
+  constexpr int THREADS = WARPS_M * WARPS_N * 32;
+  constexpr int W_ROW_BYTES = BK * BITS / 8;              // one row's packed weights per k-step
+  constexpr int W_STAGE_BYTES = RBN * W_ROW_BYTES;        // per matrix
+  constexpr int A_STAGE = BM * LDS;                       // values of T
+  constexpr int A_CHUNKS = BM * BK / 8 / THREADS;         // 16-byte copies per thread and stage
+  constexpr int W_CHUNKS = W_STAGE_BYTES / 16 / THREADS;  // per matrix
+  constexpr int WORDS = 16 * BITS / 32;                   // packed words of a row per thread and k-step
+  constexpr bool TWO_LANE = (BITS == 4 || !cuda::std::is_same_v<T, __nv_bfloat16>) && cuda::std::is_same_v<S, T>;
+  constexpr unsigned PAIR_MASK = BITS == 4 ? 0x000F000Fu : 0x00FF00FFu;
+  static_assert(BM * BK / 8 % THREADS == 0 && W_STAGE_BYTES / 16 % THREADS == 0, "copies split evenly");
+  static_assert(GROUP % 16 == 0, "a thread's 16 values of a k-step share one group");
+  static_assert(bias_signature_matches<HAS_BIAS, S, decltype(bias0)> &&
+                bias_signature_matches<HAS_BIAS, S, decltype(bias1)>, "HAS_BIAS disagrees with the bias inputs");
+  using T2 = cuda::std::conditional_t<cuda::std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
+
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* sa = reinterpret_cast<T*>(shared_bytes);                                      // [STAGES][BM * LDS]
+  unsigned char* sw = shared_bytes + STAGES * A_STAGE * sizeof(T);                 // [STAGES][MATRICES][RBN * W_ROW_BYTES]
+
+  const Dims d(dims);
+  const int tile = blockIdx.y;
+  const int expert = tile_expert[tile];
+  if (expert < 0) return;
+  const int n0 = blockIdx.x * RBN;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+  const int g = lane / 4, t = lane % 4;
+  const int k_steps = d.in_dim / BK, groups_per_row = d.in_dim / GROUP;
+  const size_t row_bytes = (size_t)d.in_dim * BITS / 8;
+
+  // This thread's A copies: offsets into `a` (32 bits: every `a` has fewer than 2^32 values) and
+  // whether each row exists (padding rows are zero-filled). Pointers would cost registers.
+  unsigned a_offset[A_CHUNKS];
+  unsigned a_present = 0;
+  const int a_chunk = tid % (BK / 8);
+#pragma unroll
+  for (int i = 0; i < A_CHUNKS; ++i) {
+    const int r = (tid + i * THREADS) / (BK / 8);
+    const int pair = row_pair[tile * BM + r];
+    const unsigned src_row = PAIRS_IN ? (pair >= 0 ? pair / d.top_k : 0) : tile * BM + r;
+    a_offset[i] = src_row * d.in_dim + a_chunk * 8;
+    a_present |= (pair >= 0 ? 1u : 0u) << i;
+  }
+  // This thread's weight copies: where each starts (row and 16-byte part) and whether its row exists.
+  size_t w_offset[W_CHUNKS];
+  int w_bytes[W_CHUNKS];
+#pragma unroll
+  for (int i = 0; i < W_CHUNKS; ++i) {
+    const int c = tid + i * THREADS;
+    const int n = n0 + c / (W_ROW_BYTES / 16);
+    w_offset[i] = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * row_bytes + c % (W_ROW_BYTES / 16) * 16;
+    w_bytes[i] = n < d.out_dim ? 16 : 0;
+  }
+  auto load_stage = [&](int stage, int k0) {
+    T* a_dst = sa + stage * A_STAGE;
+#pragma unroll
+    for (int i = 0; i < A_CHUNKS; ++i) {
+      const int r = (tid + i * THREADS) / (BK / 8);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(&a_dst[r * LDS + a_chunk * 8])),
+                   "l"(a + a_offset[i] + k0), "r"((a_present >> i & 1u) * 16));
+    }
+#pragma unroll
+    for (int m = 0; m < MATRICES; ++m) {
+      const unsigned char* w_src = reinterpret_cast<const unsigned char*>(m == 0 ? w0 : w1) + (size_t)k0 * BITS / 8;
+      unsigned char* w_dst = sw + (stage * MATRICES + m) * W_STAGE_BYTES;
+#pragma unroll
+      for (int i = 0; i < W_CHUNKS; ++i)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(w_dst + (tid + i * THREADS) * 16)),
+                     "l"(w_src + w_offset[i]), "r"(w_bytes[i]));
+    }
+  };
+
+  // Scales and biases of this thread's rows (n8 block j: column n0 + wn * 32 + 8 j + g) for one
+  // k-step. Loaded before the step's barrier, which hides their latency; loading them a step
+  // ahead instead held 16 more registers through the mmas and made the gated variants spill.
+  S group_scale[MATRICES][WN / 8], group_bias[MATRICES][WN / 8];
+  auto load_scales = [&](int k0) {
+#pragma unroll
+    for (int m = 0; m < MATRICES; ++m) {
+#pragma unroll
+      for (int j = 0; j < WN / 8; ++j) {
+        const int n = n0 + wn * WN + 8 * j + g;
+        const size_t at = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * groups_per_row + (k0 + 16 * t) / GROUP;
+        group_scale[m][j] = (m == 0 ? s0 : s1)[at];
+        group_bias[m][j] = (m == 0 ? b0 : b1)[at];
+      }
+    }
+  };
+  // Dequantises the pair of values `shift` and `shift + 16` bits up in `word`, as one register of two T.
+  auto dequant = [&](unsigned word, int shift, S group_scale, S group_bias) -> unsigned {
+    if constexpr (TWO_LANE) {
+      constexpr unsigned MAGIC = cuda::std::is_same_v<T, __nv_bfloat16> ? 0x43004300u : 0x64006400u;
+      unsigned x = ((word >> shift) & PAIR_MASK) | MAGIC;
+      const unsigned magic = MAGIC;
+      T2 v = __hsub2(*reinterpret_cast<const T2*>(&x), *reinterpret_cast<const T2*>(&magic));
+      v = __hfma2(v, T2(group_scale, group_scale), T2(group_bias, group_bias));
+      return *reinterpret_cast<unsigned*>(&v);
+    } else {
+      const unsigned x = (word >> shift) & PAIR_MASK;
+      const float s = static_cast<float>(group_scale), b = static_cast<float>(group_bias);
+      return pack2<T>(fmaf(s, small_uint_to_float(x & 0xFFFFu), b), fmaf(s, small_uint_to_float(x >> 16), b));
+    }
+  };
+
+  float acc[MATRICES][MI][WN / 8][4];
+#pragma unroll
+  for (int m = 0; m < MATRICES; ++m)
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+      for (int j = 0; j < WN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][i][j][e] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < k_steps) load_stage(s, s * BK);
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+  for (int step = 0; step < k_steps; ++step) {
+    const int stage = step % STAGES;
+    load_scales(step * BK);
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
+    __syncthreads();
+    // The stage computed in the previous step is free: every thread has passed the barrier.
+    const int ahead = step + STAGES - 1;
+    if (ahead < k_steps) load_stage(ahead % STAGES, ahead * BK);
+    asm volatile("cp.async.commit_group;\n" ::);
+
+    const T* a_stage = sa + stage * A_STAGE;
+    // This thread's packed words of its rows: WORDS / 2 per half, read per half (holding all of a
+    // step's made the gated variants spill)
+    const unsigned char* w_stage = sw + stage * MATRICES * W_STAGE_BYTES + (wn * WN + g) * W_ROW_BYTES + t * WORDS * 4;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // physical k 16t + 8 half .. + 7: k16 mmas 2 half, 2 half + 1
+      unsigned af[MI][2][4];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        const int row = wm * WM + mi * 16 + g;
+        const uint4 top = *reinterpret_cast<const uint4*>(&a_stage[row * LDS + 16 * t + 8 * half]);
+        const uint4 low = *reinterpret_cast<const uint4*>(&a_stage[(row + 8) * LDS + 16 * t + 8 * half]);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          // registers (e0 e1) (e2 e3) (e4 e5) (e6 e7): 4-bit pairs (e_2s, e_2s+4), (e_2s+1, e_2s+5);
+          // 8-bit pairs (e_4s, e_4s+2), (e_4s+1, e_4s+3)
+          const unsigned t0 = BITS == 4 ? (s ? top.y : top.x) : (s ? top.z : top.x);
+          const unsigned t1 = BITS == 4 ? (s ? top.w : top.z) : (s ? top.w : top.y);
+          const unsigned l0 = BITS == 4 ? (s ? low.y : low.x) : (s ? low.z : low.x);
+          const unsigned l1 = BITS == 4 ? (s ? low.w : low.z) : (s ? low.w : low.y);
+          af[mi][s][0] = __byte_perm(t0, t1, 0x5410);
+          af[mi][s][1] = __byte_perm(l0, l1, 0x5410);
+          af[mi][s][2] = __byte_perm(t0, t1, 0x7632);
+          af[mi][s][3] = __byte_perm(l0, l1, 0x7632);
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < MATRICES; ++m) {
+#pragma unroll
+        for (int j = 0; j < WN / 8; ++j) {
+          const unsigned char* row = w_stage + m * W_STAGE_BYTES + 8 * j * W_ROW_BYTES + half * WORDS * 2;
+          unsigned words[WORDS / 2];
+          if constexpr (WORDS == 2) {
+            words[0] = *reinterpret_cast<const unsigned*>(row);
+          } else {
+            const uint2 v = *reinterpret_cast<const uint2*>(row);
+            words[0] = v.x, words[1] = v.y;
+          }
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            // 4-bit: word `half`, nibble pairs (2s, 2s + 4) and (2s + 1, 2s + 5); 8-bit: word
+            // 2 half + s, byte pairs (0, 2) and (1, 3)
+            const unsigned word = BITS == 4 ? words[0] : words[s % (WORDS / 2)];
+            const int shift = BITS == 4 ? 8 * s : 0;
+            const unsigned b_lo = dequant(word, shift, group_scale[m][j], group_bias[m][j]);
+            const unsigned b_hi = dequant(word, shift + BITS, group_scale[m][j], group_bias[m][j]);
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) mma<T>(acc[m][mi][j], af[mi][s], b_lo, b_hi);
+          }
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = wm * WM + mi * 16 + g + half * 8;
+      const int pair = row_pair[tile * BM + r];
+      if (pair < 0) continue;
+#pragma unroll
+      for (int ni = 0; ni < WN / 8; ++ni) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int n = n0 + wn * WN + ni * 8 + 2 * t + j;
+          if (n >= d.out_dim) continue;
+          const size_t bias_at = (size_t)expert * d.out_dim + n;
+          float first = rnd<T>(acc[0][mi][ni][half * 2 + j]);
+          if (d.has_bias) first = rnd<T>(first + static_cast<float>(bias0[bias_at]));
+          if (ACTIVATE) {
+            float up = first, gate = 0.f;
+            if (GATED) {
+              gate = first;
+              up = rnd<T>(acc[MATRICES - 1][mi][ni][half * 2 + j]);
+              if (d.has_bias) up = rnd<T>(up + static_cast<float>(bias1[bias_at]));
+              if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(scale[expert])));
+            }
+            out[((size_t)tile * BM + r) * d.out_dim + n] = static_cast<T>(activate<T>(ACT, LIMITED, up, gate, params[0], params[1]));
+          } else {
+            if (d.has_scale) first = rnd<T>(first * rnd<T>(static_cast<float>(scale[expert])));
+            out[(size_t)pair * d.out_dim + n] = static_cast<T>(first);
+          }
+        }
+      }
+    }
   }
 }
