@@ -69,13 +69,9 @@ def main(argv=None):
         decode = importlib.import_module("mlx_moe_fix.kernels.moe_decode")
         described = [experts_of(layer) for layer in layers]
         weights = mx.softmax(mx.random.normal(indices.shape), axis=-1).astype(mx.bfloat16)
-        for rows_per_warp in (1, 4):  # experiment (branch decode-rows): output rows per warp
-            decode.ROWS_PER_WARP = rows_per_warp
-            rows.append((f"decode kernel, direct, {rows_per_warp} rows/warp",
-                         split(lambda: [decode.moe_decode_kernel(x, indices, e) for e in described], args.reps)))
-            rows.append((f"decode kernel + combine, direct, {rows_per_warp} rows/warp",
-                         split(lambda: [decode.moe_decode_kernel(x, indices, e, weights) for e in described], args.reps)))
-        decode.ROWS_PER_WARP = 4
+        rows.append(("decode kernel, direct", split(lambda: [decode.moe_decode_kernel(x, indices, e) for e in described], args.reps)))
+        rows.append(("decode kernel + combine, direct",
+                     split(lambda: [decode.moe_decode_kernel(x, indices, e, weights) for e in described], args.reps)))
 
     layer_bytes = args.top_k * 3 * (args.ffn * args.hidden // 2 + 2 * 2 * args.ffn * args.hidden // 64)
     print(f"hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, top-{args.top_k}, {args.layers} layers, "

@@ -11,8 +11,8 @@ height, a tile -> expert map; the grid sized for the worst case, so no host sync
 GEMM: gate+up with the activation in the epilogue into expert-sorted padded rows, and down
 written back per (token, expert) pair; the weighted combine is one MLX op.
 
-The tile height follows the mean rows per expert: 128-row tiles halve the dequantisation work
-per FLOP, but where experts get few rows most of a tall tile would be padding.
+The GEMM dequantises the weights in registers (no dequantised copy anywhere); its tile height
+follows the mean rows per expert (`tile_height`).
 """
 
 from __future__ import annotations
@@ -26,29 +26,25 @@ from .experts import MoEExperts
 from .launch import ACTIVATION_CODES, absent, bias_template, cuda_kernel_object, int_array, kernel_dims, kernel_params, quantized_experts_reason
 from .reference import combine, expert_chain
 
-TILES = (64, 128)  # tile heights (BM in cuda/moe_prefill.cu); BN = BK = 64
-TALL_TILE_MIN_ROWS = 256  # mean rows per expert from which 128-row tiles pay
-# Experiment knobs (benchmarks/prefill_sweep.py): a fixed tile height instead of the rule above,
-# and dequantisation in T's two-lane arithmetic where it is exact.
-FIXED_TILE: Optional[int] = None
-HALF2_DEQUANT = False
-# Experiment (benchmarks/prefill_sweep.py): the `grouped_registers` GEMM (weights dequantised in
-# registers, 128 columns a block, a 3-stage pipeline) instead of `grouped`.
-REGISTER_DEQUANT = False
-REGISTERS_BLOCK_N = 128
-REGISTERS_STAGES = 3
-BLOCK_N = BLOCK_K = 64
-SHARED_ROW = BLOCK_K + 8  # elements per shared-memory row (LDS)
+# Tile heights (BM in cuda/moe_prefill.cu) and the mean rows per expert from which each pays
+# (benchmarks/prefill_sweep.py on the H200, docs/benchmarks.md): short tiles waste less on
+# padding where experts get few rows, 64-row tiles share each dequantised weight over more rows.
+TILES = (16, 32, 64)
+TILE_MIN_MEAN_ROWS = (0, 8, 32)
+BLOCK_N = 128  # output columns per block (per matrix)
+BLOCK_K = 64
+PIPELINE_STAGES = 3
+SHARED_ROW = BLOCK_K + 8  # elements per shared-memory row of activations (LDS)
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL"
 # The kernel's parameters, in the order of its `inputs`.
 GROUPED_INPUTS = ["a", "row_pair", "tile_expert", "w0", "s0", "b0", "w1", "s1", "b1", "bias0", "bias1", "scale", "dims",
                   "params"]
-INPUTS = {"grouped": GROUPED_INPUTS, "grouped_registers": GROUPED_INPUTS,
-          "route": ["indices", "sizes"]}
-OUTPUTS = {"grouped": ["out"], "grouped_registers": ["out"], "route": ["row_pair", "tile_expert"]}
+INPUTS = {"grouped": GROUPED_INPUTS, "route": ["indices", "sizes"]}
+OUTPUTS = {"grouped": ["out"], "route": ["row_pair", "tile_expert"]}
 ROUTE_MAX_EXPERTS = 1024  # the route kernel's shared arrays
 ROUTE_THREADS = 1024
 MAX_GRID_TILES = 65535  # the grouped GEMM's grid has one y index per tile
+MAX_OFFSET = 2**32  # the grouped GEMM addresses its activation rows with 32-bit offsets
 
 
 def moe_prefill_reference(
@@ -66,22 +62,13 @@ def moe_prefill_reference(
     return combine(y, weights)
 
 
-def shared_bytes(tile: int, gated: bool) -> int:
-    """Dynamic shared memory of one block: two pipeline stages of A rows and weight rows."""
-    return 2 * (tile + (2 if gated else 1) * BLOCK_N) * SHARED_ROW * 2
+def shared_bytes(tile: int, gated: bool, bits: int) -> int:
+    """The grouped GEMM's dynamic shared memory: per pipeline stage, A rows and packed weight rows."""
+    weights = (2 if gated else 1) * BLOCK_N * BLOCK_K * bits // 8
+    return PIPELINE_STAGES * (tile * SHARED_ROW * 2 + weights)
 
 
 def threads(tile: int) -> int:
-    return tile // 32 * 64
-
-
-def registers_shared_bytes(tile: int, gated: bool, bits: int) -> int:
-    """grouped_registers' dynamic shared memory: per stage, A rows and packed weight rows."""
-    weights = (2 if gated else 1) * REGISTERS_BLOCK_N * BLOCK_K * bits // 8
-    return REGISTERS_STAGES * (tile * SHARED_ROW * 2 + weights)
-
-
-def registers_threads(tile: int) -> int:
     """Warps of 64 (or `tile`) rows x 32 columns, four across the block's 128 columns."""
     return max(tile // 64, 1) * 4 * 32
 
@@ -93,14 +80,8 @@ def cuda_kernel(section: str, shared: int = 0):
 
 
 def tile_height(pairs: int, num_experts: int) -> int:
-    if FIXED_TILE is not None:
-        return FIXED_TILE
-    return TILES[1] if pairs >= TALL_TILE_MIN_ROWS * num_experts else TILES[0]
-
-
-def half2_dequant(linear, dtype) -> bool:
-    """Whether the two-lane dequantisation is on and exact for these weights and activations."""
-    return HALF2_DEQUANT and linear.scales.dtype == dtype and (linear.bits == 4 or dtype == mx.float16)
+    mean_rows = pairs / num_experts
+    return max(t for t, rows in zip(TILES, TILE_MIN_MEAN_ROWS) if mean_rows >= rows)
 
 
 def grid_tiles(pairs: int, num_experts: int, tile: int) -> int:
@@ -149,8 +130,8 @@ def cuda_unsupported_reason(experts: MoEExperts, dtype) -> Optional[str]:
     if dtype not in (mx.bfloat16, mx.float16):
         return f"the grouped prefill kernel takes bfloat16 / float16 activations, not {dtype}"
     reason = quantized_experts_reason(experts)
-    if reason is None and any(p.input_dims % BLOCK_K or p.output_dims % BLOCK_N for p in experts.projections):
-        reason = f"expert dimensions that are not multiples of {BLOCK_N}"
+    if reason is None and any(p.input_dims % BLOCK_K or p.output_dims % 32 for p in experts.projections):
+        reason = f"expert input widths that are not multiples of {BLOCK_K} or output widths not of 32"
     return reason
 
 
@@ -162,13 +143,7 @@ def _grouped(a, routing, pairs: int, top_k: int, matrices: tuple, activation, sc
     row_pair, tile_expert, tiles, tile = routing
     first, second = matrices[0], matrices[-1]
     gated = len(matrices) == 2
-    if REGISTER_DEQUANT and first.output_dims % 32 == 0 and a.size < 2**32:  # its A offsets are 32-bit
-        section, shared, block_threads = "grouped_registers", registers_shared_bytes(tile, gated, first.bits), registers_threads(tile)
-        blocks_n = -(-first.output_dims // REGISTERS_BLOCK_N)
-    else:
-        section, shared, block_threads = "grouped", shared_bytes(tile, gated), threads(tile)
-        blocks_n = first.output_dims // BLOCK_N
-    return cuda_kernel(section, shared)(
+    return cuda_kernel("grouped", shared_bytes(tile, gated, first.bits))(
         inputs=[a, row_pair, tile_expert, first.weight, first.scales, first.biases,
                 second.weight, second.scales, second.biases,
                 first.bias if first.bias is not None else absent(),
@@ -179,13 +154,11 @@ def _grouped(a, routing, pairs: int, top_k: int, matrices: tuple, activation, sc
                 kernel_params(activation)],
         template=[("T", a.dtype), ("S", first.scales.dtype), ("SC", scale.dtype if scale is not None else mx.float32),
                   ("BITS", first.bits), ("GROUP", first.group_size), ("BM", tile),
-                  ("HALF2_DEQUANT", half2_dequant(first, a.dtype)),
                   ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated),
                   ("ACT", ACTIVATION_CODES[activation.kind] if activation is not None else 0),
-                  ("LIMITED", activation is not None and activation.limit is not None), bias_template(first),
-                  ("STAGES", REGISTERS_STAGES)],
-        grid=(blocks_n * block_threads, tiles, 1),
-        threadgroup=(block_threads, 1, 1),
+                  ("LIMITED", activation is not None and activation.limit is not None), bias_template(first)],
+        grid=(-(-first.output_dims // BLOCK_N) * threads(tile), tiles, 1),
+        threadgroup=(threads(tile), 1, 1),
         output_shapes=[(tiles * tile if activate else pairs, first.output_dims)],
         output_dtypes=[a.dtype],
     )[0]
@@ -195,11 +168,17 @@ def moe_prefill_kernel(
     x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array] = None
 ) -> mx.array:
     """The CUDA implementation; same contract as moe_prefill_reference."""
+    return grouped_prefill(x, indices, experts, weights, tile_height(indices.size, experts.num_experts))
+
+
+def grouped_prefill(x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array], tile: int):
+    """moe_prefill_kernel at a given tile height (benchmarks/prefill_sweep.py times each)."""
     top_k, pairs = indices.shape[-1], indices.size
-    tile = tile_height(pairs, experts.num_experts)
-    if grid_tiles(pairs, experts.num_experts, tile) > MAX_GRID_TILES:
+    tiles = grid_tiles(pairs, experts.num_experts, tile)
+    widest = max(experts.input_dims, experts.projections[0].output_dims)
+    if tiles > MAX_GRID_TILES or max(pairs, tiles * tile) * widest >= MAX_OFFSET:
         # Millions of pairs in one call (mlx-lm prefills in chunks of 2048 tokens): more tiles
-        # than a CUDA grid's y dimension holds.
+        # than a CUDA grid's y dimension holds, or rows past 32-bit offsets.
         return moe_prefill_reference(x, indices, experts, weights)
     tokens = x.reshape(-1, x.shape[-1])
     routing = (*route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile), tile)

@@ -3,7 +3,6 @@ current backend runs: the kernel on a GPU that has one, else the reference)."""
 
 import dataclasses
 import os
-import sys
 
 import mlx.core as mx
 import pytest
@@ -147,37 +146,28 @@ def test_cuda_decode_kernel_matches_ref(cuda_device, case):
     check_kernel(moe_decode_kernel, cuda_unsupported_reason(case.experts), moe_decode_reference, case)
 
 
-@pytest.fixture(params=[False, True], ids=["shared-dequant", "register-dequant"])
-def prefill_gemm(request):
-    """Runs a prefill kernel test with each grouped GEMM (experiment branch: both are kept until
-    the GPU says which one stays)."""
-    module = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
-    module.REGISTER_DEQUANT = request.param
-    yield
-    module.REGISTER_DEQUANT = False
-
-
 @CASES
 @given(case=layer_cases())
-def test_cuda_prefill_kernel_matches_ref(cuda_device, prefill_gemm, case):
+def test_cuda_prefill_kernel_matches_ref(cuda_device, case):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel
 
     check_kernel(moe_prefill_kernel, cuda_unsupported_reason(case.experts, case.dtype), moe_prefill_reference, case)
 
 
-# Kernel corners the GPU's hypothesis shapes do not reach: 128-row tiles (from 256 mean rows per
-# expert on), several K steps per projection, ragged and empty experts around the tile heights.
+# Kernel corners the GPU's hypothesis shapes do not reach: every tile height (16 / 32 / 64 rows
+# from 0 / 8 / 32 mean rows per expert), several K steps per projection, ragged and empty experts.
 # (quantization, glu, kind, tokens, routing, bias, tile height the kernel must pick)
 LARGE_PREFILL_CASES = {
-    "tall-tiles": ((4, 64), True, "swiglu", 1100, "random", False, 128),
-    "tall-tiles-one-expert-biased": ((8, 32), True, "swiglu_oai", 1100, "one_expert", True, 128),
-    "short-tiles-empty-experts": ((4, 128), False, "gelu_approx", 300, "few_experts", False, 64),
+    "64-row-tiles": ((4, 64), True, "swiglu", 1100, "random", False, 64),
+    "64-row-tiles-one-expert-biased": ((8, 32), True, "swiglu_oai", 1100, "one_expert", True, 64),
+    "32-row-tiles-empty-experts": ((4, 128), False, "gelu_approx", 100, "few_experts", False, 32),
+    "16-row-tiles": ((8, 64), True, "swiglu", 20, "random", True, 16),
 }
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("name", LARGE_PREFILL_CASES)
-def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, prefill_gemm, name, dtype):
+def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, name, dtype):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel, tile_height
 
     quantization, glu, kind, tokens, routing, bias, tile = LARGE_PREFILL_CASES[name]

@@ -1,29 +1,21 @@
 // Sorted grouped prefill for mx.fast.cuda_kernel: one grouped GEMM over (token, expert) pairs
 // sorted by expert, each expert's run padded to the tile height BM, so that every BM-row tile
 // belongs to one expert (`tile_expert`, -1 for tiles past the last run). Tensor cores through
-// ldmatrix + mma.sync (bf16 / fp16 in, fp32 accumulate).
+// mma.sync (bf16 / fp16 in, fp32 accumulate), the weights dequantised in registers.
 //
-// Pipeline, two shared-memory stages: while the warps multiply stage k, the activations of
-// stage k + 1 arrive by cp.async and its packed weights by 16-byte loads into registers; after
-// the multiply the registers are dequantised (w = scale * q + bias, in fp32, rounded once to T)
-// into the other stage, so each weight is dequantised once per block and shared by its warps.
-//
-// Sections are split on "//// <name>" lines (`header`, `grouped`). Template constants:
+// Sections are split on "//// <name>" lines (`header`, `grouped`, `route`). Template constants:
 //   T (bf16 or fp16), S (scales, biases and additive bias type), SC (per-expert scale type),
-//   BITS 4 or 8, GROUP 32/64/128, BM 64 or 128 (tile height; BM / 32 x 2 warps),
+//   BITS 4 or 8, GROUP 32/64/128, BM 16/32/64 (tile height),
 //   PAIRS_IN:  A rows are x rows gathered per pair (pair / top_k); else the padded rows of `a`
 //   ACTIVATE:  epilogue applies the activation and writes padded rows; else it writes the
 //              projection per pair (rows of `out` in pair order)
 //   GATED:     two weight matrices (gate = 0, up = 1) feed the activation
 //   HAS_BIAS: the bias inputs' signature (S, or the float32 placeholder; see
 //              moe_common::bias_signature_matches)
-//   HALF2_DEQUANT: dequantise in T's two-lane arithmetic (grouped::dequant_pair); needs S == T
 //   ACT, LIMITED: the activation (codes of moe_common::activate), with its clamp stage; constants
 //              here, unlike the decode kernels' run-time ones, because the epilogue is unrolled
-//              32 times and every activation's code in it made NVRTC compile for seconds
-// Run-time values: dims = IN_DIM, OUT_DIM, TOP_K, -, -, HAS_BIAS, HAS_SCALE;
-// params = limit, alpha. Needs IN_DIM and OUT_DIM to be multiples of 64. Dynamic shared
-// memory: 2 stages x (BM + MATRICES x BN) rows x LDS values of T (moe_prefill.shared_bytes).
+//              and every activation's code in it made NVRTC compile for seconds
+// Run-time values: dims = IN_DIM, OUT_DIM, TOP_K, -, -, HAS_BIAS, HAS_SCALE; params = limit, alpha.
 
 //// header
 #include <cuda/std/type_traits>
@@ -32,17 +24,12 @@ namespace grouped {
 
 using namespace moe_common;
 
-constexpr int BN = 64, BK = 64;
-constexpr int LDS = BK + 8;  // shared row stride (elements): 144 bytes keeps ldmatrix conflict-free
+constexpr int BK = 64;       // k-step
+constexpr int STAGES = 3;    // cp.async pipeline depth (4 measured no faster on the H200)
+constexpr int LDS = BK + 8;  // shared row stride of A (values of T): 144 bytes, so 8 rows' 16-byte reads hit distinct banks
 
 __device__ __forceinline__ unsigned smem_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(p)));
 }
 
 template <typename T>
@@ -77,30 +64,6 @@ __device__ __forceinline__ float small_uint_to_float(unsigned q) {
   return __uint_as_float(0x4B000000u | q) - 8388608.f;
 }
 
-// Two consecutive BITS-bit values of `word` (the pair from bit `shift` on) dequantised in T's own
-// two-lane arithmetic: OR-ed under the exponent of MAGIC they become MAGIC + q exactly, then
-// (x - MAGIC) * scale + bias rounds once. Needs MAGIC + q exact in T: 4-bit values for bf16
-// (MAGIC 128), 4- or 8-bit for fp16 (MAGIC 1024); scale2 / bias2 hold the pair's scale and bias.
-template <typename T, int BITS>
-__device__ __forceinline__ unsigned dequant_pair(unsigned word, int shift, unsigned scale2, unsigned bias2) {
-  constexpr unsigned MASK = (1u << BITS) - 1u;
-  constexpr bool BF16 = cuda::std::is_same_v<T, __nv_bfloat16>;
-  static_assert(BITS == 4 || !BF16, "bf16 holds MAGIC + q exactly only for 4-bit q");
-  const unsigned x = word >> shift;
-  unsigned packed = (x & MASK) | ((x << (16 - BITS)) & (MASK << 16)) | (BF16 ? 0x43004300u : 0x64006400u);
-  if constexpr (BF16) {
-    const __nv_bfloat162 magic = __floats2bfloat162_rn(128.f, 128.f);
-    __nv_bfloat162 v = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&packed), magic);
-    v = __hfma2(v, *reinterpret_cast<__nv_bfloat162*>(&scale2), *reinterpret_cast<__nv_bfloat162*>(&bias2));
-    return *reinterpret_cast<unsigned*>(&v);
-  } else {
-    const __half2 magic = __floats2half2_rn(1024.f, 1024.f);
-    __half2 v = __hsub2(*reinterpret_cast<__half2*>(&packed), magic);
-    v = __hfma2(v, *reinterpret_cast<__half2*>(&scale2), *reinterpret_cast<__half2*>(&bias2));
-    return *reinterpret_cast<unsigned*>(&v);
-  }
-}
-
 }  // namespace grouped
 
 //// grouped
@@ -108,242 +71,8 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned word, int shift, unsig
 //         tile_expert [tiles], w0 / w1 [E, OUT_DIM, IN_DIM * BITS / 32], s0, b0, s1, b1
 //         [E, OUT_DIM, IN_DIM / GROUP], bias0 / bias1 [E, OUT_DIM], scale [E], dims, params
 // output: out [tiles * BM, OUT_DIM] (ACTIVATE) or [pairs, OUT_DIM]
-{
-  using namespace grouped;
-  constexpr int MATRICES = GATED ? 2 : 1;
-  constexpr int THREADS = BM / 32 * 64;  // warps in a (BM / 32) x 2 grid of 32 x 32 warp tiles
-  constexpr int PER_WORD = 32 / BITS;
-  constexpr unsigned MASK = (1u << BITS) - 1u;
-  constexpr int A_CHUNKS = BM * BK / 8 / THREADS;        // 16-byte cp.async per thread per stage
-  constexpr int VECS_PER_ROW = BK * BITS / 128;          // 16-byte weight vectors per row and stage
-  constexpr int W_VECS = BN * VECS_PER_ROW;              // per matrix and stage
-  constexpr int W_LOADS = (W_VECS + THREADS - 1) / THREADS;
-  static_assert(BM * BK / 8 % THREADS == 0, "A chunks split evenly");
-  static_assert(GROUP % (128 / BITS) == 0, "a weight vector never straddles a group");
-  static_assert(bias_signature_matches<HAS_BIAS, S, decltype(bias0)> &&
-                bias_signature_matches<HAS_BIAS, S, decltype(bias1)>, "HAS_BIAS disagrees with the bias inputs");
-  static_assert(!HALF2_DEQUANT || cuda::std::is_same_v<S, T>, "two-lane dequantisation takes scales of T");
-
-  extern __shared__ __align__(16) unsigned char shared_bytes[];
-  T* sa = reinterpret_cast<T*>(shared_bytes);   // [2][BM * LDS]
-  T* sb = sa + 2 * BM * LDS;                     // [2][MATRICES][BN * LDS]
-
-  const Dims d(dims);
-  const int tile = blockIdx.y;
-  const int expert = tile_expert[tile];
-  if (expert < 0) return;
-  const int n0 = blockIdx.x * BN;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int wm = warp / 2, wn = warp % 2;
-  const int words_per_row = d.in_dim * BITS / 32, groups_per_row = d.in_dim / GROUP;
-  const int k_steps = d.in_dim / BK;
-
-  // This thread's A rows for every stage: where they start in `a` and whether they exist.
-  const T* a_src[A_CHUNKS];
-  int a_bytes[A_CHUNKS];
-  const int a_chunk = tid % (BK / 8);
-#pragma unroll
-  for (int i = 0; i < A_CHUNKS; ++i) {
-    const int r = (tid + i * THREADS) / (BK / 8);
-    const int pair = row_pair[tile * BM + r];
-    const size_t src_row = PAIRS_IN ? (pair >= 0 ? pair / d.top_k : 0) : (size_t)tile * BM + r;
-    a_src[i] = a + src_row * d.in_dim + a_chunk * 8;
-    a_bytes[i] = pair >= 0 ? 16 : 0;  // padding rows are zero-filled
-  }
-  auto load_a = [&](int stage, int k0) {
-    T* dst = sa + stage * BM * LDS;
-#pragma unroll
-    for (int i = 0; i < A_CHUNKS; ++i) {
-      const int r = (tid + i * THREADS) / (BK / 8);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(&dst[r * LDS + a_chunk * 8])),
-                   "l"(a_src[i] + k0), "r"(a_bytes[i]));
-    }
-  };
-
-  uint4 w_reg[MATRICES][W_LOADS];
-  float scale_reg[MATRICES][W_LOADS], bias_reg[MATRICES][W_LOADS];
-  auto load_w = [&](int k0) {
-#pragma unroll
-    for (int m = 0; m < MATRICES; ++m) {
-      const uint32_t* wm = m == 0 ? w0 : w1;
-      const S* sm = m == 0 ? s0 : s1;
-      const S* bm = m == 0 ? b0 : b1;
-#pragma unroll
-      for (int i = 0; i < W_LOADS; ++i) {
-        const int v = tid + i * THREADS;
-        if (W_VECS % THREADS != 0 && v >= W_VECS) break;
-        const size_t row = (size_t)expert * d.out_dim + n0 + v / VECS_PER_ROW;
-        const int k = k0 + v % VECS_PER_ROW * (128 / BITS);
-        w_reg[m][i] = *reinterpret_cast<const uint4*>(&wm[row * words_per_row + k / PER_WORD]);
-        scale_reg[m][i] = static_cast<float>(sm[row * groups_per_row + k / GROUP]);
-        bias_reg[m][i] = static_cast<float>(bm[row * groups_per_row + k / GROUP]);
-      }
-    }
-  };
-  auto store_w = [&](int stage) {
-#pragma unroll
-    for (int m = 0; m < MATRICES; ++m) {
-#pragma unroll
-      for (int i = 0; i < W_LOADS; ++i) {
-        const int v = tid + i * THREADS;
-        if (W_VECS % THREADS != 0 && v >= W_VECS) break;
-        T* dst = sb + (stage * MATRICES + m) * BN * LDS + v / VECS_PER_ROW * LDS + v % VECS_PER_ROW * (128 / BITS);
-        const unsigned words[4] = {w_reg[m][i].x, w_reg[m][i].y, w_reg[m][i].z, w_reg[m][i].w};
-        const float scale = scale_reg[m][i], bias = bias_reg[m][i];
-        unsigned packed[4 * PER_WORD / 2];
-        const unsigned scale2 = pack2<T>(scale, scale), bias2 = pack2<T>(bias, bias);
-#pragma unroll
-        for (int j = 0; j < 4 * PER_WORD / 2; ++j) {
-          const unsigned word = words[j * 2 / PER_WORD];
-          const int shift = BITS * (j * 2 % PER_WORD);
-          if constexpr (HALF2_DEQUANT) {
-            packed[j] = dequant_pair<T, BITS>(word, shift, scale2, bias2);
-          } else {
-            packed[j] = pack2<T>(fmaf(scale, small_uint_to_float((word >> shift) & MASK), bias),
-                                 fmaf(scale, small_uint_to_float((word >> (shift + BITS)) & MASK), bias));
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < 4 * PER_WORD / 2; j += 4)
-          *reinterpret_cast<uint4*>(dst + 2 * j) = make_uint4(packed[j], packed[j + 1], packed[j + 2], packed[j + 3]);
-      }
-    }
-  };
-
-  float acc[MATRICES][2][4][4];
-#pragma unroll
-  for (int m = 0; m < MATRICES; ++m)
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][i][j][e] = 0.f;
-
-  load_a(0, 0);
-  asm volatile("cp.async.commit_group;\n" ::);
-  load_w(0);
-  store_w(0);
-  for (int step = 0; step < k_steps; ++step) {
-    const int stage = step % 2;
-    const bool more = step + 1 < k_steps;
-    if (more) load_a(stage ^ 1, (step + 1) * BK);
-    asm volatile("cp.async.commit_group;\n" ::);
-    if (more) load_w((step + 1) * BK);
-    asm volatile("cp.async.wait_group 1;\n" ::);
-    __syncthreads();
-    const T* sa_stage = sa + stage * BM * LDS;
-#pragma unroll
-    for (int kk = 0; kk < BK; kk += 16) {
-      unsigned af[2][4];
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
-        ldmatrix_x4(af[mi], &sa_stage[(wm * 32 + mi * 16 + lane % 16) * LDS + kk + (lane / 16) * 8]);
-#pragma unroll
-      for (int m = 0; m < MATRICES; ++m) {
-        const T* sb_stage = sb + (stage * MATRICES + m) * BN * LDS;
-#pragma unroll
-        for (int nj = 0; nj < 2; ++nj) {
-          unsigned bf[4];  // n8 blocks 2 nj and 2 nj + 1, k halves 0 and 1
-          ldmatrix_x4(bf, &sb_stage[(wn * 32 + nj * 16 + lane % 8 + (lane / 16) * 8) * LDS + kk + ((lane / 8) % 2) * 8]);
-#pragma unroll
-          for (int mi = 0; mi < 2; ++mi) {
-            mma<T>(acc[m][mi][2 * nj], af[mi], bf[0], bf[1]);
-            mma<T>(acc[m][mi][2 * nj + 1], af[mi], bf[2], bf[3]);
-          }
-        }
-      }
-    }
-    if (more) store_w(stage ^ 1);
-    __syncthreads();
-  }
-
-  const int g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = wm * 32 + mi * 16 + g + half * 8;
-      const int pair = row_pair[tile * BM + r];
-      if (pair < 0) continue;
-#pragma unroll
-      for (int ni = 0; ni < 4; ++ni) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int n = n0 + wn * 32 + ni * 8 + 2 * t + j;
-          const size_t bias_at = (size_t)expert * d.out_dim + n;
-          float first = rnd<T>(acc[0][mi][ni][half * 2 + j]);
-          if (d.has_bias) first = rnd<T>(first + static_cast<float>(bias0[bias_at]));
-          if (ACTIVATE) {
-            float up = first, gate = 0.f;
-            if (GATED) {
-              gate = first;
-              up = rnd<T>(acc[MATRICES - 1][mi][ni][half * 2 + j]);
-              if (d.has_bias) up = rnd<T>(up + static_cast<float>(bias1[bias_at]));
-              if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(scale[expert])));
-            }
-            out[((size_t)tile * BM + r) * d.out_dim + n] = static_cast<T>(activate<T>(ACT, LIMITED, up, gate, params[0], params[1]));
-          } else {
-            if (d.has_scale) first = rnd<T>(first * rnd<T>(static_cast<float>(scale[expert])));
-            out[(size_t)pair * d.out_dim + n] = static_cast<T>(first);
-          }
-        }
-      }
-    }
-  }
-}
-
-//// route
-// The routing of `grouped`, in one block: per-expert counts by shared-memory atomics, each
-// expert's run padded to whole TILE-row tiles and laid out in expert order, the tile -> expert
-// map, then every pair scattered into its expert's run. Rows within a run come in atomic order:
-// each row's result is independent of the others, so the outputs do not depend on it.
-// inputs: indices [pairs] (the expert of each pair), sizes = pairs, experts, tiles (the grid's
-//         worst case, pairs / TILE + experts)
-// outputs: row_pair [tiles * TILE] (pair, -1: padding), tile_expert [tiles] (-1: unused)
-// Template constants: TILE, MAX_EXPERTS (the shared arrays' size; the launcher checks experts).
-{
-  __shared__ int count[MAX_EXPERTS], cursor[MAX_EXPERTS], start[MAX_EXPERTS + 1];
-  const int pairs = sizes[0], experts = sizes[1], tiles = sizes[2];
-  const int tid = threadIdx.x, threads = blockDim.x;
-  for (int e = tid; e < experts; e += threads) count[e] = cursor[e] = 0;
-  for (int r = tid; r < tiles * TILE; r += threads) row_pair[r] = -1;
-  __syncthreads();
-  for (int p = tid; p < pairs; p += threads) atomicAdd(&count[indices[p]], 1);
-  __syncthreads();
-  if (tid == 0) {
-    int run = 0;
-    for (int e = 0; e < experts; ++e) {
-      start[e] = run;
-      run += (count[e] + TILE - 1) / TILE * TILE;
-    }
-    start[experts] = run;
-  }
-  __syncthreads();
-  for (int t = tid; t < tiles; t += threads) {
-    const int row = t * TILE;
-    int expert = -1;
-    if (row < start[experts]) {  // the last expert whose run starts at or before `row`
-      int low = 0, high = experts - 1;
-      while (low < high) {
-        const int mid = (low + high + 1) / 2;
-        if (start[mid] <= row) low = mid; else high = mid - 1;
-      }
-      expert = low;
-    }
-    tile_expert[t] = expert;
-  }
-  for (int p = tid; p < pairs; p += threads) {
-    const int e = indices[p];
-    row_pair[start[e] + atomicAdd(&cursor[e], 1)] = p;
-  }
-}
-
-//// grouped_registers
-// `grouped`'s contract (inputs, output, template constants, run-time values), with the weights
-// dequantised in registers instead of through shared memory. Each block computes BM rows x 128
-// columns (per matrix) with WARPS_M x 4 warps of WM x 32; STAGES-stage cp.async pipeline of
-// activation rows and of packed weight rows (STAGES: a template constant, 3 or 4), k-steps of 64.
+// Each block computes BM rows x 128 columns (per matrix) with WARPS_M x 4 warps of WM x 32, over
+// k-steps of 64 through a STAGES-deep cp.async pipeline of activation rows and packed weight rows.
 //
 // The reduction order inside a 64-wide k-step is free, so the mma operands use a permuted k: in
 // each k16 mma, logical k (2t, 2t+1, 2t+8, 2t+9) of the thread with lane % 4 = t is the same four
@@ -354,7 +83,7 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned word, int shift, unsig
 // A pairs come out of 16-byte shared loads by byte permutes. Thread t holds physical k
 // 16t .. 16t + 15 of every k-step: 2 packed words a row (4-bit) or 4 (8-bit), one group.
 // Needs IN_DIM % 64 == 0, OUT_DIM % 32 == 0. Dynamic shared memory: STAGES x (BM x LDS values of T
-// + MATRICES x 128 rows x BK x BITS / 8 bytes) (moe_prefill.registers_shared_bytes).
+// + MATRICES x 128 rows x BK x BITS / 8 bytes) (moe_prefill.shared_bytes).
 {
   using namespace grouped;
   constexpr int MATRICES = GATED ? 2 : 1;
@@ -577,3 +306,50 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned word, int shift, unsig
     }
   }
 }
+
+//// route
+// The routing of `grouped`, in one block: per-expert counts by shared-memory atomics, each
+// expert's run padded to whole TILE-row tiles and laid out in expert order, the tile -> expert
+// map, then every pair scattered into its expert's run. Rows within a run come in atomic order:
+// each row's result is independent of the others, so the outputs do not depend on it.
+// inputs: indices [pairs] (the expert of each pair), sizes = pairs, experts, tiles (the grid's
+//         worst case, pairs / TILE + experts)
+// outputs: row_pair [tiles * TILE] (pair, -1: padding), tile_expert [tiles] (-1: unused)
+// Template constants: TILE, MAX_EXPERTS (the shared arrays' size; the launcher checks experts).
+{
+  __shared__ int count[MAX_EXPERTS], cursor[MAX_EXPERTS], start[MAX_EXPERTS + 1];
+  const int pairs = sizes[0], experts = sizes[1], tiles = sizes[2];
+  const int tid = threadIdx.x, threads = blockDim.x;
+  for (int e = tid; e < experts; e += threads) count[e] = cursor[e] = 0;
+  for (int r = tid; r < tiles * TILE; r += threads) row_pair[r] = -1;
+  __syncthreads();
+  for (int p = tid; p < pairs; p += threads) atomicAdd(&count[indices[p]], 1);
+  __syncthreads();
+  if (tid == 0) {
+    int run = 0;
+    for (int e = 0; e < experts; ++e) {
+      start[e] = run;
+      run += (count[e] + TILE - 1) / TILE * TILE;
+    }
+    start[experts] = run;
+  }
+  __syncthreads();
+  for (int t = tid; t < tiles; t += threads) {
+    const int row = t * TILE;
+    int expert = -1;
+    if (row < start[experts]) {  // the last expert whose run starts at or before `row`
+      int low = 0, high = experts - 1;
+      while (low < high) {
+        const int mid = (low + high + 1) / 2;
+        if (start[mid] <= row) low = mid; else high = mid - 1;
+      }
+      expert = low;
+    }
+    tile_expert[t] = expert;
+  }
+  for (int p = tid; p < pairs; p += threads) {
+    const int e = indices[p];
+    row_pair[start[e] + atomicAdd(&cursor[e], 1)] = p;
+  }
+}
+
