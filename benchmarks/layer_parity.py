@@ -92,8 +92,9 @@ def main(argv=None):
     rows = []
     for family in args.families.split(","):
         for bits in map(int, args.bits.split(",")):
-            rows += compare(family, bits)
-            print(markdown_table(columns, rows[-1:]), flush=True)
+            case = compare(family, bits)
+            rows += case
+            print(markdown_table(columns, case), flush=True)
     print(markdown_table(columns, rows))
 
 
