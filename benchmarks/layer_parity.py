@@ -21,29 +21,6 @@ from mlx_moe_fix import zoo
 from .timing import markdown_table, relative_error
 
 
-def record_calls(model, family: str):
-    """The (layer, args, kwargs) of every MoE layer call during one unpatched prompt forward, and
-    the prompt's last logits."""
-    calls = []
-    originals = []
-    for _, layer in zoo.moe_layers(model):
-        base = type(layer)
-
-        class Recording(base):
-            def __call__(self, *args, **kwargs):
-                calls.append((self, base, args, kwargs))
-                return super().__call__(*args, **kwargs)
-
-        originals.append((layer, base))
-        layer.__class__ = Recording
-    try:
-        logits = last_logits(model, family)
-    finally:
-        for layer, base in originals:
-            layer.__class__ = base
-    return calls, logits
-
-
 def last_logits(model, family: str) -> mx.array:
     prompt = zoo.prompt_for(family)
     out = zoo.logits_of(model(mx.array([prompt]), cache=zoo.make_cache(model)))[0, -1].astype(mx.float32)
@@ -54,17 +31,17 @@ def last_logits(model, family: str) -> mx.array:
 def compare(family: str, bits: int) -> list:
     model = zoo.build(family, bits, dtype=mx.bfloat16)
     mlx_moe_fix.revert()
-    calls, stock_logits = record_calls(model, family)
+    with zoo.recording_layer_calls(model) as calls:
+        stock_logits = last_logits(model, family)
     rows = []
-    for number, (layer, base, args, kwargs) in enumerate(calls):
-        layer.__class__ = base
-        stock = base.__call__(layer, *args, **kwargs)
-        again = base.__call__(layer, *args, **kwargs)
+    for number, (layer, args, kwargs) in enumerate(calls):
+        stock = layer(*args, **kwargs)
+        again = layer(*args, **kwargs)
         with mx.stream(mx.cpu):
-            cpu = base.__call__(layer, *args, **kwargs)
+            cpu = layer(*args, **kwargs)
             mx.eval(cpu)
         with mlx_moe_fix.patched():
-            patched = type(layer).__call__(layer, *args, **kwargs)
+            patched = layer(*args, **kwargs)
         mx.eval(stock, again, patched)
         x, indices = args[0], args[1]
         rows.append([f"{family}-{bits} layer call {number}", f"{tuple(x.shape)} k={indices.shape[-1]}",

@@ -445,18 +445,11 @@ def recording_routes(model):
     rounding)."""
     routes: list[tuple] = []
     weights: list[Optional[mx.array]] = [None]  # the last recorded router's, for the next layer call
-    swapped = []
-    for _, layer in moe_layers(model):
-        base = type(layer)
 
-        class Recording(base):
-            def __call__(self, x, indices, *args, **kwargs):
-                routes.append((mx.sort(indices, axis=-1), weights[0]))
-                weights[0] = None
-                return super().__call__(x, indices, *args, **kwargs)
+    def record(layer, x, indices, *args, **kwargs):
+        routes.append((mx.sort(indices, axis=-1), weights[0]))
+        weights[0] = None
 
-        swapped.append((layer, base))
-        layer.__class__ = Recording
     routers = []
     for name, function in WEIGHT_ROUTERS.items():
         module = sys.modules.get(name)
@@ -472,12 +465,42 @@ def recording_routes(model):
         routers.append((module, function, router))
         setattr(module, function, recorded)
     try:
-        yield routes
+        with intercepting_moe_layers(model, record):
+            yield routes
+    finally:
+        for module, function, router in routers:
+            setattr(module, function, router)
+
+
+@contextlib.contextmanager
+def intercepting_moe_layers(model, on_call):
+    """Within the block, every MoE layer of ``model`` calls ``on_call(layer, *args, **kwargs)``
+    with its arguments before it runs."""
+    swapped = []
+    for _, layer in moe_layers(model):
+        base = type(layer)
+
+        class Intercepting(base):
+            def __call__(self, *args, **kwargs):
+                on_call(self, *args, **kwargs)
+                return super().__call__(*args, **kwargs)
+
+        swapped.append((layer, base))
+        layer.__class__ = Intercepting
+    try:
+        yield
     finally:
         for layer, base in swapped:
             layer.__class__ = base
-        for module, function, router in routers:
-            setattr(module, function, router)
+
+
+@contextlib.contextmanager
+def recording_layer_calls(model):
+    """Within the block, every MoE layer call of ``model`` appends (layer, args, kwargs) to the
+    yielded list, so that it can be replayed on exactly its inputs (``layer(*args, **kwargs)``)."""
+    calls: list[tuple] = []
+    with intercepting_moe_layers(model, lambda layer, *args, **kwargs: calls.append((layer, args, kwargs))):
+        yield calls
 
 
 def rerouted_steps(routes: list[tuple], other: list[tuple], layers: int) -> list[bool]:

@@ -10,7 +10,15 @@ sparsemixer, jumps a routing weight) and moves that step's logits far. There the
 is fed stock's tokens (teacher forcing) and, at every step that every MoE layer routed and
 weighted as stock did, must produce logits within a bf16 / fp16 tolerance of stock's and pick
 stock's token wherever stock's choice is clear (top-2 margin above NEAR_TIE of the top logit);
-at least 3/4 of the steps must be clear and routed as stock, so the check cannot go vacuous."""
+at least 3/4 of the steps must be clear and routed as stock, so the check cannot go vacuous.
+
+Where stock's whole model does not reproduce itself (two unpatched runs differ: on MLX's CUDA
+backend the zoo's deepseek_v3 / deepseek_v4 / inkling do, outside their MoE layers, per
+benchmarks/layer_parity.py), token parity means nothing; there every MoE layer call of a stock
+run is replayed on its recorded inputs, stock against patched."""
+
+import contextlib
+import warnings
 
 import mlx.core as mx
 import pytest
@@ -18,7 +26,7 @@ import pytest
 import mlx_moe_fix
 from mlx_moe_fix import zoo
 
-from .tolerance import relative_error
+from .tolerance import RELATIVE_TOLERANCE, relative_error
 
 N_TOKENS = 32
 NEAR_TIE = 2**-6  # of the top logit: 4 bf16 ulps
@@ -83,11 +91,21 @@ def test_greedy_tokens_match_stock(device, family, bits):
         stock, stock_logits = zoo.greedy_decode(model, prompt, N_TOKENS)
     assert len(set(stock)) >= 4, f"degenerate stream, parity would prove little: {stock}"
     unreproducible = stock_run_to_run(model, prompt, stock, stock_logits)
-    if unreproducible:
-        pytest.skip(unreproducible)
-
     ops = mlx_moe_fix.status()["ops"]
     references_only = all(op["path"] == "reference" for op in ops.values())
+    if unreproducible:
+        warnings.warn(f"{family}-{bits}: {unreproducible}; its MoE layer calls were replayed instead")
+        assert_layer_calls_match_stock(model, prompt, references_only, dtype)
+    else:
+        assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, references_only, dtype)
+
+    layer = MOE_LAYER.get(family, "SwitchGLU")
+    paths = {(r.phase, r.path) for r in mlx_moe_fix.path_counts() if r.layer == layer}
+    expected = {("prefill", ops["moe_prefill"]["path"]), ("decode", ops["moe_decode"]["path"])}
+    assert paths == expected, mlx_moe_fix.path_counts()
+
+
+def assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, references_only, dtype):
     with mlx_moe_fix.patched():
         if references_only:
             patched, patched_logits = zoo.greedy_decode(model, prompt, N_TOKENS)
@@ -100,10 +118,27 @@ def test_greedy_tokens_match_stock(device, family, bits):
         rerouted = zoo.rerouted_steps(routes, stock_routes, len(zoo.moe_layers(model)))
         assert_clear_choices_match(stock, stock_logits, choices, logits, rerouted, LOGITS_TOLERANCE[dtype])
 
-    layer = MOE_LAYER.get(family, "SwitchGLU")
-    paths = {(r.phase, r.path) for r in mlx_moe_fix.path_counts() if r.layer == layer}
-    expected = {("prefill", ops["moe_prefill"]["path"]), ("decode", ops["moe_decode"]["path"])}
-    assert paths == expected, mlx_moe_fix.path_counts()
+
+def assert_layer_calls_match_stock(model, prompt, references_only, dtype):
+    """Every MoE layer call of a stock greedy run whose input is finite (an unreproducible stock
+    can feed a layer NaNs), replayed stock and patched on its recorded inputs: identical where
+    the ops run their references, within the op tolerance where they run kernels."""
+    with zoo.recording_layer_calls(model) as calls:
+        zoo.greedy_decode(model, prompt, N_TOKENS)
+    finite = [call for call in calls if mx.isfinite(call[1][0]).all().item()]
+    decode_calls = sum(call[1][0].size == call[1][0].shape[-1] for call in finite)
+    assert len(finite) >= 3 * len(calls) // 4 and 0 < decode_calls < len(finite), (
+        f"{len(finite)} of {len(calls)} layer calls with finite inputs, {decode_calls} of them decode steps: "
+        "too few to stand for the run")
+    for number, (layer, args, kwargs) in enumerate(finite):
+        stock = layer(*args, **kwargs)
+        with mlx_moe_fix.patched():
+            patched = layer(*args, **kwargs)
+        if references_only:
+            assert mx.array_equal(patched, stock).item(), f"layer call {number}: relative error {relative_error(patched, stock):.2e}"
+        else:
+            error = relative_error(patched, stock)
+            assert error <= RELATIVE_TOLERANCE[dtype], f"layer call {number}: relative error {error:.3g}"
 
 
 def synthetic_stream(margins, top=4.0):
@@ -145,3 +180,27 @@ def test_stock_run_to_run_tells_an_unreproducible_stock(monkeypatch):
     monkeypatch.setattr(zoo, "greedy_decode", lambda model, prompt, n: (list(stock), moved))
     reason = stock_run_to_run(None, [], stock, logits)
     assert "from step 2" in reason and "tokens equal" in reason
+
+
+@contextlib.contextmanager
+def doubled_down_scales(model):
+    """Stands in for mlx_moe_fix.patched(): a "patch" whose first MoE layer is wrong."""
+    layer = zoo.moe_layers(model)[0][1]
+    saved = layer.down_proj.scales
+    layer.down_proj.scales = saved * 2
+    try:
+        yield
+    finally:
+        layer.down_proj.scales = saved
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["patched", "wrong-layer"])
+def test_layer_call_replay_passes_the_patch_and_catches_a_wrong_layer(monkeypatch, wrong):
+    model = zoo.build("qwen3_moe", 4)
+    if wrong:
+        monkeypatch.setattr(mlx_moe_fix, "patched", lambda: doubled_down_scales(model))
+        with pytest.raises(AssertionError, match="layer call"):
+            assert_layer_calls_match_stock(model, zoo.prompt_for("qwen3_moe"), True, mx.float32)
+    else:
+        assert_layer_calls_match_stock(model, zoo.prompt_for("qwen3_moe"), True, mx.float32)
+        assert {r.phase for r in mlx_moe_fix.path_counts()} == {"prefill", "decode"}
