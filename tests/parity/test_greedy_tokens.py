@@ -89,7 +89,6 @@ def test_greedy_tokens_match_stock(device, family, bits):
     prompt = zoo.prompt_for(family)
     with zoo.recording_routes(model) as stock_routes:
         stock, stock_logits = zoo.greedy_decode(model, prompt, N_TOKENS)
-    assert len(set(stock)) >= 4, f"degenerate stream, parity would prove little: {stock}"
     unreproducible = stock_run_to_run(model, prompt, stock, stock_logits)
     ops = mlx_moe_fix.status()["ops"]
     references_only = all(op["path"] == "reference" for op in ops.values())
@@ -97,6 +96,7 @@ def test_greedy_tokens_match_stock(device, family, bits):
         warnings.warn(f"{family}-{bits}: {unreproducible}; its MoE layer calls were replayed instead")
         assert_layer_calls_match_stock(model, prompt, references_only, dtype)
     else:
+        assert len(set(stock)) >= 4, f"degenerate stream, parity would prove little: {stock}"
         assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, references_only, dtype)
 
     layer = MOE_LAYER.get(family, "SwitchGLU")
@@ -122,12 +122,13 @@ def assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, 
 def assert_layer_calls_match_stock(model, prompt, references_only, dtype):
     """Every MoE layer call of a stock greedy run whose input is finite (an unreproducible stock
     can feed a layer NaNs), replayed stock and patched on its recorded inputs: identical where
-    the ops run their references, within the op tolerance where they run kernels."""
+    the ops run their references, within the op tolerance where they run kernels. At least one
+    prefill call and N_TOKENS / 4 decode calls must be finite, so the check cannot go vacuous."""
     with zoo.recording_layer_calls(model) as calls:
         zoo.greedy_decode(model, prompt, N_TOKENS)
     finite = [call for call in calls if mx.isfinite(call[1][0]).all().item()]
     decode_calls = sum(call[1][0].size == call[1][0].shape[-1] for call in finite)
-    assert len(finite) >= 3 * len(calls) // 4 and 0 < decode_calls < len(finite), (
+    assert decode_calls >= N_TOKENS // 4 and len(finite) > decode_calls, (
         f"{len(finite)} of {len(calls)} layer calls with finite inputs, {decode_calls} of them decode steps: "
         "too few to stand for the run")
     for number, (layer, args, kwargs) in enumerate(finite):
