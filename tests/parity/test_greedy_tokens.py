@@ -120,19 +120,20 @@ def assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, 
 
 
 def assert_layer_calls_match_stock(model, prompt, references_only, dtype):
-    """Every MoE layer call of a stock greedy run whose input is finite (an unreproducible stock
-    can feed a layer NaNs), replayed stock and patched on its recorded inputs: identical where
-    the ops run their references, within the op tolerance where they run kernels. At least one
-    prefill call and N_TOKENS / 4 decode calls must be finite, so the check cannot go vacuous."""
+    """Every MoE layer call of a stock greedy run, replayed stock and patched on its recorded
+    inputs: identical where the ops run their references, within the op tolerance where they run
+    kernels. Calls where stock's input or replayed output is not finite (an unreproducible stock
+    feeds layers NaNs or values that overflow) are left out; at least one prefill call and
+    N_TOKENS / 4 decode calls must remain, so the check cannot go vacuous."""
     with zoo.recording_layer_calls(model) as calls:
         zoo.greedy_decode(model, prompt, N_TOKENS)
-    finite = [call for call in calls if mx.isfinite(call[1][0]).all().item()]
-    decode_calls = sum(call[1][0].size == call[1][0].shape[-1] for call in finite)
-    assert decode_calls >= N_TOKENS // 4 and len(finite) > decode_calls, (
-        f"{len(finite)} of {len(calls)} layer calls with finite inputs, {decode_calls} of them decode steps: "
-        "too few to stand for the run")
-    for number, (layer, args, kwargs) in enumerate(finite):
+    compared = {"prefill": 0, "decode": 0}
+    for number, (layer, args, kwargs) in enumerate(calls):
+        if not mx.isfinite(args[0]).all().item():
+            continue
         stock = layer(*args, **kwargs)
+        if not mx.isfinite(stock).all().item():
+            continue
         with mlx_moe_fix.patched():
             patched = layer(*args, **kwargs)
         if references_only:
@@ -140,6 +141,9 @@ def assert_layer_calls_match_stock(model, prompt, references_only, dtype):
         else:
             error = relative_error(patched, stock)
             assert error <= RELATIVE_TOLERANCE[dtype], f"layer call {number}: relative error {error:.3g}"
+        compared["decode" if args[0].size == args[0].shape[-1] else "prefill"] += 1
+    assert compared["prefill"] >= 1 and compared["decode"] >= N_TOKENS // 4, (
+        f"of {len(calls)} layer calls, only {compared} with finite inputs and stock outputs: too few to stand for the run")
 
 
 def synthetic_stream(margins, top=4.0):
