@@ -6,17 +6,21 @@ Read on first use and again at every `apply()`, not per call: reading `os.enviro
 
 import os
 
-SWITCHES = ("MLX_MOE_FIX_DISABLE", "MLX_MOE_FIX_TRACE", "MLX_MOE_FIX_CUDA_DECODE", "MLX_MOE_FIX_CUDA_PREFILL")
+# name: its value where unset (or set empty)
+SWITCHES = {"MLX_MOE_FIX_DISABLE": False, "MLX_MOE_FIX_TRACE": False, "MLX_MOE_FIX_CUDA_DECODE": False,
+            "MLX_MOE_FIX_CUDA_PREFILL": True}
 _values: dict = {}
 
 
 def refresh() -> None:
     """Read the switches from the environment now."""
-    _values.update({name: os.environ.get(name, "") not in ("", "0") for name in SWITCHES})
+    _values.update({name: default if os.environ.get(name, "") == "" else os.environ[name] != "0"
+                    for name, default in SWITCHES.items()})
 
 
 def flag(name: str) -> bool:
-    """True when the variable was set to anything but empty or 0 (as of the last refresh)."""
+    """As of the last refresh: False where the variable is 0, True where it is anything else,
+    its SWITCHES default where it is unset or empty."""
     if not _values:
         refresh()
     return _values[name]

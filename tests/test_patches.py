@@ -256,3 +256,18 @@ def test_env_switches_are_read_at_apply(monkeypatch):
     monkeypatch.setenv("MLX_MOE_FIX_TRACE", "0")
     mlx_moe_fix.apply()
     assert not flag("MLX_MOE_FIX_TRACE")
+
+
+def test_the_prefill_kernel_switch_is_on_unless_set_to_0_and_the_decode_one_off_unless_set(monkeypatch):
+    from mlx_moe_fix.env import flag, refresh
+
+    for value, prefill, decode in ((None, True, False), ("", True, False), ("0", False, False), ("1", True, True)):
+        for name in ("MLX_MOE_FIX_CUDA_PREFILL", "MLX_MOE_FIX_CUDA_DECODE"):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        refresh()
+        assert (flag("MLX_MOE_FIX_CUDA_PREFILL"), flag("MLX_MOE_FIX_CUDA_DECODE")) == (prefill, decode), value
+    monkeypatch.undo()
+    refresh()

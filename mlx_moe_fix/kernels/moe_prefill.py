@@ -4,8 +4,8 @@ Reference: the pairs sorted by expert so that each expert's rows are contiguous,
 projection one grouped matmul over the sorted rows (stock's sorted `gather_qmm`), then unsorted
 and combined.
 
-CUDA kernel (`cuda/moe_prefill.cu`), opt-in until its greedy tokens match stock on every GPU
-parity model: routing in one launch (per-expert counts, each expert's run padded to the tile
+CUDA kernel (`cuda/moe_prefill.cu`), on by default (MLX_MOE_FIX_CUDA_PREFILL=0 turns it off)
+since its greedy tokens match stock on every GPU parity model: routing in one launch (per-expert counts, each expert's run padded to the tile
 height, a tile -> expert map; the grid sized for the worst case, so no host synchronisation;
 `route_reference` does the same with MLX ops), then two launches of one grouped tensor-core
 GEMM: gate+up with the activation in the epilogue into expert-sorted padded rows, and down
@@ -204,8 +204,7 @@ def moe_prefill(
 def moe_prefill_implementation(experts: Optional[MoEExperts] = None, dtype=None) -> Implementation:
     """dtype: the activations' (the kernel takes bfloat16 and float16)."""
     return choose(
-        "moe_prefill", moe_prefill_reference, moe_prefill_kernel, CUDA_KERNEL_SWITCH,
-        "its greedy tokens do not yet match stock on every GPU parity model",
+        "moe_prefill", moe_prefill_reference, moe_prefill_kernel, CUDA_KERNEL_SWITCH, None,
         None if experts is None
         else lambda: experts.memo(("cuda prefill", dtype), lambda: cuda_unsupported_reason(experts, dtype)),
     )
