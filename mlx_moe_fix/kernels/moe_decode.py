@@ -64,16 +64,21 @@ def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:
     return reason
 
 
-def _grid(rows: int, blocks_y: int) -> tuple:
+def _grid(rows: int, blocks_y: int, row_warps: int = WARPS_PER_BLOCK) -> tuple:
+    """A block of WARPS_PER_BLOCK warps per `row_warps` x ROWS_PER_WARP rows and per y index."""
     per_block = WARPS_PER_BLOCK * 32
-    rows_per_block = WARPS_PER_BLOCK * ROWS_PER_WARP
-    return (-(-rows // rows_per_block) * per_block, blocks_y, 1), (per_block, 1, 1)
+    return (-(-rows // (row_warps * ROWS_PER_WARP)) * per_block, blocks_y, 1), (per_block, 1, 1)
 
 
 def _shared_bytes(linear: ExpertLinear, rows: int) -> int:
     """Shared memory for `rows` staged activation rows (cuda/moe_decode.cu's Layout)."""
     values = 4 * 32 // linear.bits
     return rows * linear.input_dims // values * (values + 4) * 4
+
+
+def _combine_shared_bytes(linear: ExpertLinear, top_k: int) -> int:
+    """The combining down launch's: a token's top_k staged rows and each warp's partial sums."""
+    return _shared_bytes(linear, top_k) + WARPS_PER_BLOCK * ROWS_PER_WARP * 4
 
 
 class Launch(NamedTuple):
@@ -126,9 +131,11 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
                  input_per_pair: bool) -> Launch:
     combined = weights_dtype is not None
     rows_out = pairs // top_k if combined else pairs
-    grid, block = _grid(linear.output_dims, rows_out)
+    # With the combine, a block's warps split over the token's pairs (cuda/moe_decode.cu, down).
+    grid, block = _grid(linear.output_dims, rows_out,
+                        WARPS_PER_BLOCK // min(top_k, WARPS_PER_BLOCK) if combined else WARPS_PER_BLOCK)
     return Launch(
-        cuda_kernel("down", _bucket(_shared_bytes(linear, top_k if combined else 1))),
+        cuda_kernel("down", _bucket(_combine_shared_bytes(linear, top_k) if combined else _shared_bytes(linear, 1))),
         [linear.weight, linear.scales, linear.biases,
          linear.bias if linear.bias is not None else absent(),
          out_scale if out_scale is not None else absent(),
@@ -147,7 +154,7 @@ def _launches(experts: MoEExperts, top_k: int, pairs: int, dtype, weights_dtype)
     def plan():
         last = experts.projections[-1]
         # The k input rows of a token may not fit in shared memory together: combine outside.
-        combine_outside = weights_dtype is not None and _shared_bytes(last, top_k) > SHARED_BUCKETS[-1]
+        combine_outside = weights_dtype is not None and _combine_shared_bytes(last, top_k) > SHARED_BUCKETS[-1]
         single = len(experts.projections) == 1
         return (
             None if single else _gate_up_launch(experts, top_k, pairs, dtype),

@@ -166,8 +166,11 @@ __device__ __forceinline__ void rows_dot(
 //         indices [N * TOP_K], w [E, OUT_DIM, IN_DIM * BITS / 32], s, b [E, OUT_DIM, IN_DIM / GROUP],
 //         bias [E, OUT_DIM], out_scale [E], weights [N * TOP_K], dims
 // output: out [N, OUT_DIM] (COMBINE: the routing-weighted sum over TOP_K) or [N * TOP_K, OUT_DIM]
-// One block per (token when COMBINE else pair, WARPS output rows); the input rows of its pairs
-// are staged once per block.
+// One block per (pair, WARPS x RPW output rows), or with COMBINE per (token, output rows): its
+// warps split over the token's pairs (warp % PAIR_SLOTS, PAIR_SLOTS = min(TOP_K, WARPS)) and
+// over rows (warp / PAIR_SLOTS, RPW rows each), so a block covers WARPS / PAIR_SLOTS x RPW rows
+// and the grid has as many blocks as without the combine; the pairs' partial sums meet in shared
+// memory and are added in pair order. The block's input rows are staged once.
 {
   using namespace moe_decode;
   static_assert(bias_signature_matches<HAS_BIAS, S, decltype(bias)>, "HAS_BIAS disagrees with the bias input");
@@ -181,13 +184,16 @@ __device__ __forceinline__ void rows_dot(
     stage<BITS>(staged + j * staged_floats, hidden + (size_t)(INPUT_PER_PAIR ? pair : pair / d.top_k) * d.in_dim, d.in_dim);
   }
   __syncthreads();
-  const int lane = threadIdx.x % 32;
-  const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
-  if (first_row >= d.out_dim) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int pair_slots = COMBINE ? min(d.top_k, WARPS) : 1;
+  const int row_slots = WARPS / pair_slots;
+  const int pair_slot = warp % pair_slots, row_slot = warp / pair_slots;
+  const int first_row = (blockIdx.x * row_slots + row_slot) * RPW;
+  const bool active = row_slot < row_slots && first_row < d.out_dim;
   float total[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) total[r] = 0.f;
-  for (int j = 0; j < pairs; ++j) {
+  for (int j = pair_slot; active && j < pairs; j += pair_slots) {
     const int pair = first_pair + j;
     const size_t expert = indices[pair];
     const uint32_t* wr[RPW];
@@ -210,8 +216,23 @@ __device__ __forceinline__ void rows_dot(
       total[r] += y;
     }
   }
+  if (COMBINE) {
+    // Every lane holds its warp's sums; lane r of each warp leaves row r's, after the staged rows.
+    float* partial = staged + pairs * staged_floats;  // [WARPS][RPW]
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      if (lane == r) partial[warp * RPW + r] = total[r];
+    }
+    __syncthreads();
+    if (pair_slot != 0) return;
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      total[r] = 0.f;
+      for (int slot = 0; slot < pair_slots; ++slot) total[r] += partial[(row_slot * pair_slots + slot) * RPW + r];
+    }
+  }
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
-    if (lane == r && first_row + r < d.out_dim) out[(size_t)blockIdx.y * d.out_dim + first_row + r] = static_cast<T>(total[r]);
+    if (active && lane == r && first_row + r < d.out_dim) out[(size_t)blockIdx.y * d.out_dim + first_row + r] = static_cast<T>(total[r]);
   }
 }
