@@ -1,7 +1,11 @@
 """Kernel sources shipped as package data, split into named sections on `//// <name>` lines.
 
 The `header` section of each source gets the backend's shared helpers (`common.cuh`) in front:
-cuda_kernel compiles each kernel on its own, with no include path to this package."""
+cuda_kernel compiles each kernel on its own, with no include path to this package.
+
+Sections come without comments, indentation or blank lines: MLX copies a kernel's whole source
+into every call's primitive and hashes it at every evaluation (mlx/backend/cuda/custom_kernel.cpp),
+host time that a decode step pays twice per layer."""
 
 from __future__ import annotations
 
@@ -18,4 +22,11 @@ def sections(backend: str, filename: str) -> dict:
     parts = re.split(r"^//// (\w+)\s*$", folder.joinpath(filename).read_text(), flags=re.M)
     named = {name: body for name, body in zip(parts[1::2], parts[2::2])}
     named["header"] = folder.joinpath(COMMON[backend]).read_text() + named.get("header", "")
-    return named
+    return {name: compact(body) for name, body in named.items()}
+
+
+def compact(source: str) -> str:
+    """`source` without `//` comments (the sources put none inside string literals), leading and
+    trailing blanks, or empty lines; line breaks stay (preprocessor lines need them)."""
+    lines = (re.sub(r"//.*", "", line).strip() for line in source.splitlines())
+    return "".join(line + "\n" for line in lines if line)
