@@ -17,6 +17,7 @@ import mlx_moe_fix.kernels  # noqa: E402,F401  loads the op modules (their names
 
 DECODE = sys.modules["mlx_moe_fix.kernels.moe_decode"]
 PREFILL = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
+ROUTER = sys.modules["mlx_moe_fix.kernels.moe_router"]
 
 # C types of the inputs, as cuda_kernel declares them from the arrays the launchers pass.
 INT_INPUTS = {"indices": "uint32_t", "row_pair": "int32_t", "tile_expert": "int32_t", "dims": "int32_t", "sizes": "int32_t"}
@@ -84,6 +85,13 @@ def test_prefill_kernel_compiles(tmp_path, t):
     ]
     variants.append(("route", t, {"TILE": 128, "MAX_EXPERTS": PREFILL.ROUTE_MAX_EXPERTS}))
     compile_ok(tmp_path, translation_unit(PREFILL, "moe_prefill.cu", variants))
+
+
+@pytest.mark.parametrize("t", ["__nv_bfloat16", "__half", "float"])
+def test_router_kernel_compiles(tmp_path, t):
+    variants = [("topk", t, {"SOFTMAX_FIRST": first, "NORMALIZE": first and normalize, "PER_LANE": per_lane})
+                for first in (True, False) for normalize in (True, False) for per_lane in ROUTER.PER_LANE]
+    compile_ok(tmp_path, translation_unit(ROUTER, "moe_router.cu", variants))
 
 
 def test_a_bias_signature_that_disagrees_with_has_bias_does_not_compile(tmp_path):

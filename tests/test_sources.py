@@ -5,7 +5,7 @@ from importlib import resources
 
 from mlx_moe_fix.kernels.sources import compact, sections
 
-CUDA_FILES = ("moe_decode.cu", "moe_prefill.cu")
+CUDA_FILES = ("moe_decode.cu", "moe_prefill.cu", "moe_router.cu")
 
 
 def test_compact_drops_comments_indentation_and_blank_lines_and_keeps_code_lines():
@@ -23,7 +23,8 @@ def test_no_string_literal_in_the_sources_holds_a_comment_marker():
 
 
 def test_every_file_has_a_header_and_its_kernels_and_they_are_compact():
-    for name, kernels in (("moe_decode.cu", {"gate_up", "down"}), ("moe_prefill.cu", {"grouped", "route"})):
+    for name, kernels in (("moe_decode.cu", {"gate_up", "down"}), ("moe_prefill.cu", {"grouped", "route"}),
+                          ("moe_router.cu", {"topk"})):
         parts = sections("cuda", name)
         assert set(parts) == {"header", *kernels}
         for text in parts.values():

@@ -1,5 +1,6 @@
 """MoE ops: each has `<op>_reference` (pure MLX), a dispatcher `<op>` with the same signature,
-and `<op>_implementation()` saying which one the current backend runs.
+and `<op>_implementation()` saying which one the current backend runs: `moe_prefill` and
+`moe_decode` (the experts), `moe_router` (a block's top-k routing).
 
 `plan()` picks the op for a call: the sorted grouped prefill when many (token, expert) pairs are
 present, the fused decode otherwise, or none (stock code) when the call is not supported.
@@ -18,6 +19,8 @@ from .moe_decode import CUDA_KERNEL_SWITCH as DECODE_SWITCH
 from .moe_decode import moe_decode, moe_decode_implementation, moe_decode_reference
 from .moe_prefill import CUDA_KERNEL_SWITCH as PREFILL_SWITCH
 from .moe_prefill import moe_prefill, moe_prefill_implementation, moe_prefill_reference
+from .moe_router import Routing, moe_router, moe_router_implementation, moe_router_reference
+from .reference import combine
 
 # mlx-lm's SwitchGLU sorts at this many pairs; the references follow it so that they reproduce
 # stock numerics exactly.
@@ -57,10 +60,15 @@ __all__ = [
     "MoEExperts",
     "PREFILL_MIN_PAIRS",
     "Plan",
+    "Routing",
+    "combine",
     "current_backend",
     "moe_decode",
     "moe_decode_reference",
     "moe_prefill",
     "moe_prefill_reference",
+    "moe_router",
+    "moe_router_implementation",
+    "moe_router_reference",
     "plan",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from .. import trace
-from ..kernels import PREFILL_MIN_PAIRS, ExpertLinear, MoEExperts, Plan, plan
+from ..kernels import PREFILL_MIN_PAIRS, ExpertLinear, MoEExperts, Plan, combine, plan
 from . import options
 from .activations import recognise
 
@@ -100,15 +100,18 @@ def stock(layer_kind: str, x, indices, reason: str, original: Callable, args: tu
 
 
 def expert_block_wrapper(layer_kind: str, projection_names: tuple):
-    """The wrapper of a `__call__(x, indices) -> [..., k, D]` expert block."""
+    """The wrapper of a `__call__(x, indices) -> [..., k, D]` expert block. The patched MoE blocks
+    (moe_blocks.py) also pass `weights=` [..., k], which upstream's method does not take: the call
+    then returns the weighted sum over k, [..., D]."""
 
     def wrapper(wrapped, instance, args, kwargs):
         x, indices = bind(args, kwargs, ("x", "indices"))
+        weights = kwargs.pop("weights", None)
         experts, why_not = describe(instance, projection_names)
         chosen = choose(layer_kind, x, indices, experts, why_not)
         if chosen.function is None:
-            return wrapped(*args, **kwargs)
-        return chosen.function(x, indices, experts)
+            return combine(wrapped(*args, **kwargs), weights)
+        return chosen.function(x, indices, experts, weights)
 
     return wrapper
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from mlx_moe_fix.kernels import ExpertLinear, MoEExperts
@@ -15,6 +17,11 @@ from mlx_moe_fix.patches.activations import recognise
 PRIMES = (3, 5, 7, 11, 13, 37)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 QUANTIZATIONS = (None, (4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128))
+
+# Hypothesis settings of the op tests. MLX_MOE_FIX_EXAMPLES trims the GPU runs, where each new
+# kernel variant costs an NVRTC compile.
+CASES = settings(max_examples=int(os.environ.get("MLX_MOE_FIX_EXAMPLES", "60")), deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 @dataclass

@@ -2,19 +2,16 @@
 current backend runs: the kernel on a GPU that has one, else the reference)."""
 
 import dataclasses
-import os
 
 import mlx.core as mx
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given
 
 from mlx_moe_fix.kernels import Activation, ExpertLinear, MoEExperts, moe_decode, moe_decode_reference, moe_prefill, moe_prefill_reference
 
-from .cases import layer_cases, make_case
+from .cases import CASES, layer_cases, make_case
 from .tolerance import assert_close
 
-# MLX_MOE_FIX_EXAMPLES trims the GPU runs, where each new kernel variant costs an NVRTC compile.
-CASES = settings(max_examples=int(os.environ.get("MLX_MOE_FIX_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 def check(op, case, expected=None):

@@ -1,0 +1,101 @@
+"""Top-k routing of a MoE block: router logits [..., experts] -> (experts [..., k] uint32, routing
+weights [..., k] in the logits' dtype).
+
+Reference: upstream's own expressions per kind (`Routing`), so that it reproduces stock bit for
+bit. CUDA kernel (`cuda/moe_router.cu`): all of a kind's steps in one launch, one warp per token
+(stock: four to six launches); opt-in (MLX_MOE_FIX_CUDA_ROUTER=1) until it has run on a GPU.
+Its experts come largest first, where argpartition's order is its own, and equal values go to the
+lower index, so a weighted sum over them may round differently and an exact tie may route
+differently than stock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+
+from .backend import Implementation, choose
+from .launch import cuda_kernel_object, int_array
+
+CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTER"
+KINDS = ("softmax_topk", "topk_softmax")
+MAX_TOP_K = 32  # lane j of the token's warp writes choice j
+PER_LANE = (1, 2, 4, 8, 16)  # experts per lane the kernel is compiled for: up to 512 experts
+WARPS_PER_BLOCK = 4
+# The kernel's parameters, in the order of its `inputs` / outputs.
+INPUTS = {"topk": ["logits", "sizes"]}
+OUTPUTS = {"topk": ["indices", "weights"]}
+
+
+@dataclass(frozen=True)
+class Routing:
+    """kind "softmax_topk": softmax over all experts, the k largest probabilities, divided by
+    their sum where `normalize` (qwen3_moe); "topk_softmax": the k largest logits, softmax over
+    them (mixtral)."""
+
+    kind: str
+    top_k: int
+    normalize: bool = False
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown routing kind {self.kind!r}; expected one of {KINDS}")
+        if self.normalize and self.kind != "softmax_topk":
+            raise ValueError("normalize applies to softmax_topk routing only")
+
+
+def moe_router_reference(logits: mx.array, routing: Routing) -> tuple:
+    k = routing.top_k
+    if routing.kind == "softmax_topk":
+        gates = mx.softmax(logits, axis=-1, precise=True)
+        indices = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+        weights = mx.take_along_axis(gates, indices, axis=-1)
+        if routing.normalize:
+            weights = weights / mx.sum(weights, axis=-1, keepdims=True)
+        return indices, weights
+    indices = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    weights = mx.softmax(mx.take_along_axis(logits, indices, axis=-1), axis=-1, precise=True)
+    return indices, weights
+
+
+def cuda_unsupported_reason(logits: mx.array, routing: Routing) -> Optional[str]:
+    if logits.dtype not in (mx.bfloat16, mx.float16, mx.float32):
+        return f"router logits of {logits.dtype}"
+    if routing.top_k > MAX_TOP_K:
+        return f"top-{routing.top_k} routing: the router kernel chooses at most {MAX_TOP_K}"
+    if logits.shape[-1] > 32 * PER_LANE[-1] or routing.top_k > logits.shape[-1]:
+        return f"{logits.shape[-1]} experts for top-{routing.top_k}: the router kernel takes up to {32 * PER_LANE[-1]}"
+    return None
+
+
+def moe_router_kernel(logits: mx.array, routing: Routing) -> tuple:
+    """The CUDA implementation; same contract as moe_router_reference."""
+    experts = logits.shape[-1]
+    tokens = logits.size // experts
+    kernel = cuda_kernel_object("moe_router.cu", "topk", tuple(INPUTS["topk"]), tuple(OUTPUTS["topk"]), 0)
+    threads = WARPS_PER_BLOCK * 32
+    indices, weights = kernel(
+        inputs=[logits.reshape(tokens, experts), int_array(tokens, experts, routing.top_k)],
+        template=[("T", logits.dtype), ("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
+                  ("NORMALIZE", routing.normalize), ("PER_LANE", next(p for p in PER_LANE if 32 * p >= experts))],
+        grid=(-(-tokens // WARPS_PER_BLOCK) * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(tokens, routing.top_k)] * 2,
+        output_dtypes=[mx.uint32, logits.dtype],
+    )
+    shape = (*logits.shape[:-1], routing.top_k)
+    return indices.reshape(shape), weights.reshape(shape)
+
+
+def moe_router(logits: mx.array, routing: Routing) -> tuple:
+    """Dispatcher: the moe_router implementation for the current backend and these logits."""
+    return moe_router_implementation(logits, routing).function(logits, routing)
+
+
+def moe_router_implementation(logits: Optional[mx.array] = None, routing: Optional[Routing] = None) -> Implementation:
+    return choose(
+        "moe_router", moe_router_reference, moe_router_kernel, CUDA_KERNEL_SWITCH, "until it has run on a GPU",
+        None if logits is None else lambda: cuda_unsupported_reason(logits, routing),
+    )

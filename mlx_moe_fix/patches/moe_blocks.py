@@ -1,0 +1,37 @@
+"""Wrappers of mlx-lm MoE blocks whose routing `moe_router` knows: the block's own router
+computes the logits, `moe_router` the experts and weights, and the experts call takes the
+weights (`weights=`, which only these wrappers pass), so that the weighted combine happens inside
+the expert op (the fused decode does it in its down launch). A block with a sharding group runs
+upstream's code (its experts still go through the patched switch layer). No math here."""
+
+from __future__ import annotations
+
+import functools
+
+from ..kernels import Routing, moe_router
+from .switch_layers import bind
+
+
+@functools.lru_cache(maxsize=None)
+def routing(kind: str, top_k: int, normalize: bool = False) -> Routing:
+    return Routing(kind, top_k, normalize)
+
+
+def routed_block(routing_of):
+    """The wrapper of a block `__call__(x)` that routes with `routing_of(block)` and combines
+    `block.switch_mlp`'s outputs with the routing weights."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if getattr(instance, "sharding_group", None) is not None:
+            return wrapped(*args, **kwargs)
+        (x,) = bind(args, kwargs, ("x",))
+        indices, weights = moe_router(instance.gate(x), routing_of(instance))
+        return instance.switch_mlp(x, indices, weights=weights)
+
+    return wrapper
+
+
+# mlx_lm.models.qwen3_moe.Qwen3MoeSparseMoeBlock: softmax, top-k, optional renormalisation.
+qwen3_moe = routed_block(lambda block: routing("softmax_topk", block.top_k, bool(block.norm_topk_prob)))
+# mlx_lm.models.mixtral.MixtralSparseMoeBlock: top-k logits, softmax over them.
+mixtral = routed_block(lambda block: routing("topk_softmax", block.num_experts_per_tok))

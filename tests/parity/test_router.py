@@ -1,0 +1,97 @@
+"""moe_router: the reference against upstream's MoE blocks (through the patched blocks), and the
+CUDA kernel against the reference (ref_* / cuda_* as elsewhere)."""
+
+import mlx.core as mx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mlx_moe_fix
+import mlx_moe_fix.patches.moe_blocks as moe_blocks
+from mlx_moe_fix import zoo
+from mlx_moe_fix.kernels import Routing, moe_router_reference
+
+from .cases import CASES
+from .tolerance import RELATIVE_TOLERANCE, relative_error
+
+BLOCK_FAMILIES = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock"}
+
+
+def first_block(model):
+    return next(m for _, m in model.named_modules() if type(m).__name__ in BLOCK_FAMILIES.values())
+
+
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_ref_patched_block_matches_stock_block(device, family, tokens, monkeypatch):
+    dtype = mx.bfloat16 if device == "gpu" else mx.float32
+    model = zoo.build(family, 4, dtype=dtype)
+    block = first_block(model)
+    x = (mx.random.normal((1, tokens, model.args.hidden_size)) * 0.5).astype(dtype)
+    stock = block(x)
+    routed = []
+    original = moe_blocks.moe_router
+    monkeypatch.setattr(moe_blocks, "moe_router", lambda logits, routing: routed.append(routing) or original(logits, routing))
+    with mlx_moe_fix.patched():
+        patched = block(x)
+        ops = mlx_moe_fix.status()["ops"]
+    assert routed, "the patched block did not route through moe_router"
+    assert patched.shape == stock.shape and patched.dtype == stock.dtype
+    if all(op["path"] == "reference" for op in ops.values()):
+        assert mx.array_equal(patched, stock).item()
+    else:
+        assert relative_error(patched, stock) <= RELATIVE_TOLERANCE[dtype]
+
+
+def test_routing_rejects_unknown_kinds_and_misplaced_normalisation():
+    with pytest.raises(ValueError, match="unknown routing kind"):
+        Routing("sigmoid", 2)
+    with pytest.raises(ValueError, match="normalize"):
+        Routing("topk_softmax", 2, normalize=True)
+
+
+def ref_choices(logits, routing):
+    """The reference's experts and weights per token, as {expert: weight} dicts."""
+    indices, weights = moe_router_reference(logits, routing)
+    return [dict(zip(i, w)) for i, w in zip(indices.tolist(), weights.astype(mx.float32).tolist())]
+
+
+@st.composite
+def router_cases(draw):
+    experts = draw(st.sampled_from([8, 32, 60, 128, 256]))
+    top_k = draw(st.integers(1, min(8, experts)))
+    kind = draw(st.sampled_from(["softmax_topk", "topk_softmax"]))
+    normalize = kind == "softmax_topk" and draw(st.booleans())
+    dtype = draw(st.sampled_from([mx.bfloat16, mx.float16, mx.float32]))
+    tokens = draw(st.integers(1, 40))
+    # Coarse logits (steps of 1/4): many exact ties, at the k-th place too.
+    seed = draw(st.integers(0, 2**16))
+    logits = (mx.round(mx.random.normal((tokens, experts), key=mx.random.key(seed)) * 4) / 4).astype(dtype)
+    return logits, Routing(kind, top_k, normalize)
+
+
+@CASES
+@given(case=router_cases())
+def test_cuda_router_kernel_matches_ref(cuda_device, case):
+    from mlx_moe_fix.kernels.moe_router import cuda_unsupported_reason, moe_router_kernel
+
+    logits, routing = case
+    assert cuda_unsupported_reason(logits, routing) is None
+    indices, weights = moe_router_kernel(logits, routing)
+    assert indices.dtype == mx.uint32 and weights.dtype == logits.dtype
+    # What the k are chosen by: the probabilities as rounded to the logits' dtype (distinct logits
+    # can round to equal probabilities), or the logits.
+    ranked_by = mx.softmax(logits, axis=-1, precise=True) if routing.kind == "softmax_topk" else logits
+    values = ranked_by.astype(mx.float32).tolist()
+    for token, (chosen, expected) in enumerate(zip(
+            [dict(zip(i, w)) for i, w in zip(indices.tolist(), weights.astype(mx.float32).tolist())],
+            ref_choices(logits, routing))):
+        assert len(chosen) == routing.top_k, "an expert chosen twice"
+        # Ties at the k-th place may be broken either way: the chosen experts' values must be
+        # the k largest, and where the reference chose the same experts, the weights must agree.
+        ranked = sorted(values[token], reverse=True)
+        assert sorted((values[token][e] for e in chosen), reverse=True) == ranked[: routing.top_k]
+        if set(chosen) == set(expected):
+            got = mx.array([chosen[e] for e in sorted(chosen)])
+            want = mx.array([expected[e] for e in sorted(expected)])
+            assert relative_error(got, want) <= RELATIVE_TOLERANCE[logits.dtype]
