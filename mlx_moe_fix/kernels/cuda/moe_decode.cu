@@ -224,7 +224,7 @@ __device__ __forceinline__ void rows_dot(
       if (lane == r) partial[warp * RPW + r] = total[r];
     }
     __syncthreads();
-    if (pair_slot != 0) return;
+    if (pair_slot != 0 || !active) return;  // warps past the last row slot (TOP_K not dividing WARPS) sum nothing
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
       total[r] = 0.f;
