@@ -1,5 +1,6 @@
 """Patch lifecycle: replaced, idempotent, reverted exactly, deferred, disabled, falls through."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -24,11 +25,7 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def imported_classes():
-    import mlx_lm.models.switch_layers  # noqa: F401
-    import mlx_vlm.models.inkling.language  # noqa: F401
-    import mlx_vlm.models.switch_layers  # noqa: F401
-
-    return {t.name: (getattr(sys.modules[t.module], t.cls), t) for t in TARGETS}
+    return {t.name: (getattr(importlib.import_module(t.module), t.cls), t) for t in TARGETS}
 
 
 def test_apply_replaces_and_revert_restores_the_same_objects():
@@ -271,3 +268,22 @@ def test_the_prefill_kernel_switch_is_on_unless_set_to_0_and_the_decode_one_off_
         assert (flag("MLX_MOE_FIX_CUDA_PREFILL"), flag("MLX_MOE_FIX_CUDA_DECODE")) == (prefill, decode), value
     monkeypatch.undo()
     refresh()
+
+
+def test_plan_sends_batched_decode_with_many_pairs_per_expert_to_the_grouped_kernel(monkeypatch):
+    import mlx_moe_fix.kernels as kernels
+    from mlx_moe_fix.kernels.backend import Implementation
+    from tests.parity.cases import make_case
+
+    grouped_kernel = Implementation(lambda *a: None, "kernel", "CUDA moe_prefill kernel")
+    monkeypatch.setattr(kernels, "moe_prefill_implementation", lambda experts, dtype: grouped_kernel)
+    for tokens, phase, function in ((3, "decode", None), (4, "decode", grouped_kernel.function),
+                                    (8, "decode", grouped_kernel.function), (40, "prefill", grouped_kernel.function)):
+        # 4 experts, top-2: from 8 pairs (2 per expert) on, decode calls take the grouped kernel.
+        case = make_case(mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 64, 64, 4, 2, 1, tokens)
+        chosen = kernels.plan(case.x, case.indices, case.experts)
+        assert chosen.phase == phase, tokens
+        if function is None:
+            assert chosen.function is not grouped_kernel.function and chosen.path == "reference"
+        else:
+            assert chosen.function is grouped_kernel.function and chosen.path == "kernel", tokens

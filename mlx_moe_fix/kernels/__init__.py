@@ -25,6 +25,12 @@ from .reference import combine
 # mlx-lm's SwitchGLU sorts at this many pairs; the references follow it so that they reproduce
 # stock numerics exactly.
 PREFILL_MIN_PAIRS = 64
+# Below PREFILL_MIN_PAIRS the decode op reads an expert's rows once per pair. From this many pairs
+# per expert on (batched decode of few-expert models: Mixtral from batch 8), the grouped prefill
+# kernel takes the call where it runs: it reads each routed expert once (H200, Mixtral shapes,
+# 16 tokens: 1.0-1.3 TB/s of routed weights, docs/benchmarks.md, where the decode kernel reads
+# each expert about twice at batch 8 and four times at batch 16).
+GROUPED_MIN_PAIRS_PER_EXPERT = 2
 
 
 class Plan(NamedTuple):
@@ -43,13 +49,19 @@ def plan(
         reason = f"{phase} disabled by apply({phase}=False)"
     if reason is not None:
         return Plan(phase, "stock", reason, None)
+    grouped = phase == "decode" and indices.size >= GROUPED_MIN_PAIRS_PER_EXPERT * experts.num_experts
     return experts.memo(
-        ("plan", phase, x.dtype, current_backend(), flag(PREFILL_SWITCH), flag(DECODE_SWITCH)),
-        lambda: _supported_plan(phase, experts, x.dtype),
+        ("plan", phase, grouped, x.dtype, current_backend(), flag(PREFILL_SWITCH), flag(DECODE_SWITCH)),
+        lambda: _supported_plan(phase, experts, x.dtype, grouped),
     )
 
 
-def _supported_plan(phase: str, experts: MoEExperts, dtype) -> Plan:
+def _supported_plan(phase: str, experts: MoEExperts, dtype, grouped: bool) -> Plan:
+    if grouped:
+        implementation = moe_prefill_implementation(experts, dtype)
+        if implementation.path == "kernel":
+            return Plan(phase, "kernel", f"{implementation.reason}: {GROUPED_MIN_PAIRS_PER_EXPERT}+ pairs per expert, "
+                        "each routed expert read once", implementation.function)
     implementation = (moe_prefill_implementation if phase == "prefill" else moe_decode_implementation)(experts, dtype)
     return Plan(phase, implementation.path, implementation.reason, implementation.function)
 

@@ -24,17 +24,20 @@ def setup(device, family):
     dtype = mx.bfloat16 if device == "gpu" else mx.float32
     ops = mlx_moe_fix.status()["ops"]
     references_only = all(op["path"] == "reference" for op in ops.values())
-    expected_paths = {("prefill", ops["moe_prefill"]["path"]), ("decode", ops["moe_decode"]["path"])}
-    return zoo.build(family, 4, dtype=dtype), dtype, references_only, expected_paths
+    return zoo.build(family, 4, dtype=dtype), dtype, references_only
 
 
-def taken_paths():
-    return {(r.phase, r.path) for r in mlx_moe_fix.path_counts() if r.path != "stock"}
+def assert_ops_took_both_phases(references_only):
+    """Every call went through an op, prefill and decode calls both (a batched decode call with
+    many pairs per expert may run the prefill kernel: kernels.plan)."""
+    paths = {(r.phase, r.path) for r in mlx_moe_fix.path_counts()}
+    assert {phase for phase, _ in paths} == {"prefill", "decode"}, paths
+    assert {path for _, path in paths} <= ({"reference"} if references_only else {"reference", "kernel"}), paths
 
 
 @pytest.mark.parametrize("family", MLX_LM_FAMILIES)
 def test_compiled_forward_takes_the_ops_and_matches_the_uncompiled_one(device, family):
-    model, dtype, references_only, expected_paths = setup(device, family)
+    model, dtype, references_only = setup(device, family)
     prompt = mx.array([zoo.prompt_for(family)])
 
     def forward(tokens):
@@ -45,8 +48,7 @@ def test_compiled_forward_takes_the_ops_and_matches_the_uncompiled_one(device, f
         mlx_moe_fix.reset_path_counts()
         # A prompt (the prefill op) and a single token (the decode op), each compiled anew.
         results = [(mx.compile(forward)(tokens), forward(tokens)) for tokens in (prompt, prompt[:, :1])]
-        paths = taken_paths()
-    assert paths == expected_paths, mlx_moe_fix.path_counts()
+        assert_ops_took_both_phases(references_only)
     for compiled, plain in results:
         if references_only:
             assert mx.array_equal(compiled, plain).item()
@@ -71,15 +73,14 @@ def batch_generated_tokens(model, prompts: list, max_tokens: int) -> list:
 
 @pytest.mark.parametrize("family", MLX_LM_FAMILIES)
 def test_batch_generator_tokens_match_stock(device, family):
-    model, _, references_only, expected_paths = setup(device, family)
+    model, _, references_only = setup(device, family)
     base = zoo.prompt_for(family)
     prompts = [base, base[:25], base[5:38], base[:12]]  # unequal lengths: left padding in the batch
     stock = batch_generated_tokens(model, prompts, 8)
     with mlx_moe_fix.patched():
         mlx_moe_fix.reset_path_counts()
         patched = batch_generated_tokens(model, prompts, 8)
-        paths = taken_paths()
-    assert paths == expected_paths, mlx_moe_fix.path_counts()
+        assert_ops_took_both_phases(references_only)
     assert all(len(t) == 8 for t in stock + patched)
     if references_only:
         assert patched == stock
