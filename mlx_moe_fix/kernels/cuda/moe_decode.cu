@@ -51,7 +51,7 @@ __device__ __forceinline__ float dot_vector(const uint4& packed, const float* x)
   for (int w = 0; w < 4; ++w) {
 #pragma unroll
     for (int i = 0; i < PER_WORD; ++i) {
-      acc = fmaf(static_cast<float>((words[w] >> (BITS * i)) & MASK), x[w * PER_WORD + i], acc);
+      acc = fmaf(small_uint_to_float((words[w] >> (BITS * i)) & MASK), x[w * PER_WORD + i], acc);
     }
   }
   return acc;

@@ -59,11 +59,6 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   }
 }
 
-// An unsigned integer below 2^23 as fp32, exactly: its bits under the exponent of 2^23.
-__device__ __forceinline__ float small_uint_to_float(unsigned q) {
-  return __uint_as_float(0x4B000000u | q) - 8388608.f;
-}
-
 }  // namespace grouped
 
 //// grouped
