@@ -96,7 +96,7 @@ def _config(family: str):
             num_experts_per_tok=K,
             decoder_sparse_step=1,
             mlp_only_layers=[],
-            moe_intermediate_size=64,
+            moe_intermediate_size=128,  # two quantization groups: splits over two ranks
             rms_norm_eps=1e-6,
             vocab_size=VOCAB,
             num_key_value_heads=2,

@@ -33,20 +33,20 @@ def test_sharded_model_keeps_tokens_through_the_ops(family):
     assert paths == {("prefill", "reference"), ("decode", "reference")}, mlx_moe_fix.path_counts()
 
 
-def test_two_ranks_on_the_cpu_keep_the_unsharded_tokens():
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_two_ranks_on_the_cpu_keep_the_unsharded_tokens(family):
     """Two processes over MLX's ring backend (localhost): the model really split across ranks,
-    its MoE blocks all-summing between them. gpt_oss: the zoo family whose expert widths
-    (128 = two groups of 64) split in two; the zoo's qwen3_moe experts (64 wide) do not, and
-    mlx-lm's mixtral has no shard()."""
+    its MoE blocks all-summing between them. The zoo families whose expert widths (128 = two
+    groups of 64) split in two; mlx-lm's mixtral has no shard()."""
     launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
     if not os.path.exists(launcher):
         pytest.skip(f"no mlx.launch beside {sys.executable}")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    port = str(20000 + os.getpid() % 20000)
+    port = str(20000 + (os.getpid() * 7 + len(family)) % 20000)
     done = subprocess.run(
         [launcher, "-n", "2", "--backend", "ring", "--starting-port", port, sys.executable, "-m",
-         "benchmarks.sharded_tokens", "--family", "gpt_oss", "--backend", "ring"],
+         "benchmarks.sharded_tokens", "--family", family, "--backend", "ring"],
         cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
