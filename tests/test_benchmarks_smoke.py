@@ -135,3 +135,11 @@ def test_decode_attribution_smoke_times_every_variant(tmp_path):
     assert set(seconds["qwen3_dense"]) == {"full", "no MLP"}
     assert all(s > 0 for variant in seconds.values() for s in variant.values())
     assert "routing + combine" in table
+
+
+def test_sharded_layers_runs_on_one_rank():
+    out = run_module("benchmarks.sharded_layers", "--hidden", "128", "--ffn", "256", "--experts", "4",
+                     "--layers", "2", "--tokens", "16", "--reps", "2")
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["ranks"] == 1 and set(result["results"]) == {"stock", "patched"}
+    assert all(r["tokens_per_s"] > 0 for r in result["results"].values())
