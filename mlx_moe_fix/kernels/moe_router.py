@@ -20,7 +20,7 @@ from .backend import Implementation, choose
 from .launch import cuda_kernel_object, int_array
 
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTER"
-KINDS = ("softmax_topk", "topk_softmax")
+KINDS = ("softmax_topk", "topk_softmax", "topk_softmax_last")
 MAX_TOP_K = 32  # lane j of the token's warp writes choice j
 PER_LANE = (1, 2, 4, 8, 16)  # experts per lane the kernel is compiled for: up to 512 experts
 WARPS_PER_BLOCK = 4
@@ -33,7 +33,9 @@ OUTPUTS = {"topk": ["indices", "weights"]}
 class Routing:
     """kind "softmax_topk": softmax over all experts, the k largest probabilities, divided by
     their sum where `normalize` (qwen3_moe); "topk_softmax": the k largest logits, softmax over
-    them (mixtral)."""
+    them (mixtral); "topk_softmax_last": the same, the k taken from the end of an argpartition as
+    gpt-oss's `mlx_topk` does (the reference keeps each model's order of the k, which the
+    weighted sum over them follows)."""
 
     kind: str
     top_k: int
@@ -55,7 +57,10 @@ def moe_router_reference(logits: mx.array, routing: Routing) -> tuple:
         if routing.normalize:
             weights = weights / mx.sum(weights, axis=-1, keepdims=True)
         return indices, weights
-    indices = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    if routing.kind == "topk_softmax":
+        indices = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    else:
+        indices = mx.argpartition(logits, kth=-k, axis=-1)[..., -k:]
     weights = mx.softmax(mx.take_along_axis(logits, indices, axis=-1), axis=-1, precise=True)
     return indices, weights
 

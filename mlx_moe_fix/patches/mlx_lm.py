@@ -11,4 +11,5 @@ TARGETS = (
     Target(SWITCH_LAYERS, "QuantizedSwitchLinear", "__call__", switch_layers.quantized_switch_linear),
     Target("mlx_lm.models.qwen3_moe", "Qwen3MoeSparseMoeBlock", "__call__", moe_blocks.qwen3_moe),
     Target("mlx_lm.models.mixtral", "MixtralSparseMoeBlock", "__call__", moe_blocks.mixtral),
+    Target("mlx_lm.models.gpt_oss", "MLPBlock", "__call__", moe_blocks.gpt_oss),
 )

@@ -17,16 +17,16 @@ def routing(kind: str, top_k: int, normalize: bool = False) -> Routing:
     return Routing(kind, top_k, normalize)
 
 
-def routed_block(routing_of):
-    """The wrapper of a block `__call__(x)` that routes with `routing_of(block)` and combines
-    `block.switch_mlp`'s outputs with the routing weights."""
+def routed_block(routing_of, router: str = "gate", experts: str = "switch_mlp"):
+    """The wrapper of a block `__call__(x)` whose `router` linear gives the logits, routed with
+    `routing_of(block)`, and whose `experts` outputs are combined with the routing weights."""
 
     def wrapper(wrapped, instance, args, kwargs):
         if getattr(instance, "sharding_group", None) is not None:
             return wrapped(*args, **kwargs)
         (x,) = bind(args, kwargs, ("x",))
-        indices, weights = moe_router(instance.gate(x), routing_of(instance))
-        return instance.switch_mlp(x, indices, weights=weights)
+        indices, weights = moe_router(instance[router](x), routing_of(instance))
+        return instance[experts](x, indices, weights=weights)
 
     return wrapper
 
@@ -35,3 +35,5 @@ def routed_block(routing_of):
 qwen3_moe = routed_block(lambda block: routing("softmax_topk", block.top_k, bool(block.norm_topk_prob)))
 # mlx_lm.models.mixtral.MixtralSparseMoeBlock: top-k logits, softmax over them.
 mixtral = routed_block(lambda block: routing("topk_softmax", block.num_experts_per_tok))
+# mlx_lm.models.gpt_oss.MLPBlock: the same through gpt-oss's mlx_topk, with a biased router.
+gpt_oss = routed_block(lambda block: routing("topk_softmax_last", block.num_experts_per_tok), "router", "experts")

@@ -14,7 +14,7 @@ from mlx_moe_fix.kernels import Routing, moe_router_reference
 from .cases import CASES
 from .tolerance import RELATIVE_TOLERANCE, relative_error
 
-BLOCK_FAMILIES = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock"}
+BLOCK_FAMILIES = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock", "gpt_oss": "MLPBlock"}
 
 
 def first_block(model):
@@ -60,7 +60,7 @@ def ref_choices(logits, routing):
 def router_cases(draw):
     experts = draw(st.sampled_from([8, 32, 60, 128, 256]))
     top_k = draw(st.integers(1, min(8, experts)))
-    kind = draw(st.sampled_from(["softmax_topk", "topk_softmax"]))
+    kind = draw(st.sampled_from(["softmax_topk", "topk_softmax", "topk_softmax_last"]))
     normalize = kind == "softmax_topk" and draw(st.booleans())
     dtype = draw(st.sampled_from([mx.bfloat16, mx.float16, mx.float32]))
     tokens = draw(st.integers(1, 40))
