@@ -11,6 +11,8 @@
 #     MODELS_ARGS="--models gpt_oss,deepseek_v3 --prompts 512,2048,8192" scripts/gpu-check.sh
 #     SKIP_TESTS=1 SKIP_KERNELS=1 scripts/gpu-check.sh        # models only
 #     SAVE_PTX_CACHE=1 scripts/gpu-check.sh    # MLX's compiled kernels back under $OUT, to carry next time
+#     SHARDS=8 ALL_GPU=1 REFERENCES_TOO=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh
+#         # every GPU test but the greedy ones, kernels on and (at the same time) off
 #
 # (the *_ARGS replace the defaults below; see `python3 -m benchmarks.kernels --help` and
 # `python3 -m benchmarks.models --help`). Each part runs under a time limit (TESTS_TIMEOUT,
@@ -21,9 +23,11 @@
 # ${OUT:-/tmp/gpu-check}. Exits non-zero if a part failed or ran out of time.
 set -u -o pipefail
 
-# The harness measures both CUDA kernels (the decode one is opt-in for users until it beats stock).
+# The harness measures every CUDA kernel (decode and router are opt-in for users until they beat
+# stock / have run on a GPU).
 export MLX_MOE_FIX_CUDA_DECODE=${MLX_MOE_FIX_CUDA_DECODE:-1}
 export MLX_MOE_FIX_CUDA_PREFILL=${MLX_MOE_FIX_CUDA_PREFILL:-1}
+export MLX_MOE_FIX_CUDA_ROUTER=${MLX_MOE_FIX_CUDA_ROUTER:-1}
 
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
@@ -85,9 +89,24 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     # SHARDS=n: n pytest processes side by side (the GPU tests wait mostly on MLX's compiles, on
     # the CPU: on the H200 the whole GPU suite took 209 s in 8 shards, where the 14 greedy cases
     # alone take ~1 min each in one process).
+    # REFERENCES_TOO=1: the same selection with every CUDA kernel switched off (the references) in
+    # SHARDS more processes at the same time, into tests-references.log.
+    if [ -n "${REFERENCES_TOO:-}" ]; then
+        MLX_MOE_FIX_CUDA_DECODE=0 MLX_MOE_FIX_CUDA_PREFILL=0 MLX_MOE_FIX_CUDA_ROUTER=0 MLX_ENABLE_TF32=0 \
+            MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} timeout -s INT -k 15 "$TESTS_TIMEOUT" \
+            scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rs -p no:cacheprovider --tb=short \
+            -k "${TESTS_SELECT:-$default_select}" >"$out/tests-references.log" 2>&1 &
+        references_pid=$!
+    fi
     MLX_ENABLE_TF32=0 MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} run_part tests "$TESTS_TIMEOUT" \
-        scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rs -p no:cacheprovider --tb=line \
+        scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rs -p no:cacheprovider --tb=short \
         -k "${TESTS_SELECT:-$default_select}"
+    if [ -n "${REFERENCES_TOO:-}" ]; then
+        wait "$references_pid"
+        rc=$?
+        statuses+=("tests with the references: exit $rc ($(tail -n 1 "$out/tests-references.log"))")
+        [ "$rc" -ne 0 ] && failed=1
+    fi
 fi
 if [ -z "${SKIP_KERNELS:-}" ]; then
     # shellcheck disable=SC2086  # the *_ARGS are word lists
