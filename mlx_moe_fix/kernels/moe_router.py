@@ -16,7 +16,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .backend import Implementation, choose
+from ..env import flag
+from .backend import Implementation, choose, current_backend
 from .launch import cuda_kernel_object, int_array
 
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTER"
@@ -94,9 +95,17 @@ def moe_router_kernel(logits: mx.array, routing: Routing) -> tuple:
     return indices.reshape(shape), weights.reshape(shape)
 
 
+_chosen: dict = {}  # (backend, switch, dtype, experts, routing) -> Implementation: one per layer kind
+
+
 def moe_router(logits: mx.array, routing: Routing) -> tuple:
-    """Dispatcher: the moe_router implementation for the current backend and these logits."""
-    return moe_router_implementation(logits, routing).function(logits, routing)
+    """Dispatcher: the moe_router implementation for the current backend and these logits
+    (chosen once per backend, switch state and shape class: a decode step calls it per layer)."""
+    key = (current_backend(), flag(CUDA_KERNEL_SWITCH), logits.dtype, logits.shape[-1], routing)
+    implementation = _chosen.get(key)
+    if implementation is None:
+        implementation = _chosen[key] = moe_router_implementation(logits, routing)
+    return implementation.function(logits, routing)
 
 
 def moe_router_implementation(logits: Optional[mx.array] = None, routing: Optional[Routing] = None) -> Implementation:
