@@ -13,6 +13,7 @@
 #     SAVE_PTX_CACHE=1 scripts/gpu-check.sh    # MLX's compiled kernels back under $OUT, to carry next time
 #     SHARDS=8 ALL_GPU=1 REFERENCES_TOO=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh
 #         # every GPU test but the greedy ones, kernels on and (at the same time) off
+#     DECODE=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh   # the decode benchmarks
 #
 # (the *_ARGS replace the defaults below; see `python3 -m benchmarks.kernels --help` and
 # `python3 -m benchmarks.models --help`). Each part runs under a time limit (TESTS_TIMEOUT,
@@ -112,6 +113,16 @@ if [ -z "${SKIP_KERNELS:-}" ]; then
     # shellcheck disable=SC2086  # the *_ARGS are word lists
     run_part kernels "$KERNELS_TIMEOUT" python3 -m benchmarks.kernels $KERNELS_ARGS \
         --json "$out/kernels.json"
+fi
+if [ -n "${DECODE:-}" ]; then
+    # DECODE=1: the decode benchmarks (issue 5): the expert block at the Qwen3 and Mixtral shapes
+    # (decode_split), the work primitives per layer of a decode step on this device (decode_graph)
+    # and the leave-one-stage-out timing of full-size models (decode_attribution).
+    run_part decode "${DECODE_TIMEOUT:-360}" bash -c "python3 -m benchmarks.decode_split &&
+        python3 -m benchmarks.decode_split --hidden 4096 --ffn 14336 --experts 8 --top-k 2 --layers 16 &&
+        python3 -m benchmarks.decode_graph --models qwen3_moe,mixtral &&
+        python3 -m benchmarks.decode_attribution ${ATTRIBUTION_ARGS:---models qwen3_moe --decode-tokens 32}"
+    statuses+=("decode tables: $out/decode.log")
 fi
 if [ -z "${SKIP_MODELS:-}" ]; then
     # shellcheck disable=SC2086
