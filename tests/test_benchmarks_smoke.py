@@ -143,3 +143,9 @@ def test_sharded_layers_runs_on_one_rank():
     result = json.loads(out.strip().splitlines()[-1])
     assert result["ranks"] == 1 and set(result["results"]) == {"stock", "patched"}
     assert all(r["tokens_per_s"] > 0 for r in result["results"].values())
+
+
+def test_stock_reproducibility_finds_nothing_on_the_cpu():
+    out = run_module("benchmarks.stock_reproducibility", "--families", "mixtral")
+    row = [line for line in out.splitlines() if line.startswith("| mixtral-4")][-1]
+    assert "0.00e+00" in row and "none: every module call identical" in row
