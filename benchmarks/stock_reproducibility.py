@@ -36,33 +36,21 @@ def traced_forward(model, family: str) -> list:
     """(module path, input arrays, output arrays) of every module call of one prompt forward,
     each evaluated as it happens, in call order."""
     calls = []
-    swapped = []
-    seen = set()
-    for path, module in model.named_modules():
-        if id(module) in seen:  # a module reachable by two paths is traced once
-            continue
-        seen.add(id(module))
-        base = type(module)
+    paths = {id(module): path for path, module in reversed(list(model.named_modules()))}
 
-        class Tracing(base):
-            def __call__(self, *args, _path=path, **kwargs):
-                inputs = arrays_of(args) + arrays_of(kwargs)
-                mx.eval(inputs)
-                inputs = [mx.array(a) for a in inputs]  # copies: a cache may be updated in place later
-                out = super().__call__(*args, **kwargs)
-                outputs = arrays_of(out)
-                mx.eval(outputs)
-                calls.append((_path, inputs, [mx.array(a) for a in outputs]))
-                return out
+    def around(module, call, *args, **kwargs):
+        inputs = arrays_of(args) + arrays_of(kwargs)
+        mx.eval(inputs)
+        inputs = [mx.array(a) for a in inputs]  # copies: a cache may be updated in place later
+        out = call(*args, **kwargs)
+        outputs = arrays_of(out)
+        mx.eval(outputs)
+        calls.append((paths[id(module)], inputs, [mx.array(a) for a in outputs]))
+        return out
 
-        swapped.append((module, base))
-        module.__class__ = Tracing
-    try:
+    with zoo.intercepting([module for _, module in model.named_modules()], around):
         prompt = mx.array([zoo.prompt_for(family)])
         mx.eval(zoo.logits_of(model(prompt, cache=zoo.make_cache(model))))
-    finally:
-        for module, base in reversed(swapped):
-            module.__class__ = base
     return calls
 
 

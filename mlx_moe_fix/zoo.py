@@ -473,25 +473,40 @@ def recording_routes(model):
 
 
 @contextlib.contextmanager
-def intercepting_moe_layers(model, on_call):
-    """Within the block, every MoE layer of ``model`` calls ``on_call(layer, *args, **kwargs)``
-    with its arguments before it runs."""
+def intercepting(modules, around):
+    """Within the block, a call of any of ``modules`` runs ``around(module, call, *args,
+    **kwargs)``, where ``call(*args, **kwargs)`` is the module's own call. A module listed twice
+    (reachable by two paths) is intercepted once; every class is put back on exit."""
     swapped = []
-    for _, layer in moe_layers(model):
-        base = type(layer)
+    seen = set()
+    for module in modules:
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        base = type(module)
 
         class Intercepting(base):
             def __call__(self, *args, **kwargs):
-                on_call(self, *args, **kwargs)
-                return super().__call__(*args, **kwargs)
+                return around(self, super().__call__, *args, **kwargs)
 
-        swapped.append((layer, base))
-        layer.__class__ = Intercepting
+        swapped.append((module, base))
+        module.__class__ = Intercepting
     try:
         yield
     finally:
-        for layer, base in swapped:
-            layer.__class__ = base
+        for module, base in reversed(swapped):
+            module.__class__ = base
+
+
+def intercepting_moe_layers(model, on_call):
+    """Within the block, every MoE layer of ``model`` calls ``on_call(layer, *args, **kwargs)``
+    with its arguments before it runs."""
+
+    def around(layer, call, *args, **kwargs):
+        on_call(layer, *args, **kwargs)
+        return call(*args, **kwargs)
+
+    return intercepting([layer for _, layer in moe_layers(model)], around)
 
 
 @contextlib.contextmanager
