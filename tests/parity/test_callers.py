@@ -12,7 +12,7 @@ from mlx_lm.generate import BatchGenerator
 import mlx_moe_fix
 from mlx_moe_fix import zoo
 
-from .tolerance import RELATIVE_TOLERANCE, relative_error
+from .tolerance import RELATIVE_TOLERANCE, references_only, relative_error
 
 MLX_LM_FAMILIES = tuple(f for f in zoo.FAMILIES if f not in zoo.MLX_VLM_FAMILIES)
 GPU_UNREPRODUCIBLE = ("deepseek_v3",)
@@ -22,9 +22,7 @@ def setup(device, family):
     if device == "gpu" and family in GPU_UNREPRODUCIBLE:
         pytest.skip(f"stock {family} does not reproduce its own logits on CUDA (test_greedy_tokens.py replays its layers)")
     dtype = mx.bfloat16 if device == "gpu" else mx.float32
-    ops = mlx_moe_fix.status()["ops"]
-    references_only = all(op["path"] == "reference" for op in ops.values())
-    return zoo.build(family, 4, dtype=dtype), dtype, references_only
+    return zoo.build(family, 4, dtype=dtype), dtype, references_only()
 
 
 def assert_ops_took_both_phases(references_only):

@@ -26,7 +26,7 @@ import pytest
 import mlx_moe_fix
 from mlx_moe_fix import zoo
 
-from .tolerance import RELATIVE_TOLERANCE, relative_error
+from .tolerance import RELATIVE_TOLERANCE, references_only, relative_error
 
 N_TOKENS = 32
 NEAR_TIE = 2**-6  # of the top logit: 4 bf16 ulps
@@ -91,13 +91,13 @@ def test_greedy_tokens_match_stock(device, family, bits):
         stock, stock_logits = zoo.greedy_decode(model, prompt, N_TOKENS)
     unreproducible = stock_run_to_run(model, prompt, stock, stock_logits)
     ops = mlx_moe_fix.status()["ops"]
-    references_only = all(op["path"] == "reference" for op in ops.values())
+    exact = references_only()
     if unreproducible:
         warnings.warn(f"{family}-{bits}: {unreproducible}; its MoE layer calls were replayed instead")
-        assert_layer_calls_match_stock(model, prompt, references_only, dtype)
+        assert_layer_calls_match_stock(model, prompt, exact, dtype)
     else:
         assert len(set(stock)) >= 4, f"degenerate stream, parity would prove little: {stock}"
-        assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, references_only, dtype)
+        assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, exact, dtype)
 
     layer = MOE_LAYER.get(family, "SwitchGLU")
     paths = {(r.phase, r.path) for r in mlx_moe_fix.path_counts() if r.layer == layer}
@@ -105,21 +105,21 @@ def test_greedy_tokens_match_stock(device, family, bits):
     assert paths == expected, mlx_moe_fix.path_counts()
 
 
-def assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, references_only, dtype):
+def assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, exact, dtype):
     with mlx_moe_fix.patched():
-        if references_only:
+        if exact:
             patched, patched_logits = zoo.greedy_decode(model, prompt, N_TOKENS)
         else:
             with zoo.recording_routes(model) as routes:
                 choices, logits = zoo.forced_decode(model, prompt, stock)
-    if references_only:
+    if exact:
         assert patched == stock, first_difference(stock, stock_logits, patched, patched_logits)
     else:
         rerouted = zoo.rerouted_steps(routes, stock_routes, len(zoo.moe_layers(model)))
         assert_clear_choices_match(stock, stock_logits, choices, logits, rerouted, LOGITS_TOLERANCE[dtype])
 
 
-def assert_layer_calls_match_stock(model, prompt, references_only, dtype):
+def assert_layer_calls_match_stock(model, prompt, exact, dtype):
     """Every MoE layer call of a stock greedy run, replayed stock and patched on its recorded
     inputs: identical where the ops run their references, within the op tolerance where they run
     kernels. Calls where stock's input or replayed output is not finite (an unreproducible stock
@@ -136,7 +136,7 @@ def assert_layer_calls_match_stock(model, prompt, references_only, dtype):
             continue
         with mlx_moe_fix.patched():
             patched = layer(*args, **kwargs)
-        if references_only:
+        if exact:
             assert mx.array_equal(patched, stock).item(), f"layer call {number}: relative error {relative_error(patched, stock):.2e}"
         else:
             error = relative_error(patched, stock)
