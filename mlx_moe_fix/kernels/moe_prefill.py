@@ -168,12 +168,8 @@ def moe_prefill_kernel(
     x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array] = None
 ) -> mx.array:
     """The CUDA implementation; same contract as moe_prefill_reference."""
-    return grouped_prefill(x, indices, experts, weights, tile_height(indices.size, experts.num_experts))
-
-
-def grouped_prefill(x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array], tile: int):
-    """moe_prefill_kernel at a given tile height (benchmarks/prefill_sweep.py times each)."""
     top_k, pairs = indices.shape[-1], indices.size
+    tile = tile_height(pairs, experts.num_experts)
     tiles = grid_tiles(pairs, experts.num_experts, tile)
     widest = max(experts.input_dims, experts.projections[0].output_dims)
     if tiles > MAX_GRID_TILES or max(pairs, tiles * tile) * widest >= MAX_OFFSET:
