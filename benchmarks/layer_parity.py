@@ -22,8 +22,7 @@ from .timing import markdown_table, relative_error
 
 
 def last_logits(model, family: str) -> mx.array:
-    prompt = zoo.prompt_for(family)
-    out = zoo.logits_of(model(mx.array([prompt]), cache=zoo.make_cache(model)))[0, -1].astype(mx.float32)
+    out = zoo.prompt_logits(model, family)
     mx.eval(out)
     return out
 

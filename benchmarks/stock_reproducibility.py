@@ -49,8 +49,7 @@ def traced_forward(model, family: str) -> list:
         return out
 
     with zoo.intercepting([module for _, module in model.named_modules()], around):
-        prompt = mx.array([zoo.prompt_for(family)])
-        mx.eval(zoo.logits_of(model(prompt, cache=zoo.make_cache(model))))
+        mx.eval(zoo.prompt_logits(model, family))
     return calls
 
 
@@ -59,16 +58,11 @@ def same(a: list, b: list) -> bool:
                                     for x, y in zip(a, b))
 
 
-def untraced_logits(model, family: str) -> mx.array:
-    prompt = mx.array([zoo.prompt_for(family)])
-    return zoo.logits_of(model(prompt, cache=zoo.make_cache(model)))[0, -1].astype(mx.float32)
-
-
 def first_divergence(family: str, bits: int) -> list:
     """One table row. Tracing evaluates every module call on its own, which may hide a race that
     the whole graph shows: the untraced comparison says whether there is one to find."""
     model = zoo.build(family, bits, dtype=mx.bfloat16)
-    untraced = f"{relative_error(untraced_logits(model, family), untraced_logits(model, family)):.2e}"
+    untraced = f"{relative_error(zoo.prompt_logits(model, family), zoo.prompt_logits(model, family)):.2e}"
     first, second = traced_forward(model, family), traced_forward(model, family)
     if [c[0] for c in first] != [c[0] for c in second]:
         return [f"{family}-{bits}", untraced, "module calls differ in order", "", ""]

@@ -394,6 +394,12 @@ def logits_of(out) -> mx.array:
     return out if isinstance(out, mx.array) else out.logits
 
 
+def prompt_logits(model, family: str) -> mx.array:
+    """The float32 logits after the family's prompt, prefilled in one call into a fresh cache."""
+    prompt = mx.array([prompt_for(family)])
+    return logits_of(model(prompt, cache=make_cache(model)))[0, -1].astype(mx.float32)
+
+
 def _decode(model, prompt: list[int], n: int, forced: Optional[list[int]] = None):
     """Prefill ``prompt`` in one call, then one token per call; also times the two phases.
     With ``forced``, step i + 1 is fed forced[i] instead of the model's own choice."""
