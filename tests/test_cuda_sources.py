@@ -89,8 +89,8 @@ def test_prefill_kernel_compiles(tmp_path, t):
 
 @pytest.mark.parametrize("t", ["__nv_bfloat16", "__half", "float"])
 def test_router_kernel_compiles(tmp_path, t):
-    variants = [("topk", t, {"SOFTMAX_FIRST": first, "NORMALIZE": first and normalize, "PER_LANE": per_lane})
-                for first in (True, False) for normalize in (True, False) for per_lane in ROUTER.PER_LANE]
+    variants = [("topk", t, {"SOFTMAX_FIRST": first, "NORMALIZE": first and normalize, "LAST_K": last_k})
+                for first in (True, False) for normalize in (True, False) for last_k in (True, False)]
     compile_ok(tmp_path, translation_unit(ROUTER, "moe_router.cu", variants))
 
 

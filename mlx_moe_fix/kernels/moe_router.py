@@ -3,10 +3,9 @@ weights [..., k] in the logits' dtype).
 
 Reference: upstream's own expressions per kind (`Routing`), so that it reproduces stock bit for
 bit. CUDA kernel (`cuda/moe_router.cu`): all of a kind's steps in one launch, one warp per token
-(stock: four to six launches); opt-in (MLX_MOE_FIX_CUDA_ROUTER=1) until it has run on a GPU.
-Its experts come largest first, where argpartition's order is its own, and equal values go to the
-lower index, so a weighted sum over them may round differently and an exact tie may route
-differently than stock.
+(stock: four to six launches); opt-in (MLX_MOE_FIX_CUDA_ROUTER=1). It reproduces stock's routing
+on MLX's CUDA backend bit for bit, ties and the order of the k included (there argpartition is a
+stable sort, and the kernel follows MLX's softmax and sum kernels step by step).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from .launch import cuda_kernel_object, int_array
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTER"
 KINDS = ("softmax_topk", "topk_softmax", "topk_softmax_last")
 MAX_TOP_K = 32  # lane j of the token's warp writes choice j
-PER_LANE = (1, 2, 4, 8, 16)  # experts per lane the kernel is compiled for: up to 512 experts
 WARPS_PER_BLOCK = 4
 # The kernel's parameters, in the order of its `inputs` / outputs.
 INPUTS = {"topk": ["logits", "sizes"]}
@@ -71,8 +69,10 @@ def cuda_unsupported_reason(logits: mx.array, routing: Routing) -> Optional[str]
         return f"router logits of {logits.dtype}"
     if routing.top_k > MAX_TOP_K:
         return f"top-{routing.top_k} routing: the router kernel chooses at most {MAX_TOP_K}"
-    if logits.shape[-1] > 32 * PER_LANE[-1] or routing.top_k > logits.shape[-1]:
-        return f"{logits.shape[-1]} experts for top-{routing.top_k}: the router kernel takes up to {32 * PER_LANE[-1]}"
+    # A warp holds the logits as MLX's softmax reads them: 16 bytes of them per lane.
+    most = 32 * 16 // logits.dtype.size
+    if logits.shape[-1] > most or routing.top_k > logits.shape[-1]:
+        return f"{logits.shape[-1]} experts for top-{routing.top_k}: the router kernel takes up to {most} of {logits.dtype}"
     return None
 
 
@@ -85,7 +85,7 @@ def moe_router_kernel(logits: mx.array, routing: Routing) -> tuple:
     indices, weights = kernel(
         inputs=[logits.reshape(tokens, experts), int_array(tokens, experts, routing.top_k)],
         template=[("T", logits.dtype), ("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
-                  ("NORMALIZE", routing.normalize), ("PER_LANE", next(p for p in PER_LANE if 32 * p >= experts))],
+                  ("NORMALIZE", routing.normalize), ("LAST_K", routing.kind != "topk_softmax")],
         grid=(-(-tokens // WARPS_PER_BLOCK) * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(tokens, routing.top_k)] * 2,
@@ -110,6 +110,6 @@ def moe_router(logits: mx.array, routing: Routing) -> tuple:
 
 def moe_router_implementation(logits: Optional[mx.array] = None, routing: Optional[Routing] = None) -> Implementation:
     return choose(
-        "moe_router", moe_router_reference, moe_router_kernel, CUDA_KERNEL_SWITCH, "until it has run on a GPU",
+        "moe_router", moe_router_reference, moe_router_kernel, CUDA_KERNEL_SWITCH, "until it beats stock end to end",
         None if logits is None else lambda: cuda_unsupported_reason(logits, routing),
     )

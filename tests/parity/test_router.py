@@ -43,6 +43,14 @@ def test_ref_patched_block_matches_stock_block(device, family, tokens, monkeypat
         assert relative_error(patched, stock) <= RELATIVE_TOLERANCE[dtype]
 
 
+def test_router_kernel_declines_what_a_warp_cannot_hold():
+    from mlx_moe_fix.kernels.moe_router import cuda_unsupported_reason
+
+    assert cuda_unsupported_reason(mx.zeros((1, 256), mx.bfloat16), Routing("topk_softmax", 8)) is None
+    assert "up to 128 of" in cuda_unsupported_reason(mx.zeros((1, 256), mx.float32), Routing("topk_softmax", 8))
+    assert "at most 32" in cuda_unsupported_reason(mx.zeros((1, 64), mx.bfloat16), Routing("topk_softmax", 33))
+
+
 def test_routing_rejects_unknown_kinds_and_misplaced_normalisation():
     with pytest.raises(ValueError, match="unknown routing kind"):
         Routing("sigmoid", 2)
@@ -50,19 +58,14 @@ def test_routing_rejects_unknown_kinds_and_misplaced_normalisation():
         Routing("topk_softmax", 2, normalize=True)
 
 
-def ref_choices(logits, routing):
-    """The reference's experts and weights per token, as {expert: weight} dicts."""
-    indices, weights = moe_router_reference(logits, routing)
-    return [dict(zip(i, w)) for i, w in zip(indices.tolist(), weights.astype(mx.float32).tolist())]
-
-
 @st.composite
 def router_cases(draw):
-    experts = draw(st.sampled_from([8, 32, 60, 128, 256]))
+    dtype = draw(st.sampled_from([mx.bfloat16, mx.float16, mx.float32]))
+    # Up to the kernel's most (32 lanes of 16 bytes); top-8 of fp32 spans two of MLX's chunks.
+    experts = draw(st.sampled_from([e for e in (8, 32, 60, 128, 256) if e * dtype.size <= 512]))
     top_k = draw(st.integers(1, min(8, experts)))
     kind = draw(st.sampled_from(["softmax_topk", "topk_softmax", "topk_softmax_last"]))
     normalize = kind == "softmax_topk" and draw(st.booleans())
-    dtype = draw(st.sampled_from([mx.bfloat16, mx.float16, mx.float32]))
     tokens = draw(st.integers(1, 40))
     # Coarse logits (steps of 1/4): many exact ties, at the k-th place too.
     seed = draw(st.integers(0, 2**16))
@@ -73,25 +76,14 @@ def router_cases(draw):
 @CASES
 @given(case=router_cases())
 def test_cuda_router_kernel_matches_ref(cuda_device, case):
+    """Bit for bit, ties and order included: on MLX's CUDA backend the reference's argpartition
+    is a stable sort, whose choices among equal values the kernel reproduces (cuda/moe_router.cu)."""
     from mlx_moe_fix.kernels.moe_router import cuda_unsupported_reason, moe_router_kernel
 
     logits, routing = case
     assert cuda_unsupported_reason(logits, routing) is None
     indices, weights = moe_router_kernel(logits, routing)
+    expected_indices, expected_weights = moe_router_reference(logits, routing)
     assert indices.dtype == mx.uint32 and weights.dtype == logits.dtype
-    # What the k are chosen by: the probabilities as rounded to the logits' dtype (distinct logits
-    # can round to equal probabilities), or the logits.
-    ranked_by = mx.softmax(logits, axis=-1, precise=True) if routing.kind == "softmax_topk" else logits
-    values = ranked_by.astype(mx.float32).tolist()
-    for token, (chosen, expected) in enumerate(zip(
-            [dict(zip(i, w)) for i, w in zip(indices.tolist(), weights.astype(mx.float32).tolist())],
-            ref_choices(logits, routing))):
-        assert len(chosen) == routing.top_k, "an expert chosen twice"
-        # Ties at the k-th place may be broken either way: the chosen experts' values must be
-        # the k largest, and where the reference chose the same experts, the weights must agree.
-        ranked = sorted(values[token], reverse=True)
-        assert sorted((values[token][e] for e in chosen), reverse=True) == ranked[: routing.top_k]
-        if set(chosen) == set(expected):
-            got = mx.array([chosen[e] for e in sorted(chosen)])
-            want = mx.array([expected[e] for e in sorted(expected)])
-            assert relative_error(got, want) <= RELATIVE_TOLERANCE[logits.dtype]
+    assert indices.tolist() == expected_indices.astype(mx.uint32).tolist()
+    assert mx.array_equal(weights, expected_weights).item(), relative_error(weights, expected_weights)

@@ -1,17 +1,22 @@
 // Top-k routing of a MoE block for mx.fast.cuda_kernel: router logits -> (experts, weights) per
-// token in one launch, one warp per token, the token's logits in registers (lane l holds experts
-// l, l + 32, ...).
+// token in one launch, one warp per token, the token's logits in registers (lane l holds the
+// CHUNK experts l * CHUNK ...: the chunk one thread of MLX's softmax reads).
+//
+// It reproduces stock's routing on MLX's CUDA backend bit for bit, ties included:
+// - argpartition there is a stable ascending sort (mlx/backend/cuda/sort.cu): of equal values,
+//   the k taken from the end (LAST_K: qwen3_moe's probabilities, gpt-oss's logits) favour the
+//   higher expert index, the k taken from the front of the negated logits (mixtral) the lower,
+//   and the k come in the sort's order, which the weighted sum over them follows;
+// - softmax (precise) and sum follow MLX's kernels (softmax.cu, reduce/row_reduce.cu): chunks
+//   of CHUNK = 16 / sizeof(T) consecutive values, one per thread, reduced in order, chunks
+//   combined by a warp butterfly; softmax's normaliser rescaled per chunk maximum, __expf, one
+//   IEEE reciprocal, results rounded to T; the sum accumulates in T.
 //
 // Sections are split on "//// <name>" lines (`header`, `topk`). Template constants:
 //   T (the logits' and weights' type), SOFTMAX_FIRST (softmax over all experts, then the k
-//   largest probabilities, as qwen3_moe; else the k largest logits, then softmax over them, as
-//   mixtral), NORMALIZE (SOFTMAX_FIRST only: the k probabilities divided by their sum),
-//   PER_LANE (experts per lane, >= ceil(experts / 32): few values, each a compile).
-// Run-time values: sizes = tokens, experts, top_k.
-// Rounding follows the upstream ops: softmax in fp32 rounded to T, the k-sum rounded to T, the
-// division rounded to T. Equal values go to the lower expert index (upstream's argpartition
-// picks among ties its own way: a tie may route differently, as it may between stock's CPU and
-// CUDA paths).
+//   largest probabilities, as qwen3_moe; else the k largest logits, then softmax over them),
+//   NORMALIZE (SOFTMAX_FIRST only: the k probabilities divided by their sum), LAST_K (above).
+// Run-time values: sizes = tokens, experts, top_k (experts <= 32 * CHUNK, top_k <= 32).
 
 //// header
 #include <cuda/std/limits>
@@ -19,95 +24,136 @@
 namespace moe_router {
 
 constexpr float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
+constexpr float LOWEST = cuda::std::numeric_limits<float>::lowest();
+constexpr int NONE = -1;  // no expert: loses to every candidate
 
-// The warp's largest (value, index) pair: larger value first, then lower index.
+template <typename T>
+constexpr int CHUNK = 16 / sizeof(T);
+
+// Whether (value, index) ranks above (other_value, other_index) in stock's sort.
+template <bool LAST_K>
+__device__ __forceinline__ bool ranks_above(float value, int index, float other_value, int other_index) {
+  if (index == NONE) return false;
+  if (other_index == NONE || value > other_value) return true;
+  return value == other_value && (LAST_K ? index > other_index : index < other_index);
+}
+
+template <bool LAST_K>
 __device__ __forceinline__ void warp_top(float& value, int& index) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
     const float other_value = __shfl_xor_sync(0xffffffffu, value, offset);
     const int other_index = __shfl_xor_sync(0xffffffffu, index, offset);
-    if (other_value > value || (other_value == value && other_index < index)) {
-      value = other_value;
-      index = other_index;
-    }
+    if (ranks_above<LAST_K>(other_value, other_index, value, index)) value = other_value, index = other_index;
   }
 }
 
+// cooperative_groups' reduce of a warp: a butterfly from offset 16 down.
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float other = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = v > other ? v : other;
+  }
   return v;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+template <typename A>
+__device__ __forceinline__ A warp_sum(A v) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  for (int offset = 16; offset > 0; offset /= 2) v = v + __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
+}
+
+// MLX's softmax statistics over a row held as one chunk per lane (NEG_INF past the row's end):
+// the row maximum and the reciprocal of the normaliser; then p = __expf(v - max) * reciprocal.
+template <int N>
+__device__ __forceinline__ void softmax_stats(const float (&chunk)[N], float& row_max, float& reciprocal) {
+  float chunk_max = LOWEST;
+#pragma unroll
+  for (int i = 0; i < N; ++i) chunk_max = chunk_max > chunk[i] ? chunk_max : chunk[i];
+  float normaliser = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) normaliser = __fadd_rn(normaliser, __expf(chunk[i] - chunk_max));
+  row_max = warp_max(chunk_max);
+  normaliser = warp_sum(__fmul_rn(normaliser, __expf(chunk_max - row_max)));
+  reciprocal = __frcp_rn(normaliser);
+}
+
+// Lane p's value at stock's position p of a row of n (lane `source(p)` holds it), regrouped as
+// lane c's chunk: positions c * N ... c * N + N - 1, `fill` past n.
+template <int N, typename F>
+__device__ __forceinline__ void gather_chunk(float (&chunk)[N], float value, int n, F source, float fill) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int p = lane * N + i;
+    const float v = __shfl_sync(0xffffffffu, value, source(min(p, n - 1)));
+    chunk[i] = p < n ? v : fill;
+  }
 }
 
 }  // namespace moe_router
 
 //// topk
 // inputs: logits [tokens, experts], sizes;  outputs: indices [tokens, top_k] (uint32),
-// weights [tokens, top_k] (T), in the order chosen (largest first).
+// weights [tokens, top_k] (T), in stock's order.
 {
   using namespace moe_router;
   using namespace moe_common;
+  constexpr int N = CHUNK<T>;
   const int tokens = sizes[0], experts = sizes[1], top_k = sizes[2];
   const int token = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (token >= tokens) return;  // whole warps: blockDim.x is a multiple of 32
   const T* row = logits + (size_t)token * experts;
-  float value[PER_LANE];
+  float value[N];
 #pragma unroll
-  for (int i = 0; i < PER_LANE; ++i) {
-    const int e = lane + 32 * i;
+  for (int i = 0; i < N; ++i) {
+    const int e = lane * N + i;
     value[i] = e < experts ? static_cast<float>(row[e]) : NEG_INF;
   }
   if (SOFTMAX_FIRST) {
-    float top = NEG_INF;
+    float row_max, reciprocal;
+    softmax_stats<N>(value, row_max, reciprocal);
 #pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) top = fmaxf(top, value[i]);
-    top = warp_max(top);
-    float total = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-      value[i] = lane + 32 * i < experts ? expf(value[i] - top) : 0.f;
-      total += value[i];
-    }
-    total = warp_sum(total);
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) value[i] = lane + 32 * i < experts ? rnd<T>(value[i] / total) : NEG_INF;
+    for (int i = 0; i < N; ++i) value[i] = rnd<T>(__fmul_rn(__expf(value[i] - row_max), reciprocal));
   }
-  // k rounds of the warp's largest value not yet taken; lane j keeps round j's (value, index).
-  float chosen_value = 0.f, kept_sum = 0.f, largest = 0.f;
+  // k rounds of the highest-ranked expert not yet taken; lane j keeps round j's choice.
+  float chosen_value = 0.f;
   int chosen_index = 0;
-  unsigned taken = 0;  // bit i: expert lane + 32 i
+  unsigned taken = 0;  // bit i: expert lane * N + i
   for (int j = 0; j < top_k; ++j) {
     float best = NEG_INF;
-    int best_index = 0x7fffffff;
+    int best_index = NONE;
 #pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-      const int e = lane + 32 * i;
-      if (e < experts && !(taken >> i & 1u) && (value[i] > best || best_index == 0x7fffffff)) {
-        best = value[i];
-        best_index = e;
-      }
+    for (int i = 0; i < N; ++i) {
+      const int e = lane * N + i;
+      if (e < experts && !(taken >> i & 1u) && ranks_above<LAST_K>(value[i], e, best, best_index)) best = value[i], best_index = e;
     }
-    warp_top(best, best_index);
-    if (best_index % 32 == lane) taken |= 1u << (best_index / 32);
-    if (j == 0) largest = best;
+    warp_top<LAST_K>(best, best_index);
+    if (best_index / N == lane) taken |= 1u << (best_index % N);
     if (lane == j) chosen_value = best, chosen_index = best_index;
-    kept_sum += SOFTMAX_FIRST ? best : expf(best - largest);
+  }
+  // Rounds go from the top rank down; stock's order is ascending where it takes the last k.
+  auto holder = [top_k](int position) { return LAST_K ? top_k - 1 - position : position; };
+  float weight = chosen_value;
+  if (SOFTMAX_FIRST && NORMALIZE) {
+    float chunk[N];
+    gather_chunk<N>(chunk, chosen_value, top_k, holder, 0.f);
+    T chunk_sum = T(0.f);
+#pragma unroll
+    for (int i = 0; i < N; ++i) chunk_sum = chunk_sum + static_cast<T>(chunk[i]);
+    const T sum = warp_sum(chunk_sum);
+    weight = static_cast<float>(static_cast<T>(chosen_value) / sum);
+  } else if (!SOFTMAX_FIRST) {
+    float chunk[N], row_max, reciprocal;
+    gather_chunk<N>(chunk, chosen_value, top_k, holder, NEG_INF);
+    softmax_stats<N>(chunk, row_max, reciprocal);
+    weight = __fmul_rn(__expf(chosen_value - row_max), reciprocal);
   }
   if (lane >= top_k) return;
-  float weight;
-  if (SOFTMAX_FIRST) {
-    weight = chosen_value;
-    if (NORMALIZE) weight = rnd<T>(chosen_value / rnd<T>(kept_sum));
-  } else {
-    weight = rnd<T>(expf(chosen_value - largest) / kept_sum);
-  }
-  indices[(size_t)token * top_k + lane] = static_cast<uint32_t>(chosen_index);
-  weights[(size_t)token * top_k + lane] = static_cast<T>(weight);
+  const size_t at = (size_t)token * top_k + holder(lane);
+  indices[at] = static_cast<uint32_t>(chosen_index);
+  weights[at] = static_cast<T>(weight);
 }
