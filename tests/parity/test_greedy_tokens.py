@@ -15,7 +15,10 @@ at least 3/4 of the steps must be clear and routed as stock, so the check cannot
 Where stock's whole model does not reproduce itself (two unpatched runs differ: on MLX's CUDA
 backend the zoo's deepseek_v3 / deepseek_v4 / inkling do, outside their MoE layers, per
 benchmarks/layer_parity.py), token parity means nothing; there every MoE layer call of a stock
-run is replayed on its recorded inputs, stock against patched."""
+run is replayed on its recorded inputs, stock against patched. Two equal stock runs do not prove
+a reproducible stock (on CUDA, deepseek_v4 reproduces in some runs only): when the patched run
+fails the comparison, stock runs STOCK_RECHECKS more times, and the failure stands only if every
+one reproduces the first; otherwise the layer calls are replayed as above."""
 
 import contextlib
 import warnings
@@ -32,6 +35,8 @@ N_TOKENS = 32
 NEAR_TIE = 2**-6  # of the top logit: 4 bf16 ulps
 # Relative L2 error of a step's logits, patched against stock (two layers and a head, bf16 / fp16).
 LOGITS_TOLERANCE = {mx.bfloat16: 5e-2, mx.float32: 1e-4}
+# Further stock runs, after a failed comparison, that must all reproduce the first for the failure to stand.
+STOCK_RECHECKS = 4
 MOE_LAYER = {"deepseek_v4": "SwitchGLU[vlm]", "inkling": "InklingSwitchGLU"}
 
 
@@ -67,16 +72,20 @@ def assert_clear_choices_match(stock, stock_logits, choices, logits, rerouted, t
         "an ill-conditioned model, or a kernel that moves the routing")
 
 
-def stock_run_to_run(model, prompt, stock, stock_logits):
-    """Why stock's own greedy run does not reproduce itself on this backend, or None. Parity with
-    stock means nothing where two unpatched runs differ (an upstream kernel reading memory it did
-    not write, or summing in a varying order)."""
-    again, again_logits = zoo.greedy_decode(model, prompt, N_TOKENS)
-    if mx.array_equal(again_logits, stock_logits).item():
-        return None
-    step = next(i for i in range(len(stock)) if not mx.array_equal(again_logits[i], stock_logits[i]).item())
-    return (f"stock is not reproducible here: two unpatched runs' logits differ from step {step} on (relative error "
-            f"{relative_error(again_logits[step], stock_logits[step]):.2e}; tokens {'equal' if again == stock else 'differ'})")
+def stock_run_to_run(model, prompt, stock, stock_logits, runs=1):
+    """Why stock's own greedy run does not reproduce itself on this backend in `runs` more runs,
+    or None. Parity with stock means nothing where two unpatched runs differ (an upstream kernel
+    reading memory it did not write, or summing in a varying order)."""
+    for _ in range(runs):
+        again, again_logits = zoo.greedy_decode(model, prompt, N_TOKENS)
+        if mx.array_equal(again_logits, stock_logits).item():
+            continue
+        step = next(i for i in range(len(stock)) if not mx.array_equal(again_logits[i], stock_logits[i]).item())
+        finite = mx.isfinite(again_logits[step]).all().item()
+        error = f"relative error {relative_error(again_logits[step], stock_logits[step]):.2e}" if finite else "non-finite logits"
+        return (f"stock is not reproducible here: two unpatched runs' logits differ from step {step} on ({error}; "
+                f"tokens {'equal' if again == stock else 'differ'})")
+    return None
 
 
 @pytest.mark.parametrize("bits", (4, 8))
@@ -92,12 +101,20 @@ def test_greedy_tokens_match_stock(device, family, bits):
     unreproducible = stock_run_to_run(model, prompt, stock, stock_logits)
     ops = mlx_moe_fix.status()["ops"]
     exact = references_only()
+    if not unreproducible:
+        assert len(set(stock)) >= 4, f"degenerate stream, parity would prove little: {stock}"
+        try:
+            assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, exact, dtype)
+        except AssertionError as failure:
+            # Two equal stock runs do not make a reproducible stock: one that sometimes differs
+            # explains the failure only if it differs again within a few more runs.
+            unreproducible = stock_run_to_run(model, prompt, stock, stock_logits, runs=STOCK_RECHECKS)
+            if not unreproducible:
+                raise
+            unreproducible += f" (found after the patched run failed: {failure})"
     if unreproducible:
         warnings.warn(f"{family}-{bits}: {unreproducible}; its MoE layer calls were replayed instead")
         assert_layer_calls_match_stock(model, prompt, exact, dtype)
-    else:
-        assert len(set(stock)) >= 4, f"degenerate stream, parity would prove little: {stock}"
-        assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, exact, dtype)
 
     layer = MOE_LAYER.get(family, "SwitchGLU")
     paths = {(r.phase, r.path) for r in mlx_moe_fix.path_counts() if r.layer == layer}
@@ -119,18 +136,29 @@ def assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, 
         assert_clear_choices_match(stock, stock_logits, choices, logits, rerouted, LOGITS_TOLERANCE[dtype])
 
 
+def finite_stand_in(a, seed: int):
+    """`a` itself where finite; else random values of its shape and dtype at the scale of its
+    finite entries (stock fed this call NaNs or overflowed values)."""
+    if not mx.issubdtype(a.dtype, mx.floating) or mx.isfinite(a).all().item():
+        return a
+    finite = mx.where(mx.isfinite(a), a, 0).astype(mx.float32)
+    scale = mx.sqrt(mx.mean(finite * finite)).item() or 1.0
+    return (mx.random.normal(a.shape, key=mx.random.key(seed)) * scale).astype(a.dtype)
+
+
 def assert_layer_calls_match_stock(model, prompt, exact, dtype):
     """Every MoE layer call of a stock greedy run, replayed stock and patched on its recorded
     inputs: identical where the ops run their references, within the op tolerance where they run
-    kernels. Calls where stock's input or replayed output is not finite (an unreproducible stock
-    feeds layers NaNs or values that overflow) are left out; at least one prefill call and
-    N_TOKENS / 4 decode calls must remain, so the check cannot go vacuous."""
+    kernels. A non-finite input (an unreproducible stock feeds layers NaNs or values that
+    overflow) is replaced by finite values of its shape and scale, the recorded routing kept;
+    calls whose replayed stock output is still not finite are left out. At least one prefill call
+    and N_TOKENS / 4 decode calls must remain, so the check cannot go vacuous."""
     with zoo.recording_layer_calls(model) as calls:
         zoo.greedy_decode(model, prompt, N_TOKENS)
     compared = {"prefill": 0, "decode": 0}
     for number, (layer, args, kwargs) in enumerate(calls):
-        if not mx.isfinite(args[0]).all().item():
-            continue
+        args = tuple(finite_stand_in(a, number) if isinstance(a, mx.array) else a for a in args)
+        kwargs = {k: finite_stand_in(v, number) if isinstance(v, mx.array) else v for k, v in kwargs.items()}
         stock = layer(*args, **kwargs)
         if not mx.isfinite(stock).all().item():
             continue
@@ -143,7 +171,18 @@ def assert_layer_calls_match_stock(model, prompt, exact, dtype):
             assert error <= RELATIVE_TOLERANCE[dtype], f"layer call {number}: relative error {error:.3g}"
         compared["decode" if args[0].size == args[0].shape[-1] else "prefill"] += 1
     assert compared["prefill"] >= 1 and compared["decode"] >= N_TOKENS // 4, (
-        f"of {len(calls)} layer calls, only {compared} with finite inputs and stock outputs: too few to stand for the run")
+        f"of {len(calls)} layer calls, only {compared} with finite stock outputs: too few to stand for the run")
+
+
+def test_finite_stand_in_keeps_finite_arrays_and_replaces_others_at_their_scale():
+    finite = mx.array([1.0, -2.0, 3.0])
+    assert finite_stand_in(finite, 0) is finite
+    indices = mx.array([1, 2], mx.uint32)
+    assert finite_stand_in(indices, 0) is indices
+    broken = mx.concatenate([mx.full((999,), 4.0), mx.array([float("nan")])]).astype(mx.bfloat16)
+    stand_in = finite_stand_in(broken, 0)
+    assert stand_in.dtype == mx.bfloat16 and stand_in.shape == broken.shape and mx.isfinite(stand_in).all().item()
+    assert 3.0 < mx.sqrt(mx.mean(stand_in.astype(mx.float32) ** 2)).item() < 5.0
 
 
 def synthetic_stream(margins, top=4.0):
@@ -185,6 +224,11 @@ def test_stock_run_to_run_tells_an_unreproducible_stock(monkeypatch):
     monkeypatch.setattr(zoo, "greedy_decode", lambda model, prompt, n: (list(stock), moved))
     reason = stock_run_to_run(None, [], stock, logits)
     assert "from step 2" in reason and "tokens equal" in reason
+    moved[1] = mx.array([float("nan")] * 4)
+    assert "from step 1 on (non-finite logits" in stock_run_to_run(None, [], stock, logits)
+    runs = iter([(list(stock), mx.array(logits))] * 2 + [(list(stock), moved)])
+    monkeypatch.setattr(zoo, "greedy_decode", lambda model, prompt, n: next(runs))
+    assert "from step 1" in stock_run_to_run(None, [], stock, logits, runs=3)
 
 
 @contextlib.contextmanager
