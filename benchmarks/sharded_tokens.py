@@ -11,6 +11,17 @@ Every rank builds the same seeded model, `model.shard(group)` splits its expert 
 across the ranks (upstream's sharding: each rank holds a slice of every expert's width and the
 MoE block all-sums), and rank 0 prints one JSON line: the unsharded tokens, the sharded stock and
 patched tokens, and the ops' paths, so that a caller can compare them.
+
+In bf16 (the GPU) a sharded model sums its MoE outputs in another order than the unsharded one,
+and random models have near-ties, so even stock's sharded tokens may part from the unsharded
+ones. Hence also, per sharded run, a teacher-forced comparison against the unsharded stream (fed
+the unsharded tokens): `forced` holds the steps whose unsharded top-2 margin is clear (above
+NEAR_TIE of the top logit), how many of those the sharded run chose alike, and the largest
+relative error of a step's logits. And, since a stock sharded run may not reproduce itself
+(`stock_reproducible`: a second stock run's tokens equal the first's), `replay`: every MoE layer
+call of a sharded stock run, replayed on its recorded inputs on this rank, stock against patched
+(the calls are local to the rank; the all-sum follows them in the block), with the largest
+relative error over the calls of finite output.
 """
 
 import argparse
@@ -20,6 +31,35 @@ import mlx.core as mx
 
 import mlx_moe_fix
 from mlx_moe_fix import zoo
+
+NEAR_TIE = 2**-6  # of the top logit: 4 bf16 ulps (as tests/parity/test_greedy_tokens.py)
+
+
+def replayed_layer_calls(model, prompt, n) -> dict:
+    """Every MoE layer call of a stock greedy run, replayed stock and patched."""
+    with zoo.recording_layer_calls(model) as calls:
+        zoo.greedy_decode(model, prompt, n)
+    errors = []
+    for layer, args, kwargs in calls:
+        stock = layer(*args, **kwargs)
+        if not mx.isfinite(stock).all().item():
+            continue
+        with mlx_moe_fix.patched():
+            patched = layer(*args, **kwargs)
+        difference = (patched - stock).astype(mx.float32)
+        errors.append((mx.linalg.norm(difference) / mx.maximum(mx.linalg.norm(stock.astype(mx.float32)), 1e-30)).item())
+    return {"calls": len(calls), "compared": len(errors), "max_relative_error": max(errors, default=None)}
+
+
+def forced_agreement(model, prompt, tokens, logits) -> dict:
+    """The sharded `model` fed the unsharded `tokens` (whose logits are `logits`): its choices
+    at the clear steps, and its logits' largest relative error."""
+    choices, forced_logits = zoo.forced_decode(model, prompt, tokens)
+    top2 = mx.sort(logits, axis=-1)[:, -2:]
+    clear = ((top2[:, 1] - top2[:, 0]) > NEAR_TIE * mx.abs(top2[:, 1])).tolist()
+    error = mx.sqrt(mx.sum((forced_logits - logits) ** 2, axis=-1) / mx.sum(logits**2, axis=-1))
+    return {"clear_steps": sum(clear), "clear_steps_alike": sum(c and a == b for c, a, b in zip(clear, choices, tokens)),
+            "max_logits_relative_error": mx.max(error).item()}
 
 
 def main(argv=None):
@@ -33,19 +73,25 @@ def main(argv=None):
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
     prompt = zoo.prompt_for(args.family)
     whole = zoo.build(args.family, args.bits, dtype=dtype)
-    unsharded = zoo.greedy_tokens(whole, prompt, args.tokens)
+    unsharded, unsharded_logits = zoo.greedy_decode(whole, prompt, args.tokens)
     model = zoo.build(args.family, args.bits, dtype=dtype)
     model.shard(group)
     # Rows of the first MoE layer's first projection: each expert's width on this rank.
     widths = [zoo.moe_layers(m)[0][1].gate_proj.weight.shape[-2] for m in (whole, model)]
     stock = zoo.greedy_tokens(model, prompt, args.tokens)
+    stock_reproducible = zoo.greedy_tokens(model, prompt, args.tokens) == stock
+    replay = replayed_layer_calls(model, prompt, args.tokens)
+    forced = {"stock": forced_agreement(model, prompt, unsharded, unsharded_logits)}
     mlx_moe_fix.reset_path_counts()
     with mlx_moe_fix.patched():
         patched = zoo.greedy_tokens(model, prompt, args.tokens)
+        forced["patched"] = forced_agreement(model, prompt, unsharded, unsharded_logits)
     paths = sorted({(r.layer, r.phase, r.path) for r in mlx_moe_fix.path_counts()})
     if group.rank() == 0:
         print(json.dumps({"ranks": group.size(), "device": str(mx.default_device()), "expert_widths": widths,
-                          "unsharded": unsharded, "stock": stock, "patched": patched, "paths": paths}), flush=True)
+                          "unsharded": unsharded, "stock": stock, "patched": patched, "forced": forced,
+                          "stock_reproducible": stock_reproducible, "replay": replay,
+                          "paths": paths}), flush=True)
 
 
 if __name__ == "__main__":
