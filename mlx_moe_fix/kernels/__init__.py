@@ -41,22 +41,34 @@ class Plan(NamedTuple):
 
 
 def plan(
-    x: mx.array, indices: mx.array, experts: MoEExperts, *, prefill: bool = True, decode: bool = True
+    x: mx.array, indices: mx.array, experts: MoEExperts, *, prefill: bool = True, decode: bool = True,
+    token_by_token: bool = False,
 ) -> Plan:
-    phase = "prefill" if indices.size >= PREFILL_MIN_PAIRS else "decode"
+    """token_by_token: each token's result must equal what a call with that token alone gives
+    (mlx-vlm's decode-block path, which verifies a block of drafted tokens against token-by-token
+    decode): the decode kernel computes every (token, expert) pair alike, whatever else the call
+    holds, and takes the block whole; otherwise the call stays with upstream's block path (its
+    own exact kernels on Metal, per-pair projections elsewhere)."""
+    phase = "decode" if token_by_token else "prefill" if indices.size >= PREFILL_MIN_PAIRS else "decode"
     reason = experts.unsupported_reason(x, indices)
     if reason is None and not (prefill if phase == "prefill" else decode):
         reason = f"{phase} disabled by apply({phase}=False)"
     if reason is not None:
         return Plan(phase, "stock", reason, None)
-    grouped = phase == "decode" and indices.size >= GROUPED_MIN_PAIRS_PER_EXPERT * experts.num_experts
+    grouped = not token_by_token and phase == "decode" and indices.size >= GROUPED_MIN_PAIRS_PER_EXPERT * experts.num_experts
     return experts.memo(
-        ("plan", phase, grouped, x.dtype, current_backend(), flag(PREFILL_SWITCH), flag(DECODE_SWITCH)),
-        lambda: _supported_plan(phase, experts, x.dtype, grouped),
+        ("plan", phase, grouped, token_by_token, x.dtype, current_backend(), flag(PREFILL_SWITCH), flag(DECODE_SWITCH)),
+        lambda: _supported_plan(phase, experts, x.dtype, grouped, token_by_token),
     )
 
 
-def _supported_plan(phase: str, experts: MoEExperts, dtype, grouped: bool) -> Plan:
+def _supported_plan(phase: str, experts: MoEExperts, dtype, grouped: bool, token_by_token: bool) -> Plan:
+    if token_by_token:
+        implementation = moe_decode_implementation(experts, dtype)
+        if implementation.path == "kernel":
+            return Plan(phase, "kernel", f"{implementation.reason}: every token computed as if alone", implementation.function)
+        return Plan(phase, "stock", "a block that must match token-by-token decode stays on upstream's block path "
+                    f"(no decode kernel: {implementation.reason})", None)
     if grouped:
         implementation = moe_prefill_implementation(experts, dtype)
         if implementation.path == "kernel":

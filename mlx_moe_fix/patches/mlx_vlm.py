@@ -1,11 +1,12 @@
 """Patch targets in mlx-vlm: its switch layers (with the weights / shared / residual combine and
-the decode-block path of its SwitchGLU), and Inkling's experts with per-expert scales.
+the decode-block path of its SwitchGLU, which the decode kernel takes whole), and Inkling's experts
+with per-expert scales.
 DeepSeek-V4's experts are mlx-vlm SwitchGLUs with a LimitedSwiGLU activation (see activations)."""
 
 import sys
 
 from . import switch_layers
-from .switch_layers import GLU_PROJECTIONS, bind, choose, describe, stock
+from .switch_layers import GLU_PROJECTIONS, bind, choose, describe
 from .targets import Target
 
 SWITCH_LAYERS = "mlx_vlm.models.switch_layers"
@@ -17,12 +18,12 @@ def switch_glu(wrapped, instance, args, kwargs):
     x, indices, weights, shared, residual = bind(
         args, kwargs, ("x", "indices", "weights", "shared", "residual")
     )
+    # Upstream's decode-block path (1 < L <= DECODE_BLOCK_SIZE: a block of drafted tokens) must
+    # give each token what decoding it alone gives (kernels.plan's token_by_token).
     decode_block = sys.modules[SWITCH_LAYERS].DECODE_BLOCK_SIZE
-    if not instance.training and x.ndim == 3 and 1 < x.shape[1] <= decode_block:
-        reason = f"mlx-vlm's decode-block path (1 < L <= {decode_block}) keeps its exact verifier kernels"
-        return stock("SwitchGLU[vlm]", x, indices, reason, wrapped, args, kwargs)
+    block = not instance.training and x.ndim == 3 and 1 < x.shape[1] <= decode_block
     experts, why_not = describe(instance, GLU_PROJECTIONS)
-    chosen = choose("SwitchGLU[vlm]", x, indices, experts, why_not)
+    chosen = choose("SwitchGLU[vlm]", x, indices, experts, why_not, token_by_token=block)
     if chosen.function is None:
         return wrapped(*args, **kwargs)
     routed = chosen.function(x, indices, experts, weights)

@@ -82,12 +82,14 @@ def shape_class(phase: str, x, indices, experts: Optional[MoEExperts]) -> tuple:
     )
 
 
-def choose(layer_kind: str, x, indices, experts: Optional[MoEExperts], why_not: Optional[str]) -> Plan:
-    """The plan for one call, counted and traced."""
+def choose(
+    layer_kind: str, x, indices, experts: Optional[MoEExperts], why_not: Optional[str], token_by_token: bool = False
+) -> Plan:
+    """The plan for one call (kernels.plan), counted and traced."""
     if experts is None:
         chosen = Plan("prefill" if indices.size >= PREFILL_MIN_PAIRS else "decode", "stock", why_not, None)
     else:
-        chosen = plan(x, indices, experts, **options.current())
+        chosen = plan(x, indices, experts, token_by_token=token_by_token, **options.current())
     trace.record(
         layer_kind, chosen.phase, chosen.path, chosen.reason, lambda: shape_class(chosen.phase, x, indices, experts)
     )
