@@ -15,13 +15,13 @@ patched tokens, and the ops' paths, so that a caller can compare them.
 In bf16 (the GPU) a sharded model sums its MoE outputs in another order than the unsharded one,
 and random models have near-ties, so even stock's sharded tokens may part from the unsharded
 ones. Hence also, per sharded run, a teacher-forced comparison against the unsharded stream (fed
-the unsharded tokens): `forced` holds the steps whose unsharded top-2 margin is clear (above
-NEAR_TIE of the top logit), how many of those the sharded run chose alike, and the largest
-relative error of a step's logits. And, since a stock sharded run may not reproduce itself
+the unsharded tokens): `forced` holds the steps whose unsharded choice is clear
+(zoo.clear_steps), how many of those the sharded run chose alike, and the largest relative error
+of a step's logits. And, since a stock sharded run may not reproduce itself
 (`stock_reproducible`: a second stock run's tokens equal the first's), `replay`: every MoE layer
-call of a sharded stock run, replayed on its recorded inputs on this rank, stock against patched
-(the calls are local to the rank; the all-sum follows them in the block), with the largest
-relative error over the calls of finite output.
+call of a sharded stock run, replayed on its recorded inputs (zoo.replayed_layer_calls) on this
+rank, stock against patched (the calls are local to the rank; the all-sum follows them in the
+block), with the largest relative error over the calls of finite output.
 """
 
 import argparse
@@ -32,31 +32,21 @@ import mlx.core as mx
 import mlx_moe_fix
 from mlx_moe_fix import zoo
 
-NEAR_TIE = 2**-6  # of the top logit: 4 bf16 ulps (as tests/parity/test_greedy_tokens.py)
+from .timing import relative_error
 
 
-def replayed_layer_calls(model, prompt, n) -> dict:
+def layer_call_replay(model, prompt, n) -> dict:
     """Every MoE layer call of a stock greedy run, replayed stock and patched."""
-    with zoo.recording_layer_calls(model) as calls:
-        zoo.greedy_decode(model, prompt, n)
-    errors = []
-    for layer, args, kwargs in calls:
-        stock = layer(*args, **kwargs)
-        if not mx.isfinite(stock).all().item():
-            continue
-        with mlx_moe_fix.patched():
-            patched = layer(*args, **kwargs)
-        difference = (patched - stock).astype(mx.float32)
-        errors.append((mx.linalg.norm(difference) / mx.maximum(mx.linalg.norm(stock.astype(mx.float32)), 1e-30)).item())
-    return {"calls": len(calls), "compared": len(errors), "max_relative_error": max(errors, default=None)}
+    recorded, replayed = zoo.replayed_layer_calls(model, prompt, n)
+    errors = [relative_error(patched, stock) for _, _, stock, patched in replayed]
+    return {"calls": recorded, "compared": len(errors), "max_relative_error": max(errors, default=None)}
 
 
 def forced_agreement(model, prompt, tokens, logits) -> dict:
     """The sharded `model` fed the unsharded `tokens` (whose logits are `logits`): its choices
     at the clear steps, and its logits' largest relative error."""
     choices, forced_logits = zoo.forced_decode(model, prompt, tokens)
-    top2 = mx.sort(logits, axis=-1)[:, -2:]
-    clear = ((top2[:, 1] - top2[:, 0]) > NEAR_TIE * mx.abs(top2[:, 1])).tolist()
+    clear = zoo.clear_steps(logits)
     error = mx.sqrt(mx.sum((forced_logits - logits) ** 2, axis=-1) / mx.sum(logits**2, axis=-1))
     return {"clear_steps": sum(clear), "clear_steps_alike": sum(c and a == b for c, a, b in zip(clear, choices, tokens)),
             "max_logits_relative_error": mx.max(error).item()}
@@ -80,7 +70,7 @@ def main(argv=None):
     widths = [zoo.moe_layers(m)[0][1].gate_proj.weight.shape[-2] for m in (whole, model)]
     stock = zoo.greedy_tokens(model, prompt, args.tokens)
     stock_reproducible = zoo.greedy_tokens(model, prompt, args.tokens) == stock
-    replay = replayed_layer_calls(model, prompt, args.tokens)
+    replay = layer_call_replay(model, prompt, args.tokens)
     forced = {"stock": forced_agreement(model, prompt, unsharded, unsharded_logits)}
     mlx_moe_fix.reset_path_counts()
     with mlx_moe_fix.patched():

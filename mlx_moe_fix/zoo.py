@@ -434,6 +434,17 @@ def forced_decode(model, prompt: list[int], tokens: list[int]) -> tuple[list[int
     return choices, logits
 
 
+# A step's greedy choice is clear where its top-2 logit margin exceeds this fraction of the top
+# logit (4 bf16 ulps): no rounding-order difference between two runs can flip it.
+NEAR_TIE = 2**-6
+
+
+def clear_steps(logits: mx.array) -> list[bool]:
+    """Per step of `logits` [steps, vocab]: whether its greedy choice is clear (NEAR_TIE)."""
+    top_two = mx.sort(logits, axis=-1)[:, -2:]
+    return ((top_two[:, 1] - top_two[:, 0]) > NEAR_TIE * mx.abs(top_two[:, 1])).tolist()
+
+
 # Routers whose weights jump without any expert changing: phimoe's sparsemixer masks, for each
 # pick, the gates more than 2 * jitter_eps below the top one, so a gate crossing that band moves
 # the softmax. Recorded beside the indices: {module: function name}.
@@ -522,6 +533,38 @@ def recording_layer_calls(model):
     calls: list[tuple] = []
     with intercepting_moe_layers(model, lambda layer, *args, **kwargs: calls.append((layer, args, kwargs))):
         yield calls
+
+
+def finite_stand_in(a, seed: int):
+    """`a` itself where finite; else random values of its shape and dtype at the scale of its
+    finite entries (an unreproducible stock run fed a layer NaNs or values that overflow)."""
+    if not isinstance(a, mx.array) or not mx.issubdtype(a.dtype, mx.floating) or mx.isfinite(a).all().item():
+        return a
+    finite = mx.where(mx.isfinite(a), a, 0).astype(mx.float32)
+    scale = mx.sqrt(mx.mean(finite * finite)).item() or 1.0
+    return (mx.random.normal(a.shape, key=mx.random.key(seed)) * scale).astype(a.dtype)
+
+
+def replayed_layer_calls(model, prompt: list[int], n: int) -> tuple[int, list[tuple]]:
+    """Every MoE layer call of a stock greedy run of ``n`` tokens, replayed on its recorded inputs
+    stock and under ``mlx_moe_fix.patched()``: (calls recorded, [(call number, args, stock output,
+    patched output)] for each call whose replayed stock output is finite). Non-finite inputs get
+    finite_stand_in, the recorded routing kept."""
+    import mlx_moe_fix
+
+    with recording_layer_calls(model) as calls:
+        greedy_decode(model, prompt, n)
+    replayed = []
+    for number, (layer, args, kwargs) in enumerate(calls):
+        args = tuple(finite_stand_in(a, number) for a in args)
+        kwargs = {k: finite_stand_in(v, number) for k, v in kwargs.items()}
+        stock = layer(*args, **kwargs)
+        if not mx.isfinite(stock).all().item():
+            continue
+        with mlx_moe_fix.patched():
+            patched = layer(*args, **kwargs)
+        replayed.append((number, args, stock, patched))
+    return len(calls), replayed
 
 
 def rerouted_steps(routes: list[tuple], other: list[tuple], layers: int) -> list[bool]:

@@ -9,7 +9,7 @@ near-ties, where a rounding difference sends a token to another expert (or, in p
 sparsemixer, jumps a routing weight) and moves that step's logits far. There the patched model
 is fed stock's tokens (teacher forcing) and, at every step that every MoE layer routed and
 weighted as stock did, must produce logits within a bf16 / fp16 tolerance of stock's and pick
-stock's token wherever stock's choice is clear (top-2 margin above NEAR_TIE of the top logit);
+stock's token wherever stock's choice is clear (zoo.clear_steps: top-2 margin above 4 bf16 ulps);
 at least 3/4 of the steps must be clear and routed as stock, so the check cannot go vacuous.
 
 Where stock's whole model does not reproduce itself (two unpatched runs differ: on MLX's CUDA
@@ -32,7 +32,6 @@ from mlx_moe_fix import zoo
 from .tolerance import RELATIVE_TOLERANCE, references_only, relative_error
 
 N_TOKENS = 32
-NEAR_TIE = 2**-6  # of the top logit: 4 bf16 ulps
 # Relative L2 error of a step's logits, patched against stock (two layers and a head, bf16 / fp16).
 LOGITS_TOLERANCE = {mx.bfloat16: 5e-2, mx.float32: 1e-4}
 # Further stock runs, after a failed comparison, that must all reproduce the first for the failure to stand.
@@ -45,28 +44,30 @@ def first_difference(stock, stock_logits, patched, patched_logits) -> str:
     tokens up to that step, so a near-tie (a top-2 margin within the logits' error) tells a
     rounding-order flip from a wrong result."""
     step = next(i for i, (a, b) in enumerate(zip(stock, patched)) if a != b)
-    top = mx.sort(stock_logits[step])[-2:].tolist()
     error = relative_error(patched_logits[step], stock_logits[step])
-    return (f"first difference at token {step}: stock {stock[step]}, patched {patched[step]}; stock's top-2 logit "
-            f"margin there {top[1] - top[0]:.3g} (largest logit {top[1]:.3g}); logits relative error there {error:.2e}")
+    return (f"first difference at token {step}: stock {stock[step]}, patched {patched[step]}; stock's "
+            f"{top_two_margin(stock_logits[step])} there; logits relative error there {error:.2e}")
+
+
+def top_two_margin(logits) -> str:
+    top = mx.sort(logits)[-2:].tolist()
+    return f"top-2 logit margin {top[1] - top[0]:.3g} (largest logit {top[1]:.3g})"
 
 
 def assert_clear_choices_match(stock, stock_logits, choices, logits, rerouted, tolerance):
     """choices / logits: the patched model's under teacher forcing on `stock`; rerouted[step]:
     some MoE layer sent a token to other experts than stock did at that step."""
-    clear = []
+    clear, clear_choice = [], zoo.clear_steps(stock_logits)
     for step in range(len(stock)):
         if rerouted[step]:
             continue
         expected, got = stock_logits[step], logits[step]
         error = relative_error(got, expected)
         assert error <= tolerance, f"logits at step {step}: relative error {error:.3g} > {tolerance}"
-        top = mx.sort(expected)[-2:].tolist()
-        if top[1] - top[0] > NEAR_TIE * abs(top[1]):
+        if clear_choice[step]:
             clear.append(step)
             assert choices[step] == stock[step], (
-                f"step {step}: patched picks {choices[step]}, stock {stock[step]} with a top-2 margin of "
-                f"{top[1] - top[0]:.3g} at a top logit of {top[1]:.3g}")
+                f"step {step}: patched picks {choices[step]}, stock {stock[step]}: {top_two_margin(expected)}")
     assert len(clear) >= 3 * len(stock) // 4, (
         f"only {len(clear)} of {len(stock)} steps clear and routed as stock ({sum(rerouted)} rerouted): "
         "an ill-conditioned model, or a kernel that moves the routing")
@@ -136,34 +137,17 @@ def assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, 
         assert_clear_choices_match(stock, stock_logits, choices, logits, rerouted, LOGITS_TOLERANCE[dtype])
 
 
-def finite_stand_in(a, seed: int):
-    """`a` itself where finite; else random values of its shape and dtype at the scale of its
-    finite entries (stock fed this call NaNs or overflowed values)."""
-    if not mx.issubdtype(a.dtype, mx.floating) or mx.isfinite(a).all().item():
-        return a
-    finite = mx.where(mx.isfinite(a), a, 0).astype(mx.float32)
-    scale = mx.sqrt(mx.mean(finite * finite)).item() or 1.0
-    return (mx.random.normal(a.shape, key=mx.random.key(seed)) * scale).astype(a.dtype)
-
-
 def assert_layer_calls_match_stock(model, prompt, exact, dtype):
     """Every MoE layer call of a stock greedy run, replayed stock and patched on its recorded
     inputs: identical where the ops run their references, within the op tolerance where they run
     kernels. A non-finite input (an unreproducible stock feeds layers NaNs or values that
     overflow) is replaced by finite values of its shape and scale, the recorded routing kept;
-    calls whose replayed stock output is still not finite are left out. At least one prefill call
-    and N_TOKENS / 4 decode calls must remain, so the check cannot go vacuous."""
-    with zoo.recording_layer_calls(model) as calls:
-        zoo.greedy_decode(model, prompt, N_TOKENS)
+    calls whose replayed stock output is still not finite are left out (zoo.replayed_layer_calls).
+    At least one prefill call and N_TOKENS / 4 decode calls must remain, so the check cannot go
+    vacuous."""
+    recorded, replayed = zoo.replayed_layer_calls(model, prompt, N_TOKENS)
     compared = {"prefill": 0, "decode": 0}
-    for number, (layer, args, kwargs) in enumerate(calls):
-        args = tuple(finite_stand_in(a, number) if isinstance(a, mx.array) else a for a in args)
-        kwargs = {k: finite_stand_in(v, number) if isinstance(v, mx.array) else v for k, v in kwargs.items()}
-        stock = layer(*args, **kwargs)
-        if not mx.isfinite(stock).all().item():
-            continue
-        with mlx_moe_fix.patched():
-            patched = layer(*args, **kwargs)
+    for number, args, stock, patched in replayed:
         if exact:
             assert mx.array_equal(patched, stock).item(), f"layer call {number}: relative error {relative_error(patched, stock):.2e}"
         else:
@@ -171,16 +155,16 @@ def assert_layer_calls_match_stock(model, prompt, exact, dtype):
             assert error <= RELATIVE_TOLERANCE[dtype], f"layer call {number}: relative error {error:.3g}"
         compared["decode" if args[0].size == args[0].shape[-1] else "prefill"] += 1
     assert compared["prefill"] >= 1 and compared["decode"] >= N_TOKENS // 4, (
-        f"of {len(calls)} layer calls, only {compared} with finite stock outputs: too few to stand for the run")
+        f"of {recorded} layer calls, only {compared} with finite stock outputs: too few to stand for the run")
 
 
 def test_finite_stand_in_keeps_finite_arrays_and_replaces_others_at_their_scale():
     finite = mx.array([1.0, -2.0, 3.0])
-    assert finite_stand_in(finite, 0) is finite
+    assert zoo.finite_stand_in(finite, 0) is finite
     indices = mx.array([1, 2], mx.uint32)
-    assert finite_stand_in(indices, 0) is indices
+    assert zoo.finite_stand_in(indices, 0) is indices
     broken = mx.concatenate([mx.full((999,), 4.0), mx.array([float("nan")])]).astype(mx.bfloat16)
-    stand_in = finite_stand_in(broken, 0)
+    stand_in = zoo.finite_stand_in(broken, 0)
     assert stand_in.dtype == mx.bfloat16 and stand_in.shape == broken.shape and mx.isfinite(stand_in).all().item()
     assert 3.0 < mx.sqrt(mx.mean(stand_in.astype(mx.float32) ** 2)).item() < 5.0
 
