@@ -21,6 +21,15 @@ __device__ __forceinline__ float rnd(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
+// The sum over a warp, in every lane: a butterfly from offset 16 down, as cooperative_groups'
+// reduce does (the router kernel reproduces MLX's reductions with it).
+template <typename A>
+__device__ __forceinline__ A warp_sum(A v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v = v + __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
 // An unsigned integer below 2^23 as fp32, exactly: its bits under the exponent of 2^23, minus
 // 2^23. Two full-rate instructions, where a conversion (I2F) runs at a fraction of the FMA rate
 // and bounded the decode GEMVs' dequantisation.

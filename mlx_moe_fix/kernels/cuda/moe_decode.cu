@@ -70,12 +70,6 @@ __device__ __forceinline__ void load_vector(float* x, const float* staged, int v
   }
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
 // Dot products of ROWS quantized weight rows (same in_dim) with one staged activation row,
 // summed over the warp. Each lane takes whole 16-byte vectors; a vector never straddles a
 // quantization group (GROUP >= 32 values >= one vector's values).

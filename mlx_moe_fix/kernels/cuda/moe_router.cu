@@ -23,6 +23,8 @@
 
 namespace moe_router {
 
+using namespace moe_common;
+
 constexpr float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
 constexpr float LOWEST = cuda::std::numeric_limits<float>::lowest();
 constexpr int NONE = -1;  // no expert: loses to every candidate
@@ -48,20 +50,13 @@ __device__ __forceinline__ void warp_top(float& value, int& index) {
   }
 }
 
-// cooperative_groups' reduce of a warp: a butterfly from offset 16 down.
+// cooperative_groups' reduce of a warp: a butterfly from offset 16 down (as warp_sum).
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
     const float other = __shfl_xor_sync(0xffffffffu, v, offset);
     v = v > other ? v : other;
   }
-  return v;
-}
-
-template <typename A>
-__device__ __forceinline__ A warp_sum(A v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v = v + __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
 
