@@ -29,7 +29,7 @@ import pytest
 import mlx_moe_fix
 from mlx_moe_fix import zoo
 
-from .tolerance import RELATIVE_TOLERANCE, references_only, relative_error
+from .tolerance import assert_matches, references_only, relative_error
 
 N_TOKENS = 32
 # Relative L2 error of a step's logits, patched against stock (two layers and a head, bf16 / fp16).
@@ -148,11 +148,7 @@ def assert_layer_calls_match_stock(model, prompt, exact, dtype):
     recorded, replayed = zoo.replayed_layer_calls(model, prompt, N_TOKENS)
     compared = {"prefill": 0, "decode": 0}
     for number, args, stock, patched in replayed:
-        if exact:
-            assert mx.array_equal(patched, stock).item(), f"layer call {number}: relative error {relative_error(patched, stock):.2e}"
-        else:
-            error = relative_error(patched, stock)
-            assert error <= RELATIVE_TOLERANCE[dtype], f"layer call {number}: relative error {error:.3g}"
+        assert_matches(patched, stock, exact, dtype, f"layer call {number}: ")
         compared["decode" if args[0].size == args[0].shape[-1] else "prefill"] += 1
     assert compared["prefill"] >= 1 and compared["decode"] >= N_TOKENS // 4, (
         f"of {recorded} layer calls, only {compared} with finite stock outputs: too few to stand for the run")

@@ -23,9 +23,18 @@ def relative_error(out: mx.array, ref: mx.array) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def assert_close(out: mx.array, ref: mx.array, dtype) -> None:
+def assert_close(out: mx.array, ref: mx.array, dtype, what: str = "") -> None:
     error = relative_error(out, ref)
-    assert error <= RELATIVE_TOLERANCE[dtype], f"relative error {error:.3g} > {RELATIVE_TOLERANCE[dtype]} for {dtype}"
+    assert error <= RELATIVE_TOLERANCE[dtype], f"{what}relative error {error:.3g} > {RELATIVE_TOLERANCE[dtype]} for {dtype}"
+
+
+def assert_matches(out: mx.array, ref: mx.array, exact: bool, dtype, what: str = "") -> None:
+    """Bit for bit where `exact` (references_only(): the same MLX primitives on both sides), else
+    within the dtype's tolerance."""
+    if exact:
+        assert mx.array_equal(out, ref).item(), f"{what}relative error {relative_error(out, ref):.2e}, not identical"
+    else:
+        assert_close(out, ref, dtype, what)
 
 
 def references_only() -> bool:
