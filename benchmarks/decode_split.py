@@ -42,11 +42,51 @@ def split(fn, reps):
     return statistics.median(builds), statistics.median(evals)
 
 
+def profile_build(fn, reps, top):
+    """cProfile of building fn's graph (not evaluating it), the `top` functions by own time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(reps):
+        profiler.enable()
+        out = fn()
+        profiler.disable()
+        mx.eval(out)
+    print(f"host profile of building the patched graph, {reps} builds:")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
+def empty_launches(decode, x, indices, described):
+    """The decode kernel's launches of every layer (same inputs, templates, grids, header) with
+    empty kernel bodies: what a launch costs the host and the GPU before any work."""
+    from mlx_moe_fix.kernels.launch import absent
+    from mlx_moe_fix.kernels.sources import sections
+
+    header = sections("cuda", "moe_decode.cu")["header"]
+    empty = {stage: mx.fast.cuda_kernel(name=f"mlx_moe_fix_empty_{stage}", input_names=decode.INPUTS[stage],
+                                        output_names=decode.OUTPUTS[stage], source="", header=header)
+             for stage in decode.INPUTS}
+    flat = indices.reshape(-1)
+    launches = [decode._launches(e, indices.shape[-1], flat.size, x.dtype, None) for e in described]
+
+    def run():
+        outs = []
+        for gate_up, down in launches:
+            hidden = gate_up._replace(kernel=empty["gate_up"])(x, flat)
+            outs.append(down._replace(kernel=empty["down"])(hidden, flat, absent()))
+        return outs
+
+    return run
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_arguments(parser)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also print the N functions with the most own host time while building the patched graph")
     args = parser.parse_args(argv)
 
     layers = [quantized_switch_glu(args) for _ in range(args.layers)]
@@ -63,6 +103,8 @@ def main(argv=None):
     with mlx_moe_fix.patched():
         rows.append(("patched SwitchGLU", split(run_layers, args.reps)))
         errors = [relative_error(p, s) for p, s in zip(run_layers(), stock_out)]
+        if args.profile:
+            profile_build(run_layers, args.reps, args.profile)
     if mx.cuda.is_available():
         import importlib
 
@@ -72,6 +114,8 @@ def main(argv=None):
         rows.append(("decode kernel, direct", split(lambda: [decode.moe_decode_kernel(x, indices, e) for e in described], args.reps)))
         rows.append(("decode kernel + combine, direct",
                      split(lambda: [decode.moe_decode_kernel(x, indices, e, weights) for e in described], args.reps)))
+        rows.append(("its two launches with empty bodies (fixed cost)",
+                     split(empty_launches(decode, x, indices, described), args.reps)))
 
     layer_bytes = args.top_k * 3 * (args.ffn * args.hidden // 2 + 2 * 2 * args.ffn * args.hidden // 64)
     print(f"hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, top-{args.top_k}, {args.layers} layers, "

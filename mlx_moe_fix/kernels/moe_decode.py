@@ -18,8 +18,8 @@ from .launch import absent, bias_template, cuda_kernel_object, kernel_dims, kern
 from .reference import combine, expert_chain
 
 WARPS_PER_BLOCK = 8
-# Output rows per warp (RPW in cuda/moe_decode.cu): a warp reads each staged activation vector
-# from shared memory once for all its rows (on the H200, 4 read Mixtral's experts at 1466 GB/s
+# Output rows per warp (RPW in cuda/moe_decode.cu): a warp loads each activation vector once for
+# all its rows (on the H200, 4 read Mixtral's experts at 1466 GB/s
 # where 1 read them at 1209: docs/benchmarks.md).
 ROWS_PER_WARP = 4
 
@@ -42,43 +42,19 @@ INPUTS = {
 }
 OUTPUTS = {"gate_up": ["hidden"], "down": ["out"]}
 
-# Dynamic shared memory is fixed per cuda_kernel object (and each object is one NVRTC compile),
-# so requests are rounded up to a few sizes.
-SHARED_BUCKETS = (4096, 16384, 65536, 131072, 200 * 1024)
-
-
-def _bucket(shared_bytes: int) -> int:
-    return next(b for b in SHARED_BUCKETS if b >= shared_bytes)
-
-
-def cuda_kernel(stage: str, shared_bytes: int):
-    """The cuda_kernel object of one stage ("gate_up" or "down") with `shared_bytes` of dynamic
-    shared memory, or None where MLX has no CUDA."""
-    return cuda_kernel_object("moe_decode.cu", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]), shared_bytes)
+def cuda_kernel(stage: str):
+    """The cuda_kernel object of one stage ("gate_up" or "down"), or None where MLX has no CUDA."""
+    return cuda_kernel_object("moe_decode.cu", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]), 0)
 
 
 def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:
-    reason = quantized_experts_reason(experts)
-    if reason is None and max(_shared_bytes(p, 1) for p in experts.projections) > SHARED_BUCKETS[-1]:
-        reason = "an activation row too wide to stage in shared memory"
-    return reason
+    return quantized_experts_reason(experts)
 
 
 def _grid(rows: int, blocks_y: int, row_warps: int = WARPS_PER_BLOCK) -> tuple:
     """A block of WARPS_PER_BLOCK warps per `row_warps` x ROWS_PER_WARP rows and per y index."""
     per_block = WARPS_PER_BLOCK * 32
     return (-(-rows // (row_warps * ROWS_PER_WARP)) * per_block, blocks_y, 1), (per_block, 1, 1)
-
-
-def _shared_bytes(linear: ExpertLinear, rows: int) -> int:
-    """Shared memory for `rows` staged activation rows (cuda/moe_decode.cu's Layout)."""
-    values = 4 * 32 // linear.bits
-    return rows * linear.input_dims // values * (values + 4) * 4
-
-
-def _combine_shared_bytes(linear: ExpertLinear, top_k: int) -> int:
-    """The combining down launch's: a token's top_k staged rows and each warp's partial sums."""
-    return _shared_bytes(linear, top_k) + WARPS_PER_BLOCK * ROWS_PER_WARP * 4
 
 
 class Launch(NamedTuple):
@@ -114,7 +90,7 @@ def _gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype) -> Launc
     has_scale = experts.gate_scale is not None
     grid, block = _grid(up.output_dims, pairs)
     return Launch(
-        cuda_kernel("gate_up", _bucket(_shared_bytes(up, 1))),
+        cuda_kernel("gate_up"),
         [gate.weight, gate.scales, gate.biases, up.weight, up.scales, up.biases,
          gate.bias if gate.bias is not None else absent(),
          up.bias if up.bias is not None else absent(),
@@ -135,7 +111,7 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
     grid, block = _grid(linear.output_dims, rows_out,
                         WARPS_PER_BLOCK // min(top_k, WARPS_PER_BLOCK) if combined else WARPS_PER_BLOCK)
     return Launch(
-        cuda_kernel("down", _bucket(_combine_shared_bytes(linear, top_k) if combined else _shared_bytes(linear, 1))),
+        cuda_kernel("down"),
         [linear.weight, linear.scales, linear.biases,
          linear.bias if linear.bias is not None else absent(),
          out_scale if out_scale is not None else absent(),
@@ -149,18 +125,14 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
 
 
 def _launches(experts: MoEExperts, top_k: int, pairs: int, dtype, weights_dtype) -> tuple:
-    """(gate_up or None, down, combine_outside) for this call's shape, cached on the experts
-    object (itself cached per layer) to keep per-call host time low at decode."""
+    """(gate_up or None, down) for this call's shape, cached on the experts object (itself
+    cached per layer) to keep per-call host time low at decode."""
     def plan():
-        last = experts.projections[-1]
-        # The k input rows of a token may not fit in shared memory together: combine outside.
-        combine_outside = weights_dtype is not None and _combine_shared_bytes(last, top_k) > SHARED_BUCKETS[-1]
         single = len(experts.projections) == 1
         return (
             None if single else _gate_up_launch(experts, top_k, pairs, dtype),
-            _down_launch(last, experts.out_scale, top_k, pairs, dtype, None if combine_outside else weights_dtype,
+            _down_launch(experts.projections[-1], experts.out_scale, top_k, pairs, dtype, weights_dtype,
                          input_per_pair=not single),
-            combine_outside,
         )
 
     return experts.memo(("cuda decode launches", top_k, pairs, dtype, weights_dtype), plan)
@@ -173,14 +145,13 @@ def moe_decode_kernel(
     top_k = indices.shape[-1]
     tokens = x.reshape(-1, x.shape[-1])
     flat_indices = indices.reshape(-1).astype(mx.uint32)
-    gate_up, down, combine_outside = _launches(
+    gate_up, down = _launches(
         experts, top_k, flat_indices.size, x.dtype, None if weights is None else weights.dtype
     )
     rows = tokens if gate_up is None else gate_up(tokens, flat_indices)
     out_dims = experts.output_dims
-    if weights is None or combine_outside:
-        out = down(rows, flat_indices, absent()).reshape(*indices.shape, out_dims)
-        return combine(out, weights)
+    if weights is None:
+        return down(rows, flat_indices, absent()).reshape(*indices.shape, out_dims)
     return down(rows, flat_indices, weights.reshape(-1)).reshape(*x.shape[:-1], out_dims)
 
 

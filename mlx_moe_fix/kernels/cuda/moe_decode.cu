@@ -7,7 +7,7 @@
 //   T   activation / output type        S   scales, affine biases and additive bias type
 //   SC  per-expert scale type           WT  routing weight type
 //   BITS 4 or 8, GROUP 32/64/128, WARPS (warps per block), RPW (output rows per warp: the
-//   warp reads each staged activation vector once for all of them), HAS_BIAS (the bias inputs' signature:
+//   warp reads each activation vector once for all of them), HAS_BIAS (the bias inputs' signature:
 //   S, or the float32 placeholder; see moe_common::bias_signature_matches)
 //   gate_up: GATED;  down: INPUT_PER_PAIR, COMBINE
 // Run-time values (an int32 array `dims` and a float array `params`, uniform across the grid):
@@ -21,23 +21,37 @@ namespace moe_decode {
 using namespace moe_common;
 
 constexpr int WORDS_PER_VECTOR = 4;  // one 16-byte load of packed weights
-constexpr int PAD = 4;               // floats of padding after each vector's activations
 
-// Activations are staged in shared memory as float, VALUES per weight vector followed by PAD
-// floats, so that the float4 reads of 8 consecutive lanes land in distinct banks.
+// Activations per weight vector: a lane reads them straight from global memory (16-byte loads;
+// every warp of an SM reads the same few rows, so they come from L1), with no staging in shared
+// memory: a block then needs none, and the combining down launch no longer stages TOP_K rows to
+// produce a few output rows.
 template <int BITS>
-struct Layout {
-  static constexpr int VALUES = WORDS_PER_VECTOR * 32 / BITS;  // activations per weight vector
-  static constexpr int STRIDE = VALUES + PAD;
-  __device__ static int floats(int in_dim) { return in_dim / VALUES * STRIDE; }
-};
+constexpr int VALUES = WORDS_PER_VECTOR * 32 / BITS;
 
-// Coalesced copy of one activation row into the padded shared layout.
+// Activation vector v of `row` (VALUES<BITS> values of T from v * VALUES) as fp32.
 template <int BITS, typename T>
-__device__ __forceinline__ void stage(float* staged, const T* row, int in_dim) {
-  using L = Layout<BITS>;
-  for (int i = threadIdx.x; i < in_dim; i += blockDim.x) {
-    staged[i / L::VALUES * L::STRIDE + i % L::VALUES] = static_cast<float>(row[i]);
+__device__ __forceinline__ void load_vector(float* x, const T* row, int v) {
+  constexpr int PER_LOAD = 16 / sizeof(T);
+  const uint4* src = reinterpret_cast<const uint4*>(row + v * VALUES<BITS>);
+#pragma unroll
+  for (int i = 0; i < VALUES<BITS> / PER_LOAD; ++i) {
+    const uint4 q = src[i];
+    const unsigned words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      float* out = x + i * PER_LOAD + w * PER_LOAD / 4;
+      if constexpr (sizeof(T) == 4) {
+        out[0] = __uint_as_float(words[w]);
+      } else if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {
+        out[0] = __uint_as_float(words[w] << 16);
+        out[1] = __uint_as_float(words[w] & 0xffff0000u);
+      } else {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[w]));
+        out[0] = f.x;
+        out[1] = f.y;
+      }
+    }
   }
 }
 
@@ -57,49 +71,55 @@ __device__ __forceinline__ float dot_vector(const uint4& packed, const float* x)
   return acc;
 }
 
-template <int VALUES>
-__device__ __forceinline__ void load_vector(float* x, const float* staged, int v) {
-  const float4* src = reinterpret_cast<const float4*>(staged + v * (VALUES + PAD));
-#pragma unroll
-  for (int i = 0; i < VALUES / 4; ++i) {
-    const float4 q = src[i];
-    x[4 * i] = q.x;
-    x[4 * i + 1] = q.y;
-    x[4 * i + 2] = q.z;
-    x[4 * i + 3] = q.w;
-  }
-}
+// One expert's quantized matrix: packed rows and per-group scales and affine biases.
+template <typename S>
+struct QuantizedRows {
+  const uint32_t* w;
+  const S* s;
+  const S* b;
+};
 
-// Dot products of ROWS quantized weight rows (same in_dim) with one staged activation row,
-// summed over the warp. Each lane takes whole 16-byte vectors; a vector never straddles a
-// quantization group (GROUP >= 32 values >= one vector's values).
-template <int BITS, int GROUP, int ROWS, typename S>
+// Dot products of RPW consecutive rows (first_row on, each past last_row reading last_row) of
+// each of M matrices with one activation row, summed over the warp: out[m * RPW + r]. Each lane
+// takes whole 16-byte vectors; a vector never straddles a quantization group (GROUP >= 32
+// values >= one vector's values). Rows are addressed from the matrices' bases, so that the
+// warp keeps M bases and RPW row offsets live rather than 3 M RPW pointers.
+template <int BITS, int GROUP, int M, int RPW, typename S, typename T>
 __device__ __forceinline__ void rows_dot(
-    float* out, const uint32_t* const* w, const S* const* scales, const S* const* biases, const float* staged,
-    int in_dim, int lane) {
-  constexpr int VALUES = Layout<BITS>::VALUES;
-  const int vectors = in_dim / VALUES;
-  float acc[ROWS];
+    float* out, const QuantizedRows<S> (&m)[M], int first_row, int last_row, const T* activations, int in_dim, int lane) {
+  constexpr int N = VALUES<BITS>;
+  const int vectors = in_dim / N, groups = in_dim / GROUP, words = in_dim * BITS / 32;
+  float acc[M * RPW];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+  for (int i = 0; i < M * RPW; ++i) acc[i] = 0.f;
   for (int v = lane; v < vectors; v += 32) {
-    uint4 packed[ROWS];
+    uint4 packed[M * RPW];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) packed[r] = *reinterpret_cast<const uint4*>(w[r] + v * WORDS_PER_VECTOR);
-    float x[VALUES];
-    load_vector<VALUES>(x, staged, v);
+    for (int r = 0; r < RPW; ++r) {
+      const int at = min(first_row + r, last_row);
+#pragma unroll
+      for (int j = 0; j < M; ++j) {
+        packed[j * RPW + r] = *reinterpret_cast<const uint4*>(m[j].w + (size_t)at * words + v * WORDS_PER_VECTOR);
+      }
+    }
+    float x[N];
+    load_vector<BITS>(x, activations, v);
     float x_sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < VALUES; ++i) x_sum += x[i];
-    const int group = v * VALUES / GROUP;
+    for (int i = 0; i < N; ++i) x_sum += x[i];
+    const int group = v * N / GROUP;
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      acc[r] += static_cast<float>(scales[r][group]) * dot_vector<BITS>(packed[r], x) +
-          static_cast<float>(biases[r][group]) * x_sum;
+    for (int r = 0; r < RPW; ++r) {
+      const size_t g = (size_t)min(first_row + r, last_row) * groups + group;
+#pragma unroll
+      for (int j = 0; j < M; ++j) {
+        acc[j * RPW + r] += static_cast<float>(m[j].s[g]) * dot_vector<BITS>(packed[j * RPW + r], x) +
+            static_cast<float>(m[j].b[g]) * x_sum;
+      }
     }
   }
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) out[r] = warp_sum(acc[r]);
+  for (int i = 0; i < M * RPW; ++i) out[i] = warp_sum(acc[i]);
 }
 
 }  // namespace moe_decode
@@ -108,37 +128,31 @@ __device__ __forceinline__ void rows_dot(
 // inputs: x [N, IN_DIM], indices [N * TOP_K], gate_w / up_w [E, OUT_DIM, IN_DIM * BITS / 32],
 //         gate_s, gate_b, up_s, up_b [E, OUT_DIM, IN_DIM / GROUP], gate_bias, up_bias [E, OUT_DIM],
 //         gate_scale [E], dims, params;  output: hidden [N * TOP_K, OUT_DIM]
-// One block per (pair, WARPS output rows); the pair's activation row is staged once per block.
+// One block per (pair, WARPS x RPW output rows).
 // GATED false: an MLP's first projection: only up_* is read.
 {
   using namespace moe_decode;
   static_assert(bias_signature_matches<HAS_BIAS, S, decltype(up_bias)> &&
                 bias_signature_matches<HAS_BIAS, S, decltype(gate_bias)>, "HAS_BIAS disagrees with the bias inputs");
-  extern __shared__ float staged[];
   const Dims d(dims);
   const int pair = blockIdx.y;
-  stage<BITS>(staged, x + (size_t)(pair / d.top_k) * d.in_dim, d.in_dim);
-  __syncthreads();
+  const T* activations = x + (size_t)(pair / d.top_k) * d.in_dim;
   const int lane = threadIdx.x % 32;
   const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
   if (first_row >= d.out_dim) return;
   const size_t expert = indices[pair];
-  // This warp's RPW rows (rows past OUT_DIM read the last row and are not written), up then gate.
-  const uint32_t* w[2 * RPW];
-  const S* s[2 * RPW];
-  const S* b[2 * RPW];
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    const size_t at = expert * d.out_dim + min(first_row + r, d.out_dim - 1);
-    w[r] = up_w + at * (d.in_dim * BITS / 32), s[r] = up_s + at * (d.in_dim / GROUP), b[r] = up_b + at * (d.in_dim / GROUP);
-    w[RPW + r] = gate_w + at * (d.in_dim * BITS / 32), s[RPW + r] = gate_s + at * (d.in_dim / GROUP);
-    b[RPW + r] = gate_b + at * (d.in_dim / GROUP);
-  }
+  // This warp's RPW rows of the expert's matrices, up then gate (rows past OUT_DIM read the last
+  // row and are not written).
+  const size_t rows_before = expert * d.out_dim;
+  const size_t words = rows_before * (d.in_dim * BITS / 32), groups = rows_before * (d.in_dim / GROUP);
+  const QuantizedRows<S> up_rows{up_w + words, up_s + groups, up_b + groups};
   float dots[2 * RPW];
   if (GATED) {
-    rows_dot<BITS, GROUP, 2 * RPW>(dots, w, s, b, staged, d.in_dim, lane);
+    const QuantizedRows<S> matrices[2] = {up_rows, {gate_w + words, gate_s + groups, gate_b + groups}};
+    rows_dot<BITS, GROUP, 2, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
   } else {
-    rows_dot<BITS, GROUP, RPW>(dots, w, s, b, staged, d.in_dim, lane);
+    const QuantizedRows<S> matrices[1] = {up_rows};
+    rows_dot<BITS, GROUP, 1, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
   }
   // Every lane holds every row's sums: lane r writes row first_row + r.
 #pragma unroll
@@ -164,20 +178,14 @@ __device__ __forceinline__ void rows_dot(
 // warps split over the token's pairs (warp % PAIR_SLOTS, PAIR_SLOTS = min(TOP_K, WARPS)) and
 // over rows (warp / PAIR_SLOTS, RPW rows each), so a block covers WARPS / PAIR_SLOTS x RPW rows
 // and the grid has as many blocks as without the combine; the pairs' partial sums meet in shared
-// memory and are added in pair order. The block's input rows are staged once.
+// memory and are added in pair order.
 {
   using namespace moe_decode;
   static_assert(bias_signature_matches<HAS_BIAS, S, decltype(bias)>, "HAS_BIAS disagrees with the bias input");
-  extern __shared__ float staged[];
+  __shared__ float partial[WARPS * RPW];  // COMBINE: each warp's sums, [WARPS][RPW]
   const Dims d(dims);
   const int first_pair = COMBINE ? blockIdx.y * d.top_k : blockIdx.y;
   const int pairs = COMBINE ? d.top_k : 1;
-  const int staged_floats = Layout<BITS>::floats(d.in_dim);
-  for (int j = 0; j < pairs; ++j) {
-    const int pair = first_pair + j;
-    stage<BITS>(staged + j * staged_floats, hidden + (size_t)(INPUT_PER_PAIR ? pair : pair / d.top_k) * d.in_dim, d.in_dim);
-  }
-  __syncthreads();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int pair_slots = COMBINE ? min(d.top_k, WARPS) : 1;
   const int row_slots = WARPS / pair_slots;
@@ -190,16 +198,12 @@ __device__ __forceinline__ void rows_dot(
   for (int j = pair_slot; active && j < pairs; j += pair_slots) {
     const int pair = first_pair + j;
     const size_t expert = indices[pair];
-    const uint32_t* wr[RPW];
-    const S* sr[RPW];
-    const S* br[RPW];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      const size_t at = expert * d.out_dim + min(first_row + r, d.out_dim - 1);
-      wr[r] = w + at * (d.in_dim * BITS / 32), sr[r] = s + at * (d.in_dim / GROUP), br[r] = b + at * (d.in_dim / GROUP);
-    }
+    const size_t rows_before = expert * d.out_dim;
+    const QuantizedRows<S> matrices[1] = {
+        {w + rows_before * (d.in_dim * BITS / 32), s + rows_before * (d.in_dim / GROUP), b + rows_before * (d.in_dim / GROUP)}};
+    const T* activations = hidden + (size_t)(INPUT_PER_PAIR ? pair : pair / d.top_k) * d.in_dim;
     float dots[RPW];
-    rows_dot<BITS, GROUP, RPW>(dots, wr, sr, br, staged + j * staged_floats, d.in_dim, lane);
+    rows_dot<BITS, GROUP, 1, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
       const int row = min(first_row + r, d.out_dim - 1);
@@ -211,8 +215,7 @@ __device__ __forceinline__ void rows_dot(
     }
   }
   if (COMBINE) {
-    // Every lane holds its warp's sums; lane r of each warp leaves row r's, after the staged rows.
-    float* partial = staged + pairs * staged_floats;  // [WARPS][RPW]
+    // Every lane holds its warp's sums; lane r of each warp leaves row r's.
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
       if (lane == r) partial[warp * RPW + r] = total[r];
