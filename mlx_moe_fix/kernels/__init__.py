@@ -49,6 +49,18 @@ def plan(
     decode): the decode kernel computes every (token, expert) pair alike, whatever else the call
     holds, and takes the block whole; otherwise the call stays with upstream's block path (its
     own exact kernels on Metal, per-pair projections elsewhere)."""
+    switches = (current_backend(), flag(PREFILL_SWITCH), flag(DECODE_SWITCH))
+    if indices.size >= PREFILL_MIN_PAIRS:
+        return _plan(x, indices, experts, prefill, decode, token_by_token, switches)
+    # A decode step calls every layer with the same few shapes: plan each once (a prefill's
+    # shapes vary with the prompt, so its plans are not kept).
+    return experts.memo(
+        ("call plan", x.shape, x.dtype, indices.shape, prefill, decode, token_by_token, switches),
+        lambda: _plan(x, indices, experts, prefill, decode, token_by_token, switches),
+    )
+
+
+def _plan(x, indices, experts: MoEExperts, prefill: bool, decode: bool, token_by_token: bool, switches: tuple) -> Plan:
     phase = "decode" if token_by_token else "prefill" if indices.size >= PREFILL_MIN_PAIRS else "decode"
     reason = experts.unsupported_reason(x, indices)
     if reason is None and not (prefill if phase == "prefill" else decode):
@@ -57,7 +69,7 @@ def plan(
         return Plan(phase, "stock", reason, None)
     grouped = not token_by_token and phase == "decode" and indices.size >= GROUPED_MIN_PAIRS_PER_EXPERT * experts.num_experts
     return experts.memo(
-        ("plan", phase, grouped, token_by_token, x.dtype, current_backend(), flag(PREFILL_SWITCH), flag(DECODE_SWITCH)),
+        ("plan", phase, grouped, token_by_token, x.dtype, switches),
         lambda: _supported_plan(phase, experts, x.dtype, grouped, token_by_token),
     )
 

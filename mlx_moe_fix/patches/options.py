@@ -9,3 +9,8 @@ def set_phases(prefill: bool, decode: bool) -> None:
 
 def current() -> dict:
     return dict(_phases)
+
+
+def enabled() -> tuple:
+    """(prefill, decode): current() without building a dict, for the per-call path."""
+    return _phases["prefill"], _phases["decode"]

@@ -89,7 +89,8 @@ def choose(
     if experts is None:
         chosen = Plan("prefill" if indices.size >= PREFILL_MIN_PAIRS else "decode", "stock", why_not, None)
     else:
-        chosen = plan(x, indices, experts, token_by_token=token_by_token, **options.current())
+        prefill, decode = options.enabled()
+        chosen = plan(x, indices, experts, prefill=prefill, decode=decode, token_by_token=token_by_token)
     trace.record(
         layer_kind, chosen.phase, chosen.path, chosen.reason, lambda: shape_class(chosen.phase, x, indices, experts)
     )
