@@ -91,6 +91,7 @@ def test_prefill_kernel_compiles(tmp_path, t):
 def test_router_kernel_compiles(tmp_path, t):
     variants = [("topk", t, {"SOFTMAX_FIRST": first, "NORMALIZE": first and normalize, "LAST_K": last_k})
                 for first in (True, False) for normalize in (True, False) for last_k in (True, False)]
+    variants.append(("sigmoid_topk", t, {}))
     compile_ok(tmp_path, translation_unit(ROUTER, "moe_router.cu", variants))
 
 

@@ -1,5 +1,6 @@
 """Top-k routing of a MoE block: router logits [..., experts] -> (experts [..., k] uint32, routing
-weights [..., k] in the logits' dtype).
+weights [..., k] in the logits' dtype); Inkling's kind ("sigmoid_topk") also gives its shared
+experts' weights, and takes its correction bias and global scale.
 
 Reference: upstream's own expressions per kind (`Routing`), so that it reproduces stock bit for
 bit. CUDA kernel (`cuda/moe_router.cu`): all of a kind's steps in one launch, one warp per token
@@ -17,15 +18,15 @@ import mlx.core as mx
 
 from ..env import flag
 from .backend import Implementation, choose, current_backend
-from .launch import cuda_kernel_object, int_array
+from .launch import cuda_kernel_object, float_array, int_array
 
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTER"
-KINDS = ("softmax_topk", "topk_softmax", "topk_softmax_last")
+KINDS = ("softmax_topk", "topk_softmax", "topk_softmax_last", "sigmoid_topk")
 MAX_TOP_K = 32  # lane j of the token's warp writes choice j
 WARPS_PER_BLOCK = 4
 # The kernel's parameters, in the order of its `inputs` / outputs.
-INPUTS = {"topk": ["logits", "sizes"]}
-OUTPUTS = {"topk": ["indices", "weights"]}
+INPUTS = {"topk": ["logits", "sizes"], "sigmoid_topk": ["logits", "correction", "global_scale", "sizes", "params"]}
+OUTPUTS = {"topk": ["indices", "weights"], "sigmoid_topk": ["indices", "weights", "shared_weights"]}
 
 
 @dataclass(frozen=True)
@@ -34,21 +35,36 @@ class Routing:
     their sum where `normalize` (qwen3_moe); "topk_softmax": the k largest logits, softmax over
     them (mixtral); "topk_softmax_last": the same, the k taken from the end of an argpartition as
     gpt-oss's `mlx_topk` does (the reference keeps each model's order of the k, which the
-    weighted sum over them follows)."""
+    weighted sum over them follows); "sigmoid_topk": Inkling's (InklingSparseMoE._route): the k
+    largest sigmoid(logit) + correction bias among the first experts, then a softmax over the
+    log-sigmoids of their logits and of the last `shared` (always-on) experts' logits, times
+    `scale` (route_scale) and the global scale; the shared experts' weights come repeated over
+    their `shared_width` intermediate columns each (the dense shared experts' layout)."""
 
     kind: str
     top_k: int
     normalize: bool = False
+    shared: int = 0
+    shared_width: int = 0
+    scale: float = 1.0
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown routing kind {self.kind!r}; expected one of {KINDS}")
         if self.normalize and self.kind != "softmax_topk":
             raise ValueError("normalize applies to softmax_topk routing only")
+        if self.kind != "sigmoid_topk" and (self.shared or self.shared_width or self.scale != 1.0):
+            raise ValueError("shared experts and a scale apply to sigmoid_topk routing only")
 
 
-def moe_router_reference(logits: mx.array, routing: Routing) -> tuple:
+def moe_router_reference(
+    logits: mx.array, routing: Routing, correction_bias: Optional[mx.array] = None,
+    global_scale: Optional[mx.array] = None,
+) -> tuple:
+    """correction_bias [experts] and global_scale [1]: sigmoid_topk's, None for the others."""
     k = routing.top_k
+    if routing.kind == "sigmoid_topk":
+        return _sigmoid_topk_reference(logits, routing, correction_bias, global_scale)
     if routing.kind == "softmax_topk":
         gates = mx.softmax(logits, axis=-1, precise=True)
         indices = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
@@ -64,48 +80,83 @@ def moe_router_reference(logits: mx.array, routing: Routing) -> tuple:
     return indices, weights
 
 
+def _sigmoid_topk_reference(logits, routing: Routing, correction_bias, global_scale) -> tuple:
+    """Upstream's expressions (InklingSparseMoE._route off Metal), for logits [..., experts + shared]."""
+    experts = logits.shape[-1] - routing.shared
+    scores = mx.sigmoid(logits.astype(mx.float32))[..., :experts] + correction_bias
+    indices = mx.argpartition(-scores, routing.top_k - 1, axis=-1)[..., : routing.top_k]
+    chosen = mx.take_along_axis(logits[..., :experts], indices, axis=-1)
+    log_sigmoid = -mx.logaddexp(0.0, -mx.concatenate([chosen, logits[..., experts:]], axis=-1).astype(mx.float32))
+    weights = mx.exp(log_sigmoid - mx.logsumexp(log_sigmoid, axis=-1, keepdims=True)) * routing.scale * global_scale
+    shared = mx.repeat(weights[..., routing.top_k :].astype(logits.dtype), routing.shared_width, axis=-1)
+    return indices.astype(mx.uint32), weights[..., : routing.top_k].astype(logits.dtype), shared
+
+
 def cuda_unsupported_reason(logits: mx.array, routing: Routing) -> Optional[str]:
     if logits.dtype not in (mx.bfloat16, mx.float16, mx.float32):
         return f"router logits of {logits.dtype}"
-    if routing.top_k > MAX_TOP_K:
-        return f"top-{routing.top_k} routing: the router kernel chooses at most {MAX_TOP_K}"
+    if routing.top_k + routing.shared > MAX_TOP_K:
+        return f"top-{routing.top_k} routing with {routing.shared} shared experts: the router kernel weighs at most {MAX_TOP_K}"
     # A warp holds the logits as MLX's softmax reads them: 16 bytes of them per lane.
     most = 32 * 16 // logits.dtype.size
-    if logits.shape[-1] > most or routing.top_k > logits.shape[-1]:
-        return f"{logits.shape[-1]} experts for top-{routing.top_k}: the router kernel takes up to {most} of {logits.dtype}"
+    experts = logits.shape[-1] - routing.shared
+    if experts > most or routing.top_k > experts:
+        return f"{experts} experts for top-{routing.top_k}: the router kernel takes up to {most} of {logits.dtype}"
     return None
 
 
-def moe_router_kernel(logits: mx.array, routing: Routing) -> tuple:
+def moe_router_kernel(
+    logits: mx.array, routing: Routing, correction_bias: Optional[mx.array] = None,
+    global_scale: Optional[mx.array] = None,
+) -> tuple:
     """The CUDA implementation; same contract as moe_router_reference."""
-    experts = logits.shape[-1]
-    tokens = logits.size // experts
-    kernel = cuda_kernel_object("moe_router.cu", "topk", tuple(INPUTS["topk"]), tuple(OUTPUTS["topk"]), 0)
+    width = logits.shape[-1]
+    tokens = logits.size // width
+    experts = width - routing.shared
+    section = "sigmoid_topk" if routing.kind == "sigmoid_topk" else "topk"
+    kernel = cuda_kernel_object("moe_router.cu", section, tuple(INPUTS[section]), tuple(OUTPUTS[section]), 0)
     threads = WARPS_PER_BLOCK * 32
-    indices, weights = kernel(
-        inputs=[logits.reshape(tokens, experts), int_array(tokens, experts, routing.top_k)],
-        template=[("T", logits.dtype), ("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
-                  ("NORMALIZE", routing.normalize), ("LAST_K", routing.kind != "topk_softmax")],
+    rows = logits.reshape(tokens, width)
+    if section == "topk":
+        inputs = [rows, int_array(tokens, experts, routing.top_k)]
+        template = [("T", logits.dtype), ("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
+                    ("NORMALIZE", routing.normalize), ("LAST_K", routing.kind != "topk_softmax")]
+    else:
+        inputs = [rows, correction_bias, global_scale, int_array(tokens, experts, routing.top_k, routing.shared),
+                  float_array(routing.scale)]
+        template = [("T", logits.dtype)]
+    outputs = kernel(
+        inputs=inputs,
+        template=template,
         grid=(-(-tokens // WARPS_PER_BLOCK) * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(tokens, routing.top_k)] * 2,
-        output_dtypes=[mx.uint32, logits.dtype],
+        # (at least one shared column, so that no output of the kernel is empty)
+        output_shapes=[(tokens, routing.top_k)] * 2 + [(tokens, max(routing.shared, 1))] * (section != "topk"),
+        output_dtypes=[mx.uint32, logits.dtype] + [logits.dtype] * (section != "topk"),
     )
     shape = (*logits.shape[:-1], routing.top_k)
-    return indices.reshape(shape), weights.reshape(shape)
+    routed = outputs[0].reshape(shape), outputs[1].reshape(shape)
+    if section == "topk":
+        return routed
+    shared = outputs[2][:, : routing.shared].reshape(*logits.shape[:-1], routing.shared)
+    shared = mx.repeat(shared, routing.shared_width, axis=-1)
+    return (*routed, shared)
 
 
 _chosen: dict = {}  # (backend, switch, dtype, experts, routing) -> Implementation: one per layer kind
 
 
-def moe_router(logits: mx.array, routing: Routing) -> tuple:
+def moe_router(
+    logits: mx.array, routing: Routing, correction_bias: Optional[mx.array] = None,
+    global_scale: Optional[mx.array] = None,
+) -> tuple:
     """Dispatcher: the moe_router implementation for the current backend and these logits
     (chosen once per backend, switch state and shape class: a decode step calls it per layer)."""
     key = (current_backend(), flag(CUDA_KERNEL_SWITCH), logits.dtype, logits.shape[-1], routing)
     implementation = _chosen.get(key)
     if implementation is None:
         implementation = _chosen[key] = moe_router_implementation(logits, routing)
-    return implementation.function(logits, routing)
+    return implementation.function(logits, routing, correction_bias, global_scale)
 
 
 def moe_router_implementation(logits: Optional[mx.array] = None, routing: Optional[Routing] = None) -> Implementation:

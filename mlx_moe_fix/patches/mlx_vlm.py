@@ -1,11 +1,13 @@
 """Patch targets in mlx-vlm: its switch layers (with the weights / shared / residual combine and
 the decode-block path of its SwitchGLU, which the decode kernel takes whole), and Inkling's experts
-with per-expert scales.
+with per-expert scales and its routing.
 DeepSeek-V4's experts are mlx-vlm SwitchGLUs with a LimitedSwiGLU activation (see activations)."""
 
 import sys
 
+from ..kernels import current_backend, moe_router
 from . import switch_layers
+from .moe_blocks import routing
 from .switch_layers import GLU_PROJECTIONS, bind, choose, describe
 from .targets import Target
 
@@ -43,17 +45,30 @@ def inkling_switch_glu(wrapped, instance, args, kwargs):
     return chosen.function(x, indices, experts)
 
 
+def inkling_route(wrapped, instance, args, kwargs):
+    """InklingSparseMoE._route(logits) -> (experts, routing weights, shared experts' weights
+    repeated over their intermediate columns). On Metal upstream's own routing kernel stays."""
+    if current_backend() == "metal":
+        return wrapped(*args, **kwargs)
+    (logits,) = bind(args, kwargs, ("logits",))
+    inkling = routing("sigmoid_topk", instance.top_k, shared=instance.n_shared,
+                      shared_width=instance.intermediate_size, scale=float(instance.route_scale))
+    return moe_router(logits, inkling, instance.e_score_correction_bias, instance.global_scale)
+
+
 TARGETS = (
     Target(SWITCH_LAYERS, "SwitchGLU", "__call__", switch_glu),
     Target(SWITCH_LAYERS, "SwitchMLP", "__call__", switch_layers.switch_mlp),
     Target(SWITCH_LAYERS, "QuantizedSwitchLinear", "__call__", switch_layers.quantized_switch_linear),
     Target(INKLING, "InklingSwitchGLU", "__call__", inkling_switch_glu),
+    Target(INKLING, "InklingSparseMoE", "_route", inkling_route),
     Target(
         INKLING,
         "InklingSparseMoE",
         "__call__",
         None,
-        "its routing and decode down-combine kernels are Metal-only upstream; on other backends it "
-        "runs upstream's MLX routing, and its experts go through the patched InklingSwitchGLU",
+        "the block itself runs upstream's code (its decode down-combine kernel is Metal-only; "
+        "elsewhere the weighted sum is MLX's); its routing (_route) and experts (InklingSwitchGLU) "
+        "are patched",
     ),
 )

@@ -12,9 +12,9 @@ from ..kernels import Routing, moe_router
 from .switch_layers import bind
 
 
-@functools.lru_cache(maxsize=None)
-def routing(kind: str, top_k: int, normalize: bool = False) -> Routing:
-    return Routing(kind, top_k, normalize)
+# One Routing per distinct configuration, so that the router's dispatch cache sees equal keys
+# without rebuilding them per call.
+routing = functools.lru_cache(maxsize=None)(Routing)
 
 
 def routed_block(routing_of, router: str = "gate", experts: str = "switch_mlp"):

@@ -12,7 +12,7 @@ from mlx_moe_fix import zoo
 from mlx_moe_fix.kernels import Routing, moe_router_reference
 
 from .cases import CASES
-from .tolerance import assert_matches, references_only, relative_error
+from .tolerance import assert_close, assert_matches, references_only, relative_error
 
 BLOCK_FAMILIES = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock", "gpt_oss": "MLPBlock"}
 
@@ -84,3 +84,73 @@ def test_cuda_router_kernel_matches_ref(cuda_device, case):
     assert indices.dtype == mx.uint32 and weights.dtype == logits.dtype
     assert indices.tolist() == expected_indices.astype(mx.uint32).tolist()
     assert mx.array_equal(weights, expected_weights).item(), relative_error(weights, expected_weights)
+
+
+def inkling_block():
+    model = zoo.build("inkling", 4, dtype=mx.bfloat16)
+    return next(m for _, m in model.named_modules() if type(m).__name__ == "InklingSparseMoE")
+
+
+def coarse(shape, seed, dtype, scale=4):
+    """Normals on a 1/scale grid: many exact ties."""
+    return (mx.round(mx.random.normal(shape, key=mx.random.key(seed)) * scale) / scale).astype(dtype)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_ref_inkling_route_matches_stock(device, tokens):
+    """The patched InklingSparseMoE._route (moe_router's sigmoid_topk) against upstream's, on
+    logits with ties and a correction bias with ties; off Metal upstream runs MLX ops, which the
+    reference repeats, so with the references the three outputs are identical."""
+    block = inkling_block()
+    block.e_score_correction_bias = coarse((block.n_routed,), 1, mx.bfloat16, scale=2) * 0.25
+    block.global_scale = mx.array([1.5], mx.bfloat16)
+    logits = coarse((tokens, block.n_routed + block.n_shared), tokens, mx.bfloat16)
+    stock = block._route(logits)
+    with mlx_moe_fix.patched():
+        patched = block._route(logits)
+        references = references_only()
+    assert len(patched) == 3
+    assert patched[0].dtype == mx.uint32 and patched[0].tolist() == stock[0].tolist()
+    for name, out, ref in zip(("weights", "shared weights"), patched[1:], stock[1:]):
+        assert out.shape == ref.shape and out.dtype == ref.dtype, name
+        assert_matches(out, ref, references, mx.bfloat16, f"{name}: ")
+
+
+def test_sigmoid_routing_takes_shared_experts_and_scale_only_there():
+    assert Routing("sigmoid_topk", 6, shared=2, shared_width=64, scale=8.0).shared == 2
+    with pytest.raises(ValueError, match="sigmoid_topk"):
+        Routing("topk_softmax", 2, shared=1)
+
+
+@st.composite
+def sigmoid_router_cases(draw):
+    dtype = draw(st.sampled_from([mx.bfloat16, mx.float16, mx.float32]))
+    experts = draw(st.sampled_from([e for e in (8, 64, 128, 256) if e * dtype.size <= 512]))
+    shared = draw(st.integers(0, 2))
+    top_k = draw(st.integers(1, min(8, experts)))
+    tokens = draw(st.integers(1, 40))
+    seed = draw(st.integers(0, 2**16))
+    logits = coarse((tokens, experts + shared), seed, dtype)
+    # A zero correction keeps the logits' ties in the scores; a coarse one makes others.
+    correction = draw(st.sampled_from([mx.zeros((experts,), mx.float32), coarse((experts,), seed + 1, mx.float32) * 0.125]))
+    routing = Routing("sigmoid_topk", top_k, shared=shared, shared_width=draw(st.sampled_from([1, 3])),
+                      scale=draw(st.sampled_from([1.0, 2.5])))
+    return logits, routing, correction, mx.array([draw(st.sampled_from([1.0, 0.75]))], mx.float32)
+
+
+@CASES
+@given(case=sigmoid_router_cases())
+def test_cuda_sigmoid_router_kernel_matches_ref(cuda_device, case):
+    """Inkling's routing: the same experts in the same order as the reference (ties included:
+    the lower index among equal scores, as MLX's stable sort on CUDA gives), weights within the
+    dtype's tolerance."""
+    from mlx_moe_fix.kernels.moe_router import cuda_unsupported_reason, moe_router_kernel
+
+    logits, routing, correction, global_scale = case
+    assert cuda_unsupported_reason(logits, routing) is None
+    out = moe_router_kernel(logits, routing, correction, global_scale)
+    expected = moe_router_reference(logits, routing, correction, global_scale)
+    assert out[0].dtype == mx.uint32 and out[0].tolist() == expected[0].tolist()
+    for name, got, ref in zip(("weights", "shared weights"), out[1:], expected[1:]):
+        assert got.shape == ref.shape and got.dtype == logits.dtype, name
+        assert_close(got, ref, logits.dtype, f"{name}: ")

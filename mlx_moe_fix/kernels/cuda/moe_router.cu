@@ -12,11 +12,19 @@
 //   combined by a warp butterfly; softmax's normaliser rescaled per chunk maximum, __expf, one
 //   IEEE reciprocal, results rounded to T; the sum accumulates in T.
 //
-// Sections are split on "//// <name>" lines (`header`, `topk`). Template constants:
+// Sections are split on "//// <name>" lines (`header`, `topk`, `sigmoid_topk`). Template constants:
 //   T (the logits' and weights' type), SOFTMAX_FIRST (softmax over all experts, then the k
 //   largest probabilities, as qwen3_moe; else the k largest logits, then softmax over them),
 //   NORMALIZE (SOFTMAX_FIRST only: the k probabilities divided by their sum), LAST_K (above).
 // Run-time values: sizes = tokens, experts, top_k (experts <= 32 * CHUNK, top_k <= 32).
+//
+// `sigmoid_topk` is Inkling's routing (mlx_vlm.models.inkling.language, InklingSparseMoE._route
+// off Metal), following the MLX ops that route there: MLX's sigmoid (unary_ops.cuh) plus the
+// correction bias chooses the experts (the k from the front of the negated scores: the lower
+// index among equals), the chosen and the shared experts' logits go through MLX's logaddexp
+// (binary_ops.cuh) and logsumexp (logsumexp.cu: 4 values per thread, online normaliser, __expf),
+// then exp, route_scale and global_scale. Template: T; run-time: sizes = tokens, experts, top_k,
+// shared (top_k + shared <= 32), params = route_scale.
 
 //// header
 #include <cuda/std/limits>
@@ -88,6 +96,40 @@ __device__ __forceinline__ void gather_chunk(float (&chunk)[N], float value, int
   }
 }
 
+// MLX's sigmoid of a float (unary_ops.cuh).
+__device__ __forceinline__ float mlx_sigmoid(float x) {
+  const float y = 1.f / (1.f + expf(fabsf(x)));
+  return x < 0.f ? y : 1.f - y;
+}
+
+// MLX's logaddexp of two finite or infinite floats (binary_ops.cuh).
+__device__ __forceinline__ float mlx_logaddexp(float x, float y) {
+  const float high = fmaxf(x, y), low = fminf(x, y);
+  return low == NEG_INF || high == -NEG_INF ? high : high + log1pf(expf(low - high));
+}
+
+// MLX's logsumexp of a row of n <= 128 floats, lane p holding position p (< 32) of it: the
+// kernel's block of 32 threads reads 4 consecutive values each (-inf past n), keeps a running
+// maximum and a normaliser rescaled by __expf, and combines the threads by warp butterflies.
+__device__ __forceinline__ float mlx_logsumexp(float value, int n) {
+  const int lane = threadIdx.x % 32;
+  float thread_max = LOWEST, normaliser = 0.f;
+  float values[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int p = lane * 4 + i;
+    const float v = __shfl_sync(0xffffffffu, value, min(p, 31));
+    values[i] = p < n ? v : NEG_INF;
+    thread_max = thread_max > values[i] ? thread_max : values[i];
+  }
+  normaliser = normaliser * __expf(LOWEST - thread_max);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) normaliser = normaliser + __expf(values[i] - thread_max);
+  const float row_max = warp_max(thread_max);
+  normaliser = warp_sum(normaliser * __expf(thread_max - row_max));
+  return isinf(row_max) ? row_max : logf(normaliser) + row_max;
+}
+
 }  // namespace moe_router
 
 //// topk
@@ -151,4 +193,54 @@ __device__ __forceinline__ void gather_chunk(float (&chunk)[N], float value, int
   const size_t at = (size_t)token * top_k + holder(lane);
   indices[at] = static_cast<uint32_t>(chosen_index);
   weights[at] = static_cast<T>(weight);
+}
+
+//// sigmoid_topk
+// inputs: logits [tokens, experts + shared], correction [experts], global_scale [1], sizes,
+// params;  outputs: indices [tokens, top_k] (uint32), weights [tokens, top_k] (T),
+// shared_weights [tokens, shared] (T), in stock's order.
+{
+  using namespace moe_router;
+  using namespace moe_common;
+  constexpr int N = CHUNK<T>;
+  const int tokens = sizes[0], experts = sizes[1], top_k = sizes[2], shared = sizes[3];
+  const int token = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (token >= tokens) return;  // whole warps: blockDim.x is a multiple of 32
+  const T* row = logits + (size_t)token * (experts + shared);
+  float score[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int e = lane * N + i;
+    score[i] = e < experts ? mlx_sigmoid(static_cast<float>(row[e])) + static_cast<float>(correction[e]) : NEG_INF;
+  }
+  // k rounds of the highest score not yet taken (the lower index among equals); lane j keeps
+  // round j's expert, which is stock's position j.
+  int chosen_index = 0;
+  unsigned taken = 0;  // bit i: expert lane * N + i
+  for (int j = 0; j < top_k; ++j) {
+    float best = NEG_INF;
+    int best_index = NONE;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int e = lane * N + i;
+      if (e < experts && !(taken >> i & 1u) && ranks_above<false>(score[i], e, best, best_index)) best = score[i], best_index = e;
+    }
+    warp_top<false>(best, best_index);
+    if (best_index / N == lane) taken |= 1u << (best_index % N);
+    if (lane == j) chosen_index = best_index;
+  }
+  // Lane p: position p of [chosen experts' logits, shared experts' logits].
+  const int positions = top_k + shared;
+  const float logit = lane < top_k ? static_cast<float>(row[chosen_index])
+      : lane < positions ? static_cast<float>(row[experts + lane - top_k]) : 0.f;
+  const float log_sigmoid = -mlx_logaddexp(0.f, -logit);
+  const float normaliser = mlx_logsumexp(log_sigmoid, positions);
+  const float weight = expf(log_sigmoid - normaliser) * params[0] * static_cast<float>(global_scale[0]);
+  if (lane < top_k) {
+    indices[(size_t)token * top_k + lane] = static_cast<uint32_t>(chosen_index);
+    weights[(size_t)token * top_k + lane] = static_cast<T>(weight);
+  } else if (lane < positions) {
+    shared_weights[(size_t)token * shared + lane - top_k] = static_cast<T>(weight);
+  }
 }
