@@ -9,6 +9,7 @@ import mlx.nn as nn
 import pytest
 
 import mlx_moe_fix
+import mlx_moe_fix.env
 import mlx_moe_fix.kernels
 from mlx_moe_fix.kernels import moe_decode_reference
 from mlx_moe_fix.kernels.backend import Implementation
@@ -72,3 +73,23 @@ def test_kernel_takes_the_block_whole_and_each_token_as_if_alone(monkeypatch):
     assert len(calls) == 1 + TOKENS
     assert mx.array_equal(block, alone).item()
     assert {(phase, path) for phase, path, _ in vlm_paths()} == {("decode", "kernel")}
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_cuda_kernel_takes_the_block_whole_and_each_token_as_if_alone(cuda_device, dtype, monkeypatch):
+    """The real decode kernel on the block: one kernel call, each token's output bit for bit the
+    one its single-token call gives (every (token, expert) pair is computed alike)."""
+    monkeypatch.setenv("MLX_MOE_FIX_CUDA_DECODE", "1")
+    layer, args = block_call()
+    layer.set_dtype(dtype)
+    args = tuple(a.astype(dtype) if a.dtype in (mx.float32, mx.bfloat16) else a for a in args)
+    mlx_moe_fix.reset_path_counts()
+    try:
+        with mlx_moe_fix.patched():
+            block = layer(*args)
+            assert {(phase, path) for phase, path, _ in vlm_paths()} == {("decode", "kernel")}, vlm_paths()
+            alone = token_by_token(layer, args)
+    finally:
+        monkeypatch.undo()
+        mlx_moe_fix.env.refresh()  # the switches as the environment has them again
+    assert mx.array_equal(block, alone).item()
