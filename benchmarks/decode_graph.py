@@ -30,7 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_moe_fix
 
-from .models import MOE_MODELS, build_model, model_specs
+from .models import MOE_MODELS, VLM_CONFIG_CLASSES, build_model, model_specs
 from .timing import markdown_table
 
 # Primitives that only change how an array is viewed: no kernel on CUDA.
@@ -68,7 +68,8 @@ def split(counts: collections.Counter):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MOE_MODELS))
+    # (its layer-count edits know the mlx-lm models' configs)
+    parser.add_argument("--models", default=",".join(m for m in MOE_MODELS if m not in VLM_CONFIG_CLASSES))
     parser.add_argument("--detail", action="store_true", help="also list the primitives of one layer")
     args = parser.parse_args(argv)
     specs = model_specs(smoke=True, deepseek_layers=2)

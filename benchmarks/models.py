@@ -5,12 +5,15 @@ Run from the repo root (on the GPU machine after `source .mlx-cuda/setup.sh`):
     python3 -m benchmarks.models                                      # qwen3_moe, mixtral + dense
     python3 -m benchmarks.models --models qwen3_moe --prompts 512,2048,8192 --json /tmp/m.json
     python3 -m benchmarks.models --models gpt_oss,deepseek_v3 --deepseek-layers 4
+    python3 -m benchmarks.models --models inkling,deepseek_v4 --deepseek-layers 2 --batch-sizes ''
     python3 -m benchmarks.models --models mixtral --stock-max-prompt 2048 --repeats 3
     python3 -m benchmarks.models --smoke --json /tmp/m.json           # tiny configs, CPU
 
 Models are built from mlx-lm's own classes at the published configs (qwen3_moe: Qwen3-30B-A3B,
 mixtral: Mixtral-8x7B, gpt_oss: gpt-oss-20b, deepseek_v3: DeepSeek-V3 with --deepseek-layers
-layers, all of them MoE), lazily initialized, cast to bf16, quantized by mlx-lm's
+layers, all of them MoE; from mlx-vlm's language models: inkling and deepseek_v4, with
+--deepseek-layers layers too, every one MoE, no batched decode: their caches do not go through
+mlx-lm's BatchGenerator), lazily initialized, cast to bf16, quantized by mlx-lm's
 `quantize_model` (4-bit affine, group 64) while still lazy, then evaluated one module at a time,
 so no float32 copy of the whole model ever exists. Parameters that mlx-lm initializes to zeros
 (DeepSeek's router weight, expert biases, attention sinks) get random values: a zero router sends
@@ -26,6 +29,10 @@ experts, built from mlx-lm classes too:
   one, an elementwise difference
 - deepseek_v3 -> deepseek_v3 with every layer dense, intermediate 18432 = (8 routed + 1 shared)
   x 2048, the width of DeepSeek-V3's own dense layers
+- inkling -> inkling with every layer Inkling's own dense MLP, intermediate 24576 = (6 routed + 2
+  shared) x 3072
+- deepseek_v4 -> deepseek_v4 with every block's MoE swapped for DeepSeek-V4's own dense MLP
+  (clamped SwiGLU), intermediate 14336 = (6 routed + 1 shared) x 2048
 
 Measured, with `mlx_moe_fix.revert()` (stock) and `apply()` (patched) in one process:
 - prefill tok/s per prompt length: prompt tokens over the time to the first token through
@@ -55,7 +62,7 @@ from typing import Any, Callable, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.generate import BatchGenerator, generate_step, generation_stream
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
@@ -79,6 +86,30 @@ class ModelSpec:
     dense: Optional[str] = None  # name of the dense equivalent
     # Edits the lazily built model before quantization (the gpt_oss dense equivalent).
     customize: Optional[Callable[[nn.Module, Dict[str, Any]], None]] = None
+    # "mlx_vlm": `module` is mlx_vlm.models.<module>, whose language model is built from its
+    # config class (VLM_CONFIG_CLASSES) and called through LogitsOnly.
+    library: str = "mlx_lm"
+
+
+VLM_CONFIG_CLASSES = {"inkling": "TextConfig", "deepseek_v4": "ModelConfig"}
+
+
+class LogitsOnly(nn.Module):
+    """An mlx-vlm language model as mlx-lm's generate_step calls a model: logits out."""
+
+    def __init__(self, language: nn.Module):
+        super().__init__()
+        self.language = language
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        return self.language(inputs, cache=cache, **kwargs).logits
+
+    def make_cache(self):
+        return self.language.make_cache()
+
+    @property
+    def layers(self):
+        return self.language.layers
 
 
 def swap_in_dense_mlp(model: nn.Module, config: Dict[str, Any]) -> None:
@@ -243,12 +274,86 @@ def deepseek_dense_config(moe: Dict[str, Any]) -> Dict[str, Any]:
     return dict(moe, first_k_dense_replace=moe["num_hidden_layers"])
 
 
+def inkling_config(hidden, layers, heads, kv_heads, swa_kv_heads, experts, top_k, shared, ffn, vocab, window):
+    return dict(
+        model_type="inkling",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=128 if hidden >= 1024 else 32,
+        swa_num_attention_heads=heads,
+        swa_num_key_value_heads=swa_kv_heads,
+        swa_head_dim=128 if hidden >= 1024 else 32,
+        sliding_window_size=window,
+        rel_extent=1024 if hidden >= 1024 else 64,
+        dense_mlp_idx=0,  # every layer MoE, so that the few layers measure the expert path
+        intermediate_size=ffn,  # Inkling calls the expert width intermediate_size
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        n_shared_experts=shared,
+        route_scale=8.0,
+    )
+
+
+def inkling_dense_config(moe: Dict[str, Any]) -> Dict[str, Any]:
+    """Every layer Inkling's own dense MLP, as wide as the routed top-k plus the shared experts."""
+    width = (moe["num_experts_per_tok"] + moe["n_shared_experts"]) * moe["intermediate_size"]
+    return dict(moe, dense_mlp_idx=moe["num_hidden_layers"], dense_intermediate_size=width)
+
+
+def deepseek_v4_config(hidden, layers, heads, experts, top_k, ffn, vocab, q_rank, head_dim, o_groups, o_rank, window, limit):
+    return dict(
+        model_type="deepseek_v4",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        moe_intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=1,
+        n_shared_experts=1,
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        q_lora_rank=q_rank,
+        qk_rope_head_dim=64 if head_dim >= 128 else 32,
+        head_dim=head_dim,
+        o_groups=o_groups,
+        o_lora_rank=o_rank,
+        # Plain sliding-window attention in every layer (the real model compresses some layers'
+        # caches; the dense equivalent has the same attention either way), and learned routing
+        # in every layer (the real model's first 3 route by token id).
+        compress_ratios=[0] * layers,
+        num_hash_layers=0,
+        sliding_window=window,
+        swiglu_limit=limit,
+    )
+
+
+def swap_in_deepseek_v4_dense_ffn(model: nn.Module, config: Dict[str, Any]) -> None:
+    """deepseek_v4 dense equivalent: each block's MoE replaced by DeepSeek-V4's own dense MLP
+    (clamped SwiGLU) as wide as the active experts (routed top-k + shared)."""
+    from types import SimpleNamespace
+
+    from mlx_vlm.models.deepseek_v4.language import DeepseekV4MLP
+
+    class DenseFFN(DeepseekV4MLP):
+        def __call__(self, x, input_ids=None):  # the block passes the MoE's token ids too
+            return super().__call__(x)
+
+    width = (config["num_experts_per_tok"] + config["n_shared_experts"]) * config["moe_intermediate_size"]
+    for layer in model.layers:
+        layer.ffn = DenseFFN(SimpleNamespace(hidden_size=config["hidden_size"]), width, config["swiglu_limit"])
+
+
 def model_specs(smoke: bool, deepseek_layers: int) -> Dict[str, ModelSpec]:
     if smoke:
         qwen = qwen3_moe_config(128, 2, 4, 2, 32, 8, 2, 64, 512)
         mixtral = mixtral_config(128, 2, 4, 2, 4, 2, 128, 512)
         gpt_oss = gpt_oss_config(128, 2, 4, 2, 32, 4, 2, 512, 8)
         deepseek = deepseek_v3_config(128, 2, 2, 8, 2, 64, 512, 2, 64, 64, 32, 64)
+        inkling = inkling_config(128, 2, 2, 1, 1, 8, 2, 1, 64, 512, 8)
+        deepseek4 = deepseek_v4_config(128, 2, 2, 8, 2, 64, 512, 128, 128, 2, 128, 8, 10.0)
     else:
         qwen = qwen3_moe_config(2048, 48, 32, 4, 128, 128, 8, 768, 151936)
         mixtral = mixtral_config(4096, 32, 32, 8, 8, 2, 14336, 32000)
@@ -256,6 +361,15 @@ def model_specs(smoke: bool, deepseek_layers: int) -> Dict[str, ModelSpec]:
         deepseek = deepseek_v3_config(
             7168, deepseek_layers, 128, 256, 8, 2048, 129280, 8, 1536, 512, 64, 128
         )
+        # Inkling's TextConfig: hidden 6144, 256 experts, top-6, 2 shared, 64 / 8 heads (sliding
+        # layers 64 / 16), vocab 201024, window 512. Its intermediate_size default, 24576, is
+        # (6 + 2) x 3072: an expert width of 3072 is what its 975B checkpoint's size gives
+        # (66 layers x 256 experts x 3 x 6144 x 3072 = 956e9 parameters).
+        inkling = inkling_config(6144, deepseek_layers, 64, 8, 16, 256, 6, 2, 3072, 201024, 512)
+        # DeepSeek-V4's ModelConfig: hidden 4096, 256 experts of 2048, top-6, 1 shared, 64 heads
+        # of 512 with one KV head, q rank 1024, 8 output groups of rank 1024, window 128,
+        # swiglu_limit 10.
+        deepseek4 = deepseek_v4_config(4096, deepseek_layers, 64, 256, 6, 2048, 129280, 1024, 512, 8, 1024, 128, 10.0)
     specs = [
         ModelSpec("qwen3_moe", "qwen3_moe", qwen, True, "qwen3_dense"),
         ModelSpec("qwen3_dense", "qwen3", qwen3_dense_config(qwen), False),
@@ -265,11 +379,18 @@ def model_specs(smoke: bool, deepseek_layers: int) -> Dict[str, ModelSpec]:
         ModelSpec("gpt_oss_dense", "gpt_oss", gpt_oss, False, customize=swap_in_dense_mlp),
         ModelSpec("deepseek_v3", "deepseek_v3", deepseek, True, "deepseek_v3_dense"),
         ModelSpec("deepseek_v3_dense", "deepseek_v3", deepseek_dense_config(deepseek), False),
+        ModelSpec("inkling", "inkling", inkling, True, "inkling_dense", library="mlx_vlm"),
+        ModelSpec("inkling_dense", "inkling", inkling_dense_config(inkling), False, library="mlx_vlm"),
+        ModelSpec("deepseek_v4", "deepseek_v4", deepseek4, True, "deepseek_v4_dense", library="mlx_vlm"),
+        ModelSpec("deepseek_v4_dense", "deepseek_v4", deepseek4, False, customize=swap_in_deepseek_v4_dense_ffn,
+                  library="mlx_vlm"),
     ]
     return {s.name: s for s in specs}
 
 
-MOE_MODELS = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"]
+MOE_MODELS = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "inkling", "deepseek_v4"]
+# Their caches (CacheList) do not go through mlx-lm's BatchGenerator: no batched decode.
+NO_BATCHED_DECODE = {"inkling", "inkling_dense", "deepseek_v4", "deepseek_v4_dense"}
 
 
 # ---------------------------------------------------------------- building
@@ -288,14 +409,33 @@ def randomize_zero_parameters(module: nn.Module) -> None:
 
 
 def build_model(spec: ModelSpec) -> nn.Module:
-    module = importlib.import_module(f"mlx_lm.models.{spec.module}")
-    model = module.Model(module.ModelArgs.from_dict(spec.config))  # lazy: nothing computed
+    own_predicate = None
+    if spec.library == "mlx_vlm":
+        package = f"mlx_vlm.models.{spec.module}"
+        config_class = getattr(importlib.import_module(f"{package}.config"), VLM_CONFIG_CLASSES[spec.module])
+        language = importlib.import_module(f"{package}.language").LanguageModel
+        model = LogitsOnly(language(config_class.from_dict(spec.config)))  # lazy: nothing computed
+        # Their own predicates ask for mxfp4 / mxfp8 experts: affine everywhere here, as for the
+        # mlx-lm models.
+        own_predicate = lambda path, module: True  # noqa: E731
+    else:
+        module = importlib.import_module(f"mlx_lm.models.{spec.module}")
+        model = module.Model(module.ModelArgs.from_dict(spec.config))  # lazy: nothing computed
     if spec.customize:
         spec.customize(model, spec.config)
-    # Real checkpoints are bf16, so activations run bf16 and quantization scales come out bf16.
-    model.set_dtype(mx.bfloat16)
+    # Real checkpoints are bf16, so activations run bf16 and quantization scales come out bf16;
+    # what the model keeps in float32 (its cast_predicate: DeepSeek-V4's hyper-connections,
+    # sinks, router bias) stays float32, as its loader does.
+    keep = getattr(getattr(model, "language", model), "cast_predicate", None)
+    if keep is None:
+        model.set_dtype(mx.bfloat16)
+    else:
+        model.update(tree_unflatten([
+            (k, v.astype(mx.bfloat16) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v)
+            for k, v in tree_flatten(model.parameters())
+        ]))
     with contextlib.redirect_stdout(sys.stderr):  # its bits-per-weight note is not a result
-        quantize_model(model, {}, group_size=GROUP_SIZE, bits=BITS)
+        quantize_model(model, {}, group_size=GROUP_SIZE, bits=BITS, quant_predicate=own_predicate)
     # One module at a time: only one module's float32 weights exist at any moment.
     for _, sub in model.named_modules():
         mx.eval([v for v in sub.values() if isinstance(v, mx.array)])
@@ -463,7 +603,7 @@ def measure_mode(model, spec: ModelSpec, mode: str, inputs: Dict[str, Any], args
     results["decode"]["tokens"] = tokens[: args.parity_tokens]
 
     results["batch_decode"] = {}
-    for batch in args.batch_sizes:
+    for batch in [] if spec.name in NO_BATCHED_DECODE else args.batch_sizes:
         log(f"[models] {spec.name} {mode}: batched decode, batch {batch}")
         times = repeat(
             lambda: time_batch_decode(
@@ -498,7 +638,7 @@ def run_model(spec: ModelSpec, args, rng: np.random.Generator) -> Dict[str, Any]
         "decode_prompt": rng.integers(0, vocab, args.decode_prompt).tolist(),
         "batch_prompts": [
             rng.integers(0, vocab, args.batch_prompt).tolist()
-            for _ in range(max(args.batch_sizes, default=0))
+            for _ in range(0 if spec.name in NO_BATCHED_DECODE else max(args.batch_sizes, default=0))
         ],
     }
     # Batched decode starts from caches made once by the patched prefill (fast); both modes
@@ -549,7 +689,8 @@ def summary_rows(models: Dict[str, Any], args) -> List[Dict[str, Any]]:
         dense = models.get(result["dense_equivalent"], {}).get("modes", {}).get("stock", {})
         measurements = [("prefill", str(n), f"prefill {n}") for n in args.prompts]
         measurements.append(("decode", None, f"decode after {args.decode_prompt}"))
-        measurements += [("batch_decode", str(b), f"decode batch {b}") for b in args.batch_sizes]
+        if result["modes"]["stock"]["batch_decode"]:  # none for NO_BATCHED_DECODE models
+            measurements += [("batch_decode", str(b), f"decode batch {b}") for b in args.batch_sizes]
         for kind, key, label in measurements:
 
             def pick(mode_results):
@@ -626,7 +767,8 @@ def parse_args(argv=None):
         "--deepseek-layers",
         type=int,
         default=4,
-        help="layers of the DeepSeek-V3 model (6.3 GB of experts each)",
+        help="layers of the DeepSeek-V3, Inkling and DeepSeek-V4 models (6.3, 8.1 and 3.2 GB of "
+        "4-bit experts each)",
     )
     p.add_argument("--seed", type=int, default=0, help="seeds weights and prompts")
     p.add_argument("--json", help="write all numbers here")
