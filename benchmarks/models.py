@@ -408,6 +408,36 @@ def randomize_zero_parameters(module: nn.Module) -> None:
             mx.eval(module[name])
 
 
+# MLX's kernels cannot draw or quantize an array of 2^31 or more elements in one go (on CUDA the
+# launch fails: Inkling's experts are 256 x 3072 x 6144 = 4.8e9 per projection, DeepSeek-V4's
+# 2^31): such expert weights are drawn and quantized EXPERT_CHUNK experts at a time.
+HUGE_ELEMENTS = 2**31
+EXPERT_CHUNK = 16
+
+
+def quantize_huge_expert_weights(model: nn.Module) -> None:
+    """Each switch linear of HUGE_ELEMENTS or more weights replaced by its quantized form, with
+    weights drawn as its own init does (uniform, bound input_dims ** -0.5) in bf16, chunk by
+    chunk; lazy, like the rest of the build."""
+    leaves = []
+    for path, module in model.named_modules():
+        weight = module.get("weight") if hasattr(module, "to_quantized") else None
+        if not isinstance(weight, mx.array) or weight.ndim != 3 or weight.size < HUGE_ELEMENTS:
+            continue
+        experts, out_dims, in_dims = weight.shape
+        quantized = module.to_quantized(group_size=GROUP_SIZE, bits=BITS)  # its own quantize: never evaluated
+        bound = in_dims**-0.5
+        parts = [
+            mx.quantize(mx.random.uniform(-bound, bound, (min(EXPERT_CHUNK, experts - e), out_dims, in_dims)).astype(mx.bfloat16),
+                        GROUP_SIZE, BITS)
+            for e in range(0, experts, EXPERT_CHUNK)
+        ]
+        quantized.weight, quantized.scales, quantized.biases = (mx.concatenate([p[i] for p in parts]) for i in range(3))
+        leaves.append((path, quantized))
+    if leaves:
+        model.update_modules(tree_unflatten(leaves))
+
+
 def build_model(spec: ModelSpec) -> nn.Module:
     own_predicate = None
     if spec.library == "mlx_vlm":
@@ -434,6 +464,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
             (k, v.astype(mx.bfloat16) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v)
             for k, v in tree_flatten(model.parameters())
         ]))
+    quantize_huge_expert_weights(model)
     with contextlib.redirect_stdout(sys.stderr):  # its bits-per-weight note is not a result
         quantize_model(model, {}, group_size=GROUP_SIZE, bits=BITS, quant_predicate=own_predicate)
     # One module at a time: only one module's float32 weights exist at any moment.
