@@ -96,6 +96,27 @@ __device__ __forceinline__ void gather_chunk(float (&chunk)[N], float value, int
   }
 }
 
+// k rounds of the highest-ranked expert not yet taken, the lane holding expert lane * N + i in
+// value[i]; lane j keeps round j's choice (value and index), which the others leave as they were.
+template <bool LAST_K, int N>
+__device__ __forceinline__ void top_k_rounds(
+    const float (&value)[N], int experts, int top_k, float& chosen_value, int& chosen_index) {
+  const int lane = threadIdx.x % 32;
+  unsigned taken = 0;  // bit i: expert lane * N + i
+  for (int j = 0; j < top_k; ++j) {
+    float best = NEG_INF;
+    int best_index = NONE;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int e = lane * N + i;
+      if (e < experts && !(taken >> i & 1u) && ranks_above<LAST_K>(value[i], e, best, best_index)) best = value[i], best_index = e;
+    }
+    warp_top<LAST_K>(best, best_index);
+    if (best_index / N == lane) taken |= 1u << (best_index % N);
+    if (lane == j) chosen_value = best, chosen_index = best_index;
+  }
+}
+
 // MLX's sigmoid of a float (unary_ops.cuh).
 __device__ __forceinline__ float mlx_sigmoid(float x) {
   const float y = 1.f / (1.f + expf(fabsf(x)));
@@ -156,22 +177,10 @@ __device__ __forceinline__ float mlx_logsumexp(float value, int n) {
 #pragma unroll
     for (int i = 0; i < N; ++i) value[i] = rnd<T>(__fmul_rn(__expf(value[i] - row_max), reciprocal));
   }
-  // k rounds of the highest-ranked expert not yet taken; lane j keeps round j's choice.
+  // Lane j: round j's choice.
   float chosen_value = 0.f;
   int chosen_index = 0;
-  unsigned taken = 0;  // bit i: expert lane * N + i
-  for (int j = 0; j < top_k; ++j) {
-    float best = NEG_INF;
-    int best_index = NONE;
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const int e = lane * N + i;
-      if (e < experts && !(taken >> i & 1u) && ranks_above<LAST_K>(value[i], e, best, best_index)) best = value[i], best_index = e;
-    }
-    warp_top<LAST_K>(best, best_index);
-    if (best_index / N == lane) taken |= 1u << (best_index % N);
-    if (lane == j) chosen_value = best, chosen_index = best_index;
-  }
+  top_k_rounds<LAST_K>(value, experts, top_k, chosen_value, chosen_index);
   // Rounds go from the top rank down; stock's order is ascending where it takes the last k.
   auto holder = [top_k](int position) { return LAST_K ? top_k - 1 - position : position; };
   float weight = chosen_value;
@@ -214,22 +223,10 @@ __device__ __forceinline__ float mlx_logsumexp(float value, int n) {
     const int e = lane * N + i;
     score[i] = e < experts ? mlx_sigmoid(static_cast<float>(row[e])) + static_cast<float>(correction[e]) : NEG_INF;
   }
-  // k rounds of the highest score not yet taken (the lower index among equals); lane j keeps
-  // round j's expert, which is stock's position j.
+  // Lane j: round j's expert (the lower index among equal scores), stock's position j.
+  float chosen_score = 0.f;
   int chosen_index = 0;
-  unsigned taken = 0;  // bit i: expert lane * N + i
-  for (int j = 0; j < top_k; ++j) {
-    float best = NEG_INF;
-    int best_index = NONE;
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const int e = lane * N + i;
-      if (e < experts && !(taken >> i & 1u) && ranks_above<false>(score[i], e, best, best_index)) best = score[i], best_index = e;
-    }
-    warp_top<false>(best, best_index);
-    if (best_index / N == lane) taken |= 1u << (best_index % N);
-    if (lane == j) chosen_index = best_index;
-  }
+  top_k_rounds<false>(score, experts, top_k, chosen_score, chosen_index);
   // Lane p: position p of [chosen experts' logits, shared experts' logits].
   const int positions = top_k + shared;
   const float logit = lane < top_k ? static_cast<float>(row[chosen_index])
