@@ -19,12 +19,18 @@ pytest.importorskip("mlx_vlm")
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 4, 64, 128, 4, 2
 
 
-def block_call():
+def block_call(limited: bool = False):
+    """limited: DeepSeek-V4's experts (LimitedSwiGLU, a limit that binds on these inputs)."""
     from mlx_vlm.models.switch_layers import DECODE_BLOCK_SIZE, SwitchGLU
 
     assert 1 < TOKENS <= DECODE_BLOCK_SIZE
     mx.random.seed(3)
-    layer = SwitchGLU(HIDDEN, FFN, EXPERTS)
+    if limited:
+        from mlx_vlm.models.deepseek_v4.language import LimitedSwiGLU
+
+        layer = SwitchGLU(HIDDEN, FFN, EXPERTS, activation=LimitedSwiGLU(0.05))
+    else:
+        layer = SwitchGLU(HIDDEN, FFN, EXPERTS)
     nn.quantize(layer, group_size=64, bits=4)
     layer.eval()
     x = mx.random.normal((1, TOKENS, HIDDEN))
@@ -53,6 +59,12 @@ def test_ref_block_stays_on_upstreams_block_path_and_matches_stock():
     assert len(paths) == 1 and "stays on upstream's block path" in next(iter(paths))[2], paths
 
 
+def test_the_limit_binds_in_the_limited_block():
+    layer, (x, indices, *_) = block_call(limited=True)
+    gate = layer.gate_proj(mx.expand_dims(x, (-2, -3)), indices)
+    assert (mx.abs(gate) > 0.05).any().item()
+
+
 def test_kernel_takes_the_block_whole_and_each_token_as_if_alone(monkeypatch):
     """With a decode "kernel" (the reference, counted) the block is one call, and each token's
     output is the one its single-token call gives."""
@@ -75,12 +87,14 @@ def test_kernel_takes_the_block_whole_and_each_token_as_if_alone(monkeypatch):
     assert {(phase, path) for phase, path, _ in vlm_paths()} == {("decode", "kernel")}
 
 
+@pytest.mark.parametrize("limited", [False, True])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-def test_cuda_kernel_takes_the_block_whole_and_each_token_as_if_alone(cuda_device, dtype, monkeypatch):
+def test_cuda_kernel_takes_the_block_whole_and_each_token_as_if_alone(cuda_device, dtype, limited, monkeypatch):
     """The real decode kernel on the block: one kernel call, each token's output bit for bit the
-    one its single-token call gives (every (token, expert) pair is computed alike)."""
+    one its single-token call gives (every (token, expert) pair is computed alike); with
+    DeepSeek-V4's clamp stage too."""
     monkeypatch.setenv("MLX_MOE_FIX_CUDA_DECODE", "1")
-    layer, args = block_call()
+    layer, args = block_call(limited)
     layer.set_dtype(dtype)
     args = tuple(a.astype(dtype) if a.dtype in (mx.float32, mx.bfloat16) else a for a in args)
     mlx_moe_fix.reset_path_counts()
