@@ -32,7 +32,8 @@ def _version(distribution: str):
 
 
 def status() -> dict:
-    """What is patched, deferred, missing or unsupported and why, the backend and the versions."""
+    """What is patched, deferred or missing and why, which implementation each op runs here,
+    the backend and the versions."""
     implementations = {
         "moe_prefill": moe_prefill_implementation(),
         "moe_decode": moe_decode_implementation(),

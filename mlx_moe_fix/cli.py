@@ -101,7 +101,7 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="mlx-moe-fix", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    status_parser = commands.add_parser("status", help="what is patched, deferred, missing or unsupported, and why")
+    status_parser = commands.add_parser("status", help="what is patched, deferred or missing, and why")
     status_parser.add_argument("--json", action="store_true")
     demo_parser = commands.add_parser(
         "demo", help="stock vs patched on a built-in small random MoE model: greedy-token parity and timing"

@@ -42,7 +42,7 @@ def _installed(module_name: str) -> bool:
 
 def _patch_module(module) -> None:
     for target in TARGETS:
-        if target.module != module.__name__ or target.wrapper is None or target.name in _originals:
+        if target.module != module.__name__ or target.name in _originals:
             continue
         cls = getattr(module, target.cls, None)
         original = None if cls is None else cls.__dict__.get(target.method)
@@ -108,11 +108,9 @@ def is_applied() -> bool:
 
 
 def target_state(target: Target) -> tuple:
-    """(state, reason): patched / deferred / missing / unsupported / not applied."""
+    """(state, reason): patched / deferred / missing / not applied."""
     if not _installed(target.module):
         return "missing", f"{target.module.split('.')[0]} is not installed"
-    if target.wrapper is None:
-        return "unsupported", target.note
     if target.name in _missing:
         return "missing", _missing[target.name]
     if target.name in _originals:

@@ -5,7 +5,8 @@ DeepSeek-V4's experts are mlx-vlm SwitchGLUs with a LimitedSwiGLU activation (se
 
 import sys
 
-from ..kernels import current_backend, moe_router
+from ..kernels import combine, current_backend, moe_router
+from ..kernels.blocks import inkling_block
 from . import switch_layers
 from .moe_blocks import routing
 from .switch_layers import GLU_PROJECTIONS, bind, choose, describe
@@ -33,16 +34,32 @@ def switch_glu(wrapped, instance, args, kwargs):
 
 
 def inkling_switch_glu(wrapped, instance, args, kwargs):
-    """InklingSwitchGLU.__call__(x, indices): SwitchGLU with per-expert gate_scale / out_scale."""
-    if instance.scales_trivial():
-        # Upstream then calls SwitchGLU.__call__, which is patched and traced itself.
-        return wrapped(*args, **kwargs)
+    """InklingSwitchGLU.__call__(x, indices): SwitchGLU with per-expert gate_scale / out_scale
+    (all ones: none, as upstream then runs plain SwitchGLU). The patched InklingSparseMoE also
+    passes weights= [..., k], which upstream's method does not take: the call then returns the
+    weighted sum over k."""
+    weights = kwargs.pop("weights", None)
     x, indices = bind(args, kwargs, ("x", "indices"))
-    experts, why_not = describe(instance, GLU_PROJECTIONS, instance.gate_scale, instance.out_scale)
+    scaled = not instance.scales_trivial()
+    experts, why_not = describe(instance, GLU_PROJECTIONS, instance.gate_scale if scaled else None,
+                                instance.out_scale if scaled else None)
     chosen = choose("InklingSwitchGLU", x, indices, experts, why_not)
     if chosen.function is None:
+        return combine(wrapped(*args, **kwargs), weights)
+    return chosen.function(x, indices, experts, weights)
+
+
+def inkling_sparse_moe(wrapped, instance, args, kwargs):
+    """InklingSparseMoE.__call__(x): upstream's steps (kernels.blocks.inkling_block) with the
+    routing weights handed to the experts call, so that the expert op does the weighted sum. On
+    Metal upstream's own routing and down-combine kernels stay."""
+    if current_backend() == "metal":
         return wrapped(*args, **kwargs)
-    return chosen.function(x, indices, experts)
+    (x,) = bind(args, kwargs, ("x",))
+    experts = instance.switch_mlp
+    return inkling_block(x, instance.gate_weight, instance._route,
+                         lambda rows, indices, weights: experts(rows, indices, weights=weights),
+                         instance.shared_experts)
 
 
 def inkling_route(wrapped, instance, args, kwargs):
@@ -62,13 +79,5 @@ TARGETS = (
     Target(SWITCH_LAYERS, "QuantizedSwitchLinear", "__call__", switch_layers.quantized_switch_linear),
     Target(INKLING, "InklingSwitchGLU", "__call__", inkling_switch_glu),
     Target(INKLING, "InklingSparseMoE", "_route", inkling_route),
-    Target(
-        INKLING,
-        "InklingSparseMoE",
-        "__call__",
-        None,
-        "the block itself runs upstream's code (its decode down-combine kernel is Metal-only; "
-        "elsewhere the weighted sum is MLX's); its routing (_route) and experts (InklingSwitchGLU) "
-        "are patched",
-    ),
+    Target(INKLING, "InklingSparseMoE", "__call__", inkling_sparse_moe),
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -11,8 +11,7 @@ class Target:
     module: str
     cls: str
     method: str
-    wrapper: Optional[Callable]  # None: known, deliberately left on stock code
-    note: str = ""  # for wrapper None: why
+    wrapper: Callable
 
     @property
     def name(self) -> str:

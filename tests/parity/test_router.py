@@ -86,8 +86,8 @@ def test_cuda_router_kernel_matches_ref(cuda_device, case):
     assert mx.array_equal(weights, expected_weights).item(), relative_error(weights, expected_weights)
 
 
-def inkling_block():
-    model = zoo.build("inkling", 4, dtype=mx.bfloat16)
+def first_inkling_moe(dtype=mx.bfloat16):
+    model = zoo.build("inkling", 4, dtype=dtype)
     return next(m for _, m in model.named_modules() if type(m).__name__ == "InklingSparseMoE")
 
 
@@ -101,7 +101,7 @@ def test_ref_inkling_route_matches_stock(device, tokens):
     """The patched InklingSparseMoE._route (moe_router's sigmoid_topk) against upstream's, on
     logits with ties and a correction bias with ties; off Metal upstream runs MLX ops, which the
     reference repeats, so with the references the three outputs are identical."""
-    block = inkling_block()
+    block = first_inkling_moe()
     block.e_score_correction_bias = coarse((block.n_routed,), 1, mx.bfloat16, scale=2) * 0.25
     block.global_scale = mx.array([1.5], mx.bfloat16)
     logits = coarse((tokens, block.n_routed + block.n_shared), tokens, mx.bfloat16)
@@ -114,6 +114,25 @@ def test_ref_inkling_route_matches_stock(device, tokens):
     for name, out, ref in zip(("weights", "shared weights"), patched[1:], stock[1:]):
         assert out.shape == ref.shape and out.dtype == ref.dtype, name
         assert_matches(out, ref, references, mx.bfloat16, f"{name}: ")
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_ref_patched_inkling_block_matches_stock_block(device, tokens):
+    """The patched InklingSparseMoE runs upstream's steps with the routing weights handed to its
+    experts, whose op then does the weighted sum: with the references the block's output is
+    stock's, bit for bit."""
+    dtype = mx.bfloat16 if device == "gpu" else mx.float32
+    block = first_inkling_moe(dtype)
+    x = (mx.random.normal((1, tokens, block.gate_weight.shape[-1]), key=mx.random.key(tokens)) * 0.5).astype(dtype)
+    stock = block(x)
+    experts_calls = []
+    with zoo.intercepting([block.switch_mlp], lambda layer, call, *args, **kwargs: experts_calls.append(kwargs) or call(*args, **kwargs)):
+        with mlx_moe_fix.patched():
+            patched = block(x)
+            references = references_only()
+    assert [set(kwargs) for kwargs in experts_calls] == [{"weights"}], experts_calls
+    assert patched.shape == stock.shape and patched.dtype == stock.dtype
+    assert_matches(patched, stock, references, dtype)
 
 
 def test_sigmoid_routing_takes_shared_experts_and_scale_only_there():

@@ -1,0 +1,24 @@
+"""MoE blocks whose upstream code does math around its experts call, composed here from the ops
+and the block's own parts, so that the routing weights reach the expert op: its CUDA decode
+kernel folds the weighted sum over the k into its down launch, where upstream multiplies and
+sums in two more launches. The steps and their order are upstream's, so that with the
+references the result is stock's, bit for bit."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+
+def inkling_block(x: mx.array, gate_weight: mx.array, route: Callable, routed: Callable, shared: Callable) -> mx.array:
+    """Inkling's sparse MoE block off Metal (InklingSparseMoE.__call__) on x [B, L, D]: router
+    logits in x's dtype, `route(logits)` -> (experts, weights, shared experts' weights),
+    `routed(rows, experts, weights)` -> the weighted sum over the k, `shared(rows, shared
+    weights)`, their sum in x's shape and dtype."""
+    batch, length, dims = x.shape
+    rows = x.reshape(-1, dims)
+    if gate_weight.dtype != x.dtype:
+        gate_weight = gate_weight.astype(x.dtype)
+    indices, weights, shared_weights = route(rows @ gate_weight.T)
+    return (routed(rows, indices, weights) + shared(rows, shared_weights)).reshape(batch, length, dims).astype(x.dtype)
