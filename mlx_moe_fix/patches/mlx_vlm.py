@@ -5,7 +5,7 @@ DeepSeek-V4's experts are mlx-vlm SwitchGLUs with a LimitedSwiGLU activation (se
 
 import sys
 
-from ..kernels import combine, current_backend, moe_router
+from ..kernels import current_backend, moe_router
 from ..kernels.blocks import inkling_block
 from . import switch_layers
 from .moe_blocks import routing
@@ -33,20 +33,14 @@ def switch_glu(wrapped, instance, args, kwargs):
     return instance._combine(routed, None, shared, residual)
 
 
-def inkling_switch_glu(wrapped, instance, args, kwargs):
-    """InklingSwitchGLU.__call__(x, indices): SwitchGLU with per-expert gate_scale / out_scale
-    (all ones: none, as upstream then runs plain SwitchGLU). The patched InklingSparseMoE also
-    passes weights= [..., k], which upstream's method does not take: the call then returns the
-    weighted sum over k."""
-    weights = kwargs.pop("weights", None)
-    x, indices = bind(args, kwargs, ("x", "indices"))
-    scaled = not instance.scales_trivial()
-    experts, why_not = describe(instance, GLU_PROJECTIONS, instance.gate_scale if scaled else None,
-                                instance.out_scale if scaled else None)
-    chosen = choose("InklingSwitchGLU", x, indices, experts, why_not)
-    if chosen.function is None:
-        return combine(wrapped(*args, **kwargs), weights)
-    return chosen.function(x, indices, experts, weights)
+def inkling_expert_scales(layer) -> tuple:
+    """InklingSwitchGLU's (gate_scale, out_scale); none where all ones, as upstream then runs
+    plain SwitchGLU."""
+    return (None, None) if layer.scales_trivial() else (layer.gate_scale, layer.out_scale)
+
+
+# InklingSwitchGLU.__call__(x, indices): SwitchGLU with per-expert gate_scale / out_scale.
+inkling_switch_glu = switch_layers.expert_block_wrapper("InklingSwitchGLU", GLU_PROJECTIONS, inkling_expert_scales)
 
 
 def inkling_sparse_moe(wrapped, instance, args, kwargs):

@@ -102,15 +102,20 @@ def stock(layer_kind: str, x, indices, reason: str, original: Callable, args: tu
     return original(*args, **kwargs)
 
 
-def expert_block_wrapper(layer_kind: str, projection_names: tuple):
-    """The wrapper of a `__call__(x, indices) -> [..., k, D]` expert block. The patched MoE blocks
-    (moe_blocks.py) also pass `weights=` [..., k], which upstream's method does not take: the call
-    then returns the weighted sum over k, [..., D]."""
+def no_expert_scales(layer) -> tuple:
+    return None, None
+
+
+def expert_block_wrapper(layer_kind: str, projection_names: tuple, expert_scales: Callable = no_expert_scales):
+    """The wrapper of a `__call__(x, indices) -> [..., k, D]` expert block, whose per-expert
+    (gate_scale, out_scale) are `expert_scales(layer)`. The patched MoE blocks (moe_blocks.py,
+    Inkling's in mlx_vlm.py) also pass `weights=` [..., k], which upstream's method does not take:
+    the call then returns the weighted sum over k, [..., D]."""
 
     def wrapper(wrapped, instance, args, kwargs):
         x, indices = bind(args, kwargs, ("x", "indices"))
         weights = kwargs.pop("weights", None)
-        experts, why_not = describe(instance, projection_names)
+        experts, why_not = describe(instance, projection_names, *expert_scales(instance))
         chosen = choose(layer_kind, x, indices, experts, why_not)
         if chosen.function is None:
             return combine(wrapped(*args, **kwargs), weights)
