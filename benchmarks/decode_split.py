@@ -5,12 +5,14 @@
 
 One token (batch 1), bf16, 4-bit affine experts with group size 64, one SwitchGLU per layer with
 its own weights, all layers in one graph. Per layer: the median host time to build the graph and
-the median time of `mx.eval` + synchronize, for stock, the patched layer and (on CUDA) the decode
+the median time of `mx.eval` + synchronize, for stock, the patched layer (on CUDA a compiled
+step, and also built in Python at every step, patches/compiled.py) and (on CUDA) the decode
 kernel called directly; with the bytes of expert weights one layer must read, for comparison with
 HBM bandwidth. Each layer's output is also checked against stock (relative error).
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -18,11 +20,29 @@ import time
 import mlx.core as mx
 
 import mlx_moe_fix
+from mlx_moe_fix import env
+from mlx_moe_fix.patches import compiled
 
 from .switch_glu import add_shape_arguments, experts_of, quantized_switch_glu
 from .timing import relative_error
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (baseline-h200.md)
+
+
+@contextlib.contextmanager
+def switched(name: str, value: str):
+    """The environment switch `name` at `value` for the block (re-read by mlx_moe_fix.env)."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    env.refresh()
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
+        env.refresh()
 
 
 def split(fn, reps):
@@ -105,6 +125,9 @@ def main(argv=None):
         errors = [relative_error(p, s) for p, s in zip(run_layers(), stock_out)]
         if args.profile:
             profile_build(run_layers, args.reps, args.profile)
+        with switched(compiled.SWITCH, "0"):
+            rows.append(("patched SwitchGLU, each step built in Python (not compiled)", split(run_layers, args.reps)))
+            errors += [relative_error(p, s) for p, s in zip(run_layers(), stock_out)]
     if mx.cuda.is_available():
         import importlib
 

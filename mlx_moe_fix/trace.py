@@ -44,6 +44,13 @@ def record(layer: str, phase: str, path: str, reason: str, shape_class: Callable
     logger.info("%s %s %s -> %s (%s)", layer, phase, shape, path, reason)
 
 
+def replay(records: Counter) -> None:
+    """Count `records` ({PathRecord: calls}) again: the calls a compiled step made when traced."""
+    for key, calls in records.items():
+        if calls > 0:
+            _counts[key] += calls
+
+
 def path_counts() -> dict:
     """{PathRecord(layer, phase, path, reason): calls} since the last reset."""
     return dict(_counts)

@@ -37,8 +37,10 @@ def cuda_kernel_object(filename: str, section: str, input_names: tuple, output_n
 
 @functools.lru_cache(maxsize=None)
 def absent() -> mx.array:
-    """Stands in for an optional input the kernel does not read."""
-    return mx.zeros((1,), mx.float32)
+    """Stands in for an optional input the kernel does not read. An array with its data, not a
+    lazy mx.zeros: a compiled decode step (patches/compiled.py) may create it while tracing, and
+    the steps outside that trace use it too."""
+    return mx.array([0.0], dtype=mx.float32)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -8,6 +8,7 @@ import sys
 from ..kernels import current_backend, moe_router
 from ..kernels.blocks import inkling_block
 from . import switch_layers
+from .compiled import compiled_at_decode
 from .moe_blocks import routing
 from .switch_layers import GLU_PROJECTIONS, bind, choose, describe
 from .targets import Target
@@ -16,6 +17,7 @@ SWITCH_LAYERS = "mlx_vlm.models.switch_layers"
 INKLING = "mlx_vlm.models.inkling.language"
 
 
+@compiled_at_decode
 def switch_glu(wrapped, instance, args, kwargs):
     """SwitchGLU.__call__(x, indices, weights=None, shared=None, residual=None)"""
     x, indices, weights, shared, residual = bind(
@@ -49,6 +51,11 @@ def inkling_sparse_moe(wrapped, instance, args, kwargs):
     Metal upstream's own routing and down-combine kernels stay."""
     if current_backend() == "metal":
         return wrapped(*args, **kwargs)
+    return compiled_inkling_block(wrapped, instance, args, kwargs)
+
+
+@compiled_at_decode
+def compiled_inkling_block(wrapped, instance, args, kwargs):
     (x,) = bind(args, kwargs, ("x",))
     experts = instance.switch_mlp
     return inkling_block(x, instance.gate_weight, instance._route,

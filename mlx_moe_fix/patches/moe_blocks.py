@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 from ..kernels import Routing, moe_router
+from .compiled import compiled_at_decode
 from .switch_layers import bind
 
 
@@ -21,12 +22,18 @@ def routed_block(routing_of, router: str = "gate", experts: str = "switch_mlp"):
     """The wrapper of a block `__call__(x)` whose `router` linear gives the logits, routed with
     `routing_of(block)`, and whose `experts` outputs are combined with the routing weights."""
 
-    def wrapper(wrapped, instance, args, kwargs):
-        if getattr(instance, "sharding_group", None) is not None:
-            return wrapped(*args, **kwargs)
+    def routed(wrapped, instance, args, kwargs):
         (x,) = bind(args, kwargs, ("x",))
         indices, weights = moe_router(instance[router](x), routing_of(instance))
         return instance[experts](x, indices, weights=weights)
+
+    compiled_routed = compiled_at_decode(routed)
+
+    def wrapper(wrapped, instance, args, kwargs):
+        # Upstream's sharded block sums over its group after the experts: not compiled here.
+        if getattr(instance, "sharding_group", None) is not None:
+            return wrapped(*args, **kwargs)
+        return compiled_routed(wrapped, instance, args, kwargs)
 
     return wrapper
 

@@ -12,6 +12,7 @@ from .. import trace
 from ..kernels import PREFILL_MIN_PAIRS, ExpertLinear, MoEExperts, Plan, combine, plan
 from . import options
 from .activations import recognise
+from .compiled import compiled_at_decode
 
 GLU_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 MLP_PROJECTIONS = ("fc1", "fc2")
@@ -121,7 +122,7 @@ def expert_block_wrapper(layer_kind: str, projection_names: tuple, expert_scales
             return combine(wrapped(*args, **kwargs), weights)
         return chosen.function(x, indices, experts, weights)
 
-    return wrapper
+    return compiled_at_decode(wrapper)
 
 
 switch_glu = expert_block_wrapper("SwitchGLU", GLU_PROJECTIONS)

@@ -1,0 +1,95 @@
+"""Compiled decode steps (patches/compiled.py): the same tokens, logits and path counts as the
+steps built in Python, new weights followed, and no layer kept alive. On the CPU the compiled
+path is allowed for the test (it runs the references there); on a GPU it is the real one."""
+
+import gc
+import os
+import weakref
+
+import mlx.core as mx
+import pytest
+
+import mlx_moe_fix
+from mlx_moe_fix import env, zoo
+from mlx_moe_fix.patches import compiled
+
+FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v4", "inkling")
+
+
+@pytest.fixture
+def compiled_steps(device, monkeypatch):
+    """The decode kernel switched on (on the GPU the compiled path needs it) and, on the CPU,
+    the compiled path allowed there; yields a function that sets MLX_MOE_FIX_COMPILED_DECODE."""
+    monkeypatch.setenv("MLX_MOE_FIX_CUDA_DECODE", "1")
+    if device == "cpu":
+        monkeypatch.setattr(compiled, "BACKENDS", ("cpu",))
+
+    def use(on: bool):
+        os.environ[compiled.SWITCH] = "1" if on else "0"
+        env.refresh()
+
+    yield use
+    os.environ.pop(compiled.SWITCH, None)
+    monkeypatch.undo()
+    env.refresh()
+
+
+STEPS = compiled._ATTRIBUTE
+
+
+def steps_of(model) -> int:
+    return sum(len(m.__dict__.get(STEPS, {})) for _, m in model.named_modules())
+
+
+def decode(model, family: str, n: int = 6):
+    mlx_moe_fix.reset_path_counts()
+    tokens, logits = zoo.greedy_decode(model, zoo.prompt_for(family), n)
+    return tokens, logits, mlx_moe_fix.path_counts()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_decode_steps_match_python_built_steps(compiled_steps, family):
+    model = zoo.build(family, 4, dtype=mx.bfloat16)
+    with mlx_moe_fix.patched():
+        compiled_steps(False)
+        built = decode(model, family)
+        assert steps_of(model) == 0
+        compiled_steps(True)
+        replayed = decode(model, family)
+        assert steps_of(model) > 0, "no compiled step was made"
+    assert replayed[0] == built[0]
+    assert mx.array_equal(replayed[1], built[1]).item()
+    assert replayed[2] == built[2], "path counts differ: a replayed step must count as the step it replays"
+
+
+def test_compiled_step_follows_new_weights(compiled_steps):
+    """The weights are the compiled graph's inputs: replacing them (same shapes) changes the
+    output as it changes the Python-built one."""
+    family = "qwen3_moe"
+    model = zoo.build(family, 4, dtype=mx.bfloat16)
+    other = zoo.build(family, 4, seed=1, dtype=mx.bfloat16)
+    compiled_steps(True)
+    with mlx_moe_fix.patched():
+        decode(model, family)
+        assert steps_of(model) > 0
+        steps_before = steps_of(model)
+        model.update(other.parameters())
+        replayed = decode(model, family)
+        assert steps_of(model) == steps_before, "new weights of the same shapes must not need new traces"
+        compiled_steps(False)
+        built = decode(model, family)
+    assert replayed[0] == built[0]
+    assert mx.array_equal(replayed[1], built[1]).item()
+
+
+def test_layers_with_compiled_steps_are_freed(compiled_steps):
+    family = "qwen3_moe"
+    model = zoo.build(family, 4, dtype=mx.bfloat16)
+    compiled_steps(True)
+    with mlx_moe_fix.patched():
+        decode(model, family, 2)
+    layers = [weakref.ref(m) for _, m in model.named_modules() if STEPS in m.__dict__]
+    assert layers
+    del model
+    gc.collect()
+    assert all(layer() is None for layer in layers), "a compiled step keeps its layer alive"
