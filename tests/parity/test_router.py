@@ -125,6 +125,13 @@ def test_ref_patched_inkling_block_matches_stock_block(device, tokens):
     block = first_inkling_moe(dtype)
     x = (mx.random.normal((1, tokens, block.gate_weight.shape[-1]), key=mx.random.key(tokens)) * 0.5).astype(dtype)
     stock = block(x)
+    again = block(x)
+    reproducible = mx.array_equal(stock, again).item()
+    if not reproducible:
+        # Stock Inkling does not reproduce itself on MLX's CUDA backend (the greedy tests see it
+        # for whole models): the oracle is then stock on the CPU, within the dtype's tolerance.
+        with mx.stream(mx.cpu):
+            stock = block(x)
     experts_calls = []
     with zoo.intercepting([block.switch_mlp], lambda layer, call, *args, **kwargs: experts_calls.append(kwargs) or call(*args, **kwargs)):
         with mlx_moe_fix.patched():
@@ -132,7 +139,9 @@ def test_ref_patched_inkling_block_matches_stock_block(device, tokens):
             references = references_only()
     assert [set(kwargs) for kwargs in experts_calls] == [{"weights"}], experts_calls
     assert patched.shape == stock.shape and patched.dtype == stock.dtype
-    assert_matches(patched, stock, references, dtype)
+    assert_matches(patched, stock, references and reproducible, dtype,
+                   "" if reproducible else f"stock on the GPU not reproducible ({relative_error(again, stock):.2e} from "
+                   "stock on the CPU); against stock on the CPU: ")
 
 
 def test_sigmoid_routing_takes_shared_experts_and_scale_only_there():
