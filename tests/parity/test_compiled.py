@@ -42,8 +42,11 @@ def steps_of(model) -> int:
 
 
 def decode(model, family: str, n: int = 6):
+    """Greedy steps from a one-token prompt: every call is one token, the compiled path's size.
+    (Several zoo families do not reproduce themselves on MLX's CUDA backend after a longer
+    prefill: test_greedy_tokens.py.)"""
     mlx_moe_fix.reset_path_counts()
-    tokens, logits = zoo.greedy_decode(model, zoo.prompt_for(family), n)
+    tokens, logits = zoo.greedy_decode(model, zoo.prompt_for(family)[:1], n)
     return tokens, logits, mlx_moe_fix.path_counts()
 
 
