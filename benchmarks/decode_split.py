@@ -77,14 +77,16 @@ def profile_build(fn, reps, top):
     pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
-def empty_launches(decode, x, indices, described):
-    """The decode kernel's launches of every layer (same inputs, templates, grids, header) with
-    empty kernel bodies: what a launch costs the host and the GPU before any work."""
+def empty_launches(decode, x, indices, described, with_header=True):
+    """The decode kernel's launches of every layer (same inputs, templates, grids, and header
+    unless not `with_header`) with empty kernel bodies: what a launch costs the host and the GPU
+    before any work (MLX copies and hashes a kernel's whole source at every call and evaluation,
+    so the header's size may count)."""
     from mlx_moe_fix.kernels.launch import absent
     from mlx_moe_fix.kernels.sources import sections
 
-    header = sections("cuda", "moe_decode.cu")["header"]
-    empty = {stage: mx.fast.cuda_kernel(name=f"mlx_moe_fix_empty_{stage}", input_names=decode.INPUTS[stage],
+    header = sections("cuda", "moe_decode.cu")["header"] if with_header else ""
+    empty = {stage: mx.fast.cuda_kernel(name=f"mlx_moe_fix_empty_{stage}_{len(header)}", input_names=decode.INPUTS[stage],
                                         output_names=decode.OUTPUTS[stage], source="", header=header)
              for stage in decode.INPUTS}
     flat = indices.reshape(-1)
@@ -139,6 +141,8 @@ def main(argv=None):
                      split(lambda: [decode.moe_decode_kernel(x, indices, e, weights) for e in described], args.reps)))
         rows.append(("its two launches with empty bodies (fixed cost)",
                      split(empty_launches(decode, x, indices, described), args.reps)))
+        rows.append(("the same without the header (empty sources)",
+                     split(empty_launches(decode, x, indices, described, with_header=False), args.reps)))
 
     layer_bytes = args.top_k * 3 * (args.ffn * args.hidden // 2 + 2 * 2 * args.ffn * args.hidden // 64)
     print(f"hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, top-{args.top_k}, {args.layers} layers, "

@@ -11,12 +11,22 @@ import os
 SWITCHES = {"MLX_MOE_FIX_DISABLE": False, "MLX_MOE_FIX_TRACE": False, "MLX_MOE_FIX_CUDA_DECODE": False,
             "MLX_MOE_FIX_CUDA_PREFILL": True, "MLX_MOE_FIX_CUDA_ROUTER": False, "MLX_MOE_FIX_COMPILED_DECODE": True}
 _values: dict = {}
+_snapshot: list = [()]
 
 
 def refresh() -> None:
     """Read the switches from the environment now."""
     _values.update({name: default if os.environ.get(name, "") == "" else os.environ[name] != "0"
                     for name, default in SWITCHES.items()})
+    _snapshot[0] = tuple(_values[name] for name in SWITCHES)
+
+
+def snapshot() -> tuple:
+    """Every switch's value as of the last refresh, in SWITCHES order (one tuple per refresh, for
+    per-call cache keys)."""
+    if not _values:
+        refresh()
+    return _snapshot[0]
 
 
 def flag(name: str) -> bool:

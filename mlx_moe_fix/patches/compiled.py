@@ -24,7 +24,7 @@ from collections import Counter
 import mlx.core as mx
 
 from .. import trace
-from ..env import SWITCHES, flag
+from ..env import flag, snapshot
 from ..kernels import current_backend
 from ..kernels.moe_decode import CUDA_KERNEL_SWITCH as DECODE_SWITCH
 from . import options
@@ -60,8 +60,7 @@ def _step_key(instance, args: tuple, kwargs: dict):
         return None
     children = tuple(map(id, instance.values()))
     scalars = tuple(v for v in vars(instance).values() if isinstance(v, (bool, int, float, str)))
-    switches = tuple(flag(name) for name in SWITCHES)
-    return arguments, children, scalars, switches, options.enabled()
+    return arguments, children, scalars, snapshot(), options.enabled()
 
 
 def eligible() -> bool:
