@@ -5,7 +5,7 @@ same model unsharded: run under `mlx.launch`, one process per rank.
     mlx.launch -n 2 --backend nccl python3 -m benchmarks.sharded_tokens --backend nccl   # 2 GPUs
 
 The family's expert widths must split into whole quantization groups per rank: of the zoo, gpt_oss
-and qwen3_moe (128 wide, 2 groups of 64) do for two ranks; mlx-lm's mixtral has no shard().
+and qwen3_moe (256 wide, 4 groups of 64) do for two ranks; mlx-lm's mixtral has no shard().
 
 Every rank builds the same seeded model, `model.shard(group)` splits its expert projections
 across the ranks (upstream's sharding: each rank holds a slice of every expert's width and the

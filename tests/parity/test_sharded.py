@@ -36,7 +36,7 @@ def test_sharded_model_keeps_tokens_through_the_ops(family):
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
 def test_two_ranks_on_the_cpu_keep_the_unsharded_tokens(family):
     """Two processes over MLX's ring backend (localhost): the model really split across ranks,
-    its MoE blocks all-summing between them. The zoo families whose expert widths (128 = two
+    its MoE blocks all-summing between them. The zoo families whose expert widths (256 = four
     groups of 64) split in two; mlx-lm's mixtral has no shard()."""
     launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
     if not os.path.exists(launcher):
