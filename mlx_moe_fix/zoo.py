@@ -33,6 +33,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .patches import compiled
+
 FAMILIES: tuple[str, ...] = (
     "mixtral",
     "qwen3_moe",
@@ -498,7 +500,8 @@ def recording_routes(model):
 def intercepting(modules, around):
     """Within the block, a call of any of ``modules`` runs ``around(module, call, *args,
     **kwargs)``, where ``call(*args, **kwargs)`` is the module's own call. A module listed twice
-    (reachable by two paths) is intercepted once; every class is put back on exit."""
+    (reachable by two paths) is intercepted once; every class is put back on exit. The patched
+    blocks' compiled decode steps are suspended meanwhile: a replayed step calls no module."""
     swapped = []
     seen = set()
     for module in modules:
@@ -514,7 +517,8 @@ def intercepting(modules, around):
         swapped.append((module, base))
         module.__class__ = Intercepting
     try:
-        yield
+        with compiled.suspended():
+            yield
     finally:
         for module, base in reversed(swapped):
             module.__class__ = base

@@ -15,6 +15,7 @@ its scalar attributes; the weights themselves are the compiled graph's inputs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import types
@@ -63,8 +64,23 @@ def _step_key(instance, args: tuple, kwargs: dict):
     return arguments, children, scalars, snapshot(), options.enabled()
 
 
+_suspensions = [0]
+
+
+@contextlib.contextmanager
+def suspended():
+    """Within the block every call is built in Python: for tools that intercept the calls of
+    layers inside a patched block (zoo.intercepting), which a replayed step never makes."""
+    _suspensions[0] += 1
+    try:
+        yield
+    finally:
+        _suspensions[0] -= 1
+
+
 def eligible() -> bool:
-    return flag(SWITCH) and current_backend() in BACKENDS and flag(DECODE_SWITCH) and options.enabled()[1]
+    return (flag(SWITCH) and not _suspensions[0] and current_backend() in BACKENDS and flag(DECODE_SWITCH)
+            and options.enabled()[1])
 
 
 def compiled_at_decode(wrapper):

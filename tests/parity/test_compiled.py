@@ -96,3 +96,25 @@ def test_layers_with_compiled_steps_are_freed(compiled_steps):
     del model
     gc.collect()
     assert all(layer() is None for layer in layers), "a compiled step keeps its layer alive"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_compiled_batched_decode_matches_python_built(compiled_steps, family):
+    """mlx-lm's BatchGenerator: its decode steps (4 rows, left-padded prompts) compiled against
+    built in Python; the same tokens (the kernels run alike in both)."""
+    from mlx_lm.generate import generation_stream
+
+    from .test_callers import batch_generated_tokens
+
+    if generation_stream.device != mx.default_device():
+        pytest.skip(f"BatchGenerator runs on mlx-lm's generation stream, made on {generation_stream.device}")
+    model = zoo.build(family, 4, dtype=mx.bfloat16)
+    base = zoo.prompt_for(family)
+    prompts = [base, base[:25], base[5:38], base[:12]]
+    tokens = {}
+    with mlx_moe_fix.patched():
+        for on in (False, True):
+            compiled_steps(on)
+            tokens[on] = batch_generated_tokens(model, prompts, 8)
+        assert steps_of(model) > 0
+    assert tokens[True] == tokens[False]
