@@ -9,7 +9,8 @@
 #   - benchmarks.sharded_tokens for qwen3_moe and gpt_oss: unsharded vs sharded greedy tokens,
 #     stock and patched, teacher-forced agreement, stock's run-to-run reproducibility and the
 #     replay of every MoE layer call stock vs patched;
-#   - benchmarks.sharded_layers on one GPU, then on two: Mixtral-size layers, prefill tokens/s.
+#   - benchmarks.sharded_layers on one GPU, then on two: Mixtral-size layers, tokens/s at each of
+#     LAYER_TOKENS (default 2048, a prefill, and 1, a decode step).
 # Logs under ${OUT:-/tmp/two-gpu-check}; rank 0's JSON lines are printed.
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0
@@ -34,7 +35,10 @@ two_ranks() {
 for family in ${FAMILIES:-qwen3_moe gpt_oss}; do
     two_ranks "tokens-$family" python3 -m benchmarks.sharded_tokens --backend nccl --family "$family"
 done
-CUDA_VISIBLE_DEVICES=0 timeout "${RUN_TIMEOUT:-240}" python3 -m benchmarks.sharded_layers >"$out/layers-1gpu.log" 2>&1
-echo "== layers-1gpu"
-grep '^{' "$out/layers-1gpu.log" || tail -n 20 "$out/layers-1gpu.log"
-two_ranks layers-2gpu python3 -m benchmarks.sharded_layers --backend nccl
+for tokens in ${LAYER_TOKENS:-2048 1}; do
+    CUDA_VISIBLE_DEVICES=0 timeout "${RUN_TIMEOUT:-240}" python3 -m benchmarks.sharded_layers --tokens "$tokens" \
+        >"$out/layers-1gpu-$tokens.log" 2>&1
+    echo "== layers-1gpu-$tokens"
+    grep '^{' "$out/layers-1gpu-$tokens.log" || tail -n 20 "$out/layers-1gpu-$tokens.log"
+    two_ranks "layers-2gpu-$tokens" python3 -m benchmarks.sharded_layers --backend nccl --tokens "$tokens"
+done
