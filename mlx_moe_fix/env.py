@@ -8,8 +8,8 @@ Read on first use and again at every `apply()`, not per call: reading `os.enviro
 import os
 
 # name: its value where unset (or set empty)
-SWITCHES = {"MLX_MOE_FIX_DISABLE": False, "MLX_MOE_FIX_TRACE": False, "MLX_MOE_FIX_CUDA_DECODE": False,
-            "MLX_MOE_FIX_CUDA_PREFILL": True, "MLX_MOE_FIX_CUDA_ROUTER": False, "MLX_MOE_FIX_COMPILED_DECODE": True}
+SWITCHES = {"MLX_MOE_FIX_DISABLE": False, "MLX_MOE_FIX_TRACE": False, "MLX_MOE_FIX_CUDA_DECODE": True,
+            "MLX_MOE_FIX_CUDA_PREFILL": True, "MLX_MOE_FIX_CUDA_ROUTER": True, "MLX_MOE_FIX_COMPILED_DECODE": True}
 _values: dict = {}
 _snapshot: list = [()]
 

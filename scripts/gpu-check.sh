@@ -24,12 +24,6 @@
 # ${OUT:-/tmp/gpu-check}. Exits non-zero if a part failed or ran out of time.
 set -u -o pipefail
 
-# The harness measures every CUDA kernel (decode and router are opt-in for users until they beat
-# stock / have run on a GPU).
-export MLX_MOE_FIX_CUDA_DECODE=${MLX_MOE_FIX_CUDA_DECODE:-1}
-export MLX_MOE_FIX_CUDA_PREFILL=${MLX_MOE_FIX_CUDA_PREFILL:-1}
-export MLX_MOE_FIX_CUDA_ROUTER=${MLX_MOE_FIX_CUDA_ROUTER:-1}
-
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
 

@@ -252,17 +252,18 @@ def test_env_switches_are_read_at_apply(monkeypatch):
     assert not flag("MLX_MOE_FIX_TRACE")
 
 
-def test_the_prefill_kernel_switch_is_on_unless_set_to_0_and_the_decode_one_off_unless_set(monkeypatch):
+def test_the_kernel_switches_are_on_unless_set_to_0(monkeypatch):
     from mlx_moe_fix.env import flag, refresh
 
-    for value, prefill, decode in ((None, True, False), ("", True, False), ("0", False, False), ("1", True, True)):
-        for name in ("MLX_MOE_FIX_CUDA_PREFILL", "MLX_MOE_FIX_CUDA_DECODE"):
+    names = ("MLX_MOE_FIX_CUDA_PREFILL", "MLX_MOE_FIX_CUDA_DECODE", "MLX_MOE_FIX_CUDA_ROUTER", "MLX_MOE_FIX_COMPILED_DECODE")
+    for value, on in ((None, True), ("", True), ("0", False), ("1", True)):
+        for name in names:
             if value is None:
                 monkeypatch.delenv(name, raising=False)
             else:
                 monkeypatch.setenv(name, value)
         refresh()
-        assert (flag("MLX_MOE_FIX_CUDA_PREFILL"), flag("MLX_MOE_FIX_CUDA_DECODE")) == (prefill, decode), value
+        assert [flag(name) for name in names] == [on] * len(names), value
     monkeypatch.undo()
     refresh()
 

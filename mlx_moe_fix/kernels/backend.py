@@ -6,7 +6,7 @@ from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
 
-from ..env import SWITCHES, flag
+from ..env import flag
 
 
 def current_backend() -> str:
@@ -31,20 +31,18 @@ def choose(
     reference: Callable,
     cuda_kernel: Callable,
     switch: str,
-    opt_in_why: Optional[str],
     unsupported_reason: Optional[Callable[[], Optional[str]]],
 ) -> Implementation:
     """The CUDA kernel where the backend is CUDA, its `switch` is on and `unsupported_reason()`
     (None: no experts to check) finds nothing; the reference otherwise, with the reason.
-    opt_in_why: why a kernel whose switch is off by default (env.SWITCHES) is off."""
+    """
     backend = current_backend()
     if backend == "cpu":
         return Implementation(reference, "reference", "CPU: the pure-MLX reference is the implementation")
     if backend != "cuda":
         return Implementation(reference, "reference", f"no {backend} kernel for {op_name} yet")
     if not flag(switch):
-        why = f"switched off ({switch}=0)" if SWITCHES[switch] else f"opt-in ({switch}=1): {opt_in_why}"
-        return Implementation(reference, "reference", f"the CUDA {op_name} kernel is {why}")
+        return Implementation(reference, "reference", f"the CUDA {op_name} kernel is switched off ({switch}=0)")
     reason = None if unsupported_reason is None else unsupported_reason()
     if reason is not None:
         return Implementation(reference, "reference", reason)

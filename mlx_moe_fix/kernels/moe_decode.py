@@ -162,13 +162,14 @@ def moe_decode(
     return moe_decode_implementation(experts, x.dtype).function(x, indices, experts, weights)
 
 
-# Opt-in until it beats stock end to end (docs/benchmarks.md, 2026-11-30: qwen3_moe decode 0.85x).
+# On by default since its compiled decode steps beat stock end to end on every model measured
+# (docs/benchmarks.md, seventh session: 1.05-1.35x at batch 1).
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_DECODE"
 
 
 def moe_decode_implementation(experts: Optional[MoEExperts] = None, dtype=None) -> Implementation:
     """dtype: the activations' (every dtype the ops support has a decode kernel)."""
     return choose(
-        "moe_decode", moe_decode_reference, moe_decode_kernel, CUDA_KERNEL_SWITCH, "until it beats stock end to end",
+        "moe_decode", moe_decode_reference, moe_decode_kernel, CUDA_KERNEL_SWITCH,
         None if experts is None else lambda: experts.memo("cuda decode", lambda: cuda_unsupported_reason(experts)),
     )

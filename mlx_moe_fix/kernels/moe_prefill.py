@@ -200,7 +200,7 @@ def moe_prefill(
 def moe_prefill_implementation(experts: Optional[MoEExperts] = None, dtype=None) -> Implementation:
     """dtype: the activations' (the kernel takes bfloat16 and float16)."""
     return choose(
-        "moe_prefill", moe_prefill_reference, moe_prefill_kernel, CUDA_KERNEL_SWITCH, None,
+        "moe_prefill", moe_prefill_reference, moe_prefill_kernel, CUDA_KERNEL_SWITCH,
         None if experts is None
         else lambda: experts.memo(("cuda prefill", dtype), lambda: cuda_unsupported_reason(experts, dtype)),
     )

@@ -4,7 +4,7 @@ experts' weights, and takes its correction bias and global scale.
 
 Reference: upstream's own expressions per kind (`Routing`), so that it reproduces stock bit for
 bit. CUDA kernel (`cuda/moe_router.cu`): all of a kind's steps in one launch, one warp per token
-(stock: four to six launches); opt-in (MLX_MOE_FIX_CUDA_ROUTER=1). It reproduces stock's routing
+(stock: four to six launches); MLX_MOE_FIX_CUDA_ROUTER=0 turns it off. It reproduces stock's routing
 on MLX's CUDA backend bit for bit, ties and the order of the k included (there argpartition is a
 stable sort, and the kernel follows MLX's softmax and sum kernels step by step).
 """
@@ -161,6 +161,6 @@ def moe_router(
 
 def moe_router_implementation(logits: Optional[mx.array] = None, routing: Optional[Routing] = None) -> Implementation:
     return choose(
-        "moe_router", moe_router_reference, moe_router_kernel, CUDA_KERNEL_SWITCH, "until it beats stock end to end",
+        "moe_router", moe_router_reference, moe_router_kernel, CUDA_KERNEL_SWITCH,
         None if logits is None else lambda: cuda_unsupported_reason(logits, routing),
     )
