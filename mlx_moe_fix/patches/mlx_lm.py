@@ -12,4 +12,5 @@ TARGETS = (
     Target("mlx_lm.models.qwen3_moe", "Qwen3MoeSparseMoeBlock", "__call__", moe_blocks.qwen3_moe),
     Target("mlx_lm.models.mixtral", "MixtralSparseMoeBlock", "__call__", moe_blocks.mixtral),
     Target("mlx_lm.models.gpt_oss", "MLPBlock", "__call__", moe_blocks.gpt_oss),
+    Target("mlx_lm.models.deepseek_v3", "DeepseekV3MoE", "__call__", moe_blocks.upstream_block),
 )

@@ -9,6 +9,7 @@ from ..kernels import current_backend, moe_router
 from ..kernels.blocks import inkling_block
 from . import switch_layers
 from .compiled import compiled_at_decode
+from . import moe_blocks
 from .moe_blocks import routing
 from .switch_layers import GLU_PROJECTIONS, bind, choose, describe
 from .targets import Target
@@ -78,6 +79,7 @@ TARGETS = (
     Target(SWITCH_LAYERS, "SwitchGLU", "__call__", switch_glu),
     Target(SWITCH_LAYERS, "SwitchMLP", "__call__", switch_layers.switch_mlp),
     Target(SWITCH_LAYERS, "QuantizedSwitchLinear", "__call__", switch_layers.quantized_switch_linear),
+    Target(SWITCH_LAYERS, "MoE", "__call__", moe_blocks.upstream_block),
     Target(INKLING, "InklingSwitchGLU", "__call__", inkling_switch_glu),
     Target(INKLING, "InklingSparseMoE", "_route", inkling_route),
     Target(INKLING, "InklingSparseMoE", "__call__", inkling_sparse_moe),

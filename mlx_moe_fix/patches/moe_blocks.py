@@ -1,8 +1,10 @@
-"""Wrappers of mlx-lm MoE blocks whose routing `moe_router` knows: the block's own router
-computes the logits, `moe_router` the experts and weights, and the experts call takes the
-weights (`weights=`, which only these wrappers pass), so that the weighted combine happens inside
-the expert op (the fused decode does it in its down launch). A block with a sharding group runs
-upstream's code (its experts still go through the patched switch layer). No math here."""
+"""Wrappers of whole MoE blocks. Those whose routing `moe_router` knows (mlx-lm's qwen3_moe,
+mixtral, gpt_oss): the block's own router computes the logits, `moe_router` the experts and
+weights, and the experts call takes the weights (`weights=`, which only these wrappers pass), so
+that the weighted combine happens inside the expert op (the fused decode does it in its down
+launch). The others (DeepSeek's): upstream's code as is. Both compile their decode steps
+(patches/compiled.py). A block with a sharding group runs upstream's code uncompiled (its
+experts still go through the patched switch layer). No math here."""
 
 from __future__ import annotations
 
@@ -18,6 +20,29 @@ from .switch_layers import bind
 routing = functools.lru_cache(maxsize=None)(Routing)
 
 
+def unsharded_compiled(wrapper):
+    """`wrapper` with decode steps compiled (patches/compiled.py), except in a block with a
+    sharding group: upstream's sharded block sums over its group after the experts."""
+    compiled = compiled_at_decode(wrapper)
+
+    def unsharded(wrapped, instance, args, kwargs):
+        if getattr(instance, "sharding_group", None) is not None:
+            return wrapped(*args, **kwargs)
+        return compiled(wrapped, instance, args, kwargs)
+
+    return unsharded
+
+
+def upstream(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs)
+
+
+# Blocks whose routing moe_router does not know (DeepSeek's group-limited or sqrt-softplus
+# gates): upstream's code, its own routing included, with decode steps compiled, so that the
+# routing's dozen small ops cost no Python per step.
+upstream_block = unsharded_compiled(upstream)
+
+
 def routed_block(routing_of, router: str = "gate", experts: str = "switch_mlp"):
     """The wrapper of a block `__call__(x)` whose `router` linear gives the logits, routed with
     `routing_of(block)`, and whose `experts` outputs are combined with the routing weights."""
@@ -27,15 +52,7 @@ def routed_block(routing_of, router: str = "gate", experts: str = "switch_mlp"):
         indices, weights = moe_router(instance[router](x), routing_of(instance))
         return instance[experts](x, indices, weights=weights)
 
-    compiled_routed = compiled_at_decode(routed)
-
-    def wrapper(wrapped, instance, args, kwargs):
-        # Upstream's sharded block sums over its group after the experts: not compiled here.
-        if getattr(instance, "sharding_group", None) is not None:
-            return wrapped(*args, **kwargs)
-        return compiled_routed(wrapped, instance, args, kwargs)
-
-    return wrapper
+    return unsharded_compiled(routed)
 
 
 # mlx_lm.models.qwen3_moe.Qwen3MoeSparseMoeBlock: softmax, top-k, optional renormalisation.
