@@ -38,8 +38,19 @@ _ATTRIBUTE = "_mlx_moe_fix_compiled_steps"
 _state = threading.local()
 
 
-def tracing() -> bool:
-    return getattr(_state, "tracing", False)
+def nested() -> bool:
+    """Whether a call of an outer patched block, traced or about to be, is running: the layers it
+    calls run as they are (the trace holds them)."""
+    return getattr(_state, "nested", False)
+
+
+@contextlib.contextmanager
+def _outer_call():
+    _state.nested = True
+    try:
+        yield
+    finally:
+        _state.nested = False
 
 
 def _signature(value):
@@ -85,11 +96,12 @@ def eligible() -> bool:
 
 def compiled_at_decode(wrapper):
     """The wrapt wrapper `wrapper(wrapped, instance, args, kwargs)`, with decode-sized calls
-    compiled (see the module's docstring); nested patched calls inside a trace run as they are."""
+    compiled (see the module's docstring) from the second call of a key on; patched calls nested
+    in it run as they are."""
 
     @functools.wraps(wrapper)
     def compiled_wrapper(wrapped, instance, args, kwargs):
-        if tracing() or not eligible():
+        if nested() or not eligible():
             return wrapper(wrapped, instance, args, kwargs)
         key = _step_key(instance, args, kwargs)
         if key is None:
@@ -100,10 +112,31 @@ def compiled_at_decode(wrapper):
             object.__setattr__(instance, _ATTRIBUTE, steps)
         step = steps.get(key)
         if step is None:
-            step = steps[key] = _Step(wrapper, wrapped, instance)
+            # The first call of a key is built in Python: upstream code may fill a cache by
+            # evaluating an array (InklingSwitchGLU.scales_trivial), which a trace cannot do.
+            steps[key] = _TRACE_NEXT
+            with _outer_call():
+                return wrapper(wrapped, instance, args, kwargs)
+        if step is _TRACE_NEXT:
+            step = _Step(wrapper, wrapped, instance)
+            try:
+                result = step(args, kwargs)
+            except ValueError:
+                # MLX refused the trace (an evaluation inside it, or inputs it did not capture):
+                # this key's calls stay built in Python.
+                steps[key] = _BUILT_IN_PYTHON
+                return wrapper(wrapped, instance, args, kwargs)
+            steps[key] = step
+            return result
+        if step is _BUILT_IN_PYTHON:
+            return wrapper(wrapped, instance, args, kwargs)
         return step(args, kwargs)
 
     return compiled_wrapper
+
+
+_TRACE_NEXT = "trace at the next call"
+_BUILT_IN_PYTHON = "built in Python"
 
 
 class _Step:
@@ -135,11 +168,10 @@ class _Step:
             originals = {names[i]: owner[names[i]] for i in direct}
             dict.update(owner, {names[i]: captured[i] for i in direct})
             before = trace.path_counts()
-            _state.tracing = True
             try:
-                return wrapper(types.MethodType(function, owner), owner, args, kwargs)
+                with _outer_call():
+                    return wrapper(types.MethodType(function, owner), owner, args, kwargs)
             finally:
-                _state.tracing = False
                 dict.update(owner, originals)
                 records = Counter(trace.path_counts())
                 records.subtract(before)
