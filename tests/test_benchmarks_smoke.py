@@ -153,3 +153,11 @@ def test_stock_reproducibility_finds_nothing_on_the_cpu():
     out = run_module("benchmarks.stock_reproducibility", "--families", "mixtral")
     row = [line for line in out.splitlines() if line.startswith("| mixtral-4")][-1]
     assert "0.00e+00" in row and "none: every module call identical" in row
+
+
+def test_stock_qmm_probe_finds_the_cpu_consistent():
+    """On the CPU both sides run the same kernel: every row exact and reproducible."""
+    out = run_module("benchmarks.stock_qmm_probe")
+    rows = [line for line in out.splitlines() if line.startswith("| quantized_matmul") or line.startswith("| gather_qmm")]
+    assert len(rows) == 16
+    assert all(line.count("0.00e+00") == 2 for line in rows), out
