@@ -15,7 +15,7 @@ from .kernels import current_backend
 from .kernels.moe_decode import moe_decode_implementation
 from .kernels.moe_prefill import moe_prefill_implementation
 from .kernels.moe_router import moe_router_implementation
-from .patches import TARGETS, apply, disabled_by_env, is_applied, options, patched, revert, target_state
+from .patches import TARGETS, apply, compiled, disabled_by_env, is_applied, options, patched, revert, target_state
 from .patches.activations import known_activation_names
 from .trace import path_counts, reset_path_counts
 
@@ -29,6 +29,14 @@ def _version(distribution: str):
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return None
+
+
+def compiled_state() -> dict:
+    why_not = compiled.why_not_compiled()
+    if why_not is None:
+        return {"on": True, "reason": f"a patched block's calls of at most {compiled.MAX_TOKENS} tokens are traced "
+                "once per layer and shape and replayed"}
+    return {"on": False, "reason": why_not}
 
 
 def status() -> dict:
@@ -46,6 +54,7 @@ def status() -> dict:
         "backend": current_backend(),
         "versions": {name: _version(name) for name in _DISTRIBUTIONS},
         "ops": {name: {"path": impl.path, "reason": impl.reason} for name, impl in implementations.items()},
+        "compiled_decode_steps": compiled_state(),
         "targets": [
             dict(zip(("target", "state", "reason"), (t.name, *target_state(t)))) for t in TARGETS
         ],

@@ -285,3 +285,25 @@ def test_plan_sends_batched_decode_with_many_pairs_per_expert_to_the_grouped_ker
             assert chosen.function is not grouped_kernel.function and chosen.path == "reference"
         else:
             assert chosen.function is grouped_kernel.function and chosen.path == "kernel", tokens
+
+
+def test_status_says_whether_decode_steps_are_compiled_and_why(monkeypatch):
+    from mlx_moe_fix import env
+    from mlx_moe_fix.patches import compiled
+
+    def steps():
+        env.refresh()
+        return mlx_moe_fix.status()["compiled_decode_steps"]
+
+    monkeypatch.setattr(compiled, "BACKENDS", ("nowhere",))
+    assert steps() == {"on": False, "reason": f"{mlx_moe_fix.current_backend()}: only the CUDA kernels' decode steps are compiled"}
+    monkeypatch.setattr(compiled, "BACKENDS", (mlx_moe_fix.current_backend(),))
+    assert steps()["on"] is True
+    with mlx_moe_fix.patched(decode=False):
+        assert steps() == {"on": False, "reason": "decode disabled by apply(decode=False)"}
+    monkeypatch.setenv("MLX_MOE_FIX_CUDA_DECODE", "0")
+    assert "MLX_MOE_FIX_CUDA_DECODE=0" in steps()["reason"]
+    monkeypatch.setenv("MLX_MOE_FIX_COMPILED_DECODE", "0")
+    assert steps() == {"on": False, "reason": "switched off (MLX_MOE_FIX_COMPILED_DECODE=0)"}
+    monkeypatch.undo()
+    env.refresh()

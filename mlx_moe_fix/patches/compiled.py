@@ -89,9 +89,24 @@ def suspended():
         _suspensions[0] -= 1
 
 
+def why_not_compiled():
+    """Why decode steps are not compiled here and now, or None where they are."""
+    if not flag(SWITCH):
+        return f"switched off ({SWITCH}=0)"
+    if _suspensions[0]:
+        return "suspended while layer calls are intercepted (zoo.intercepting)"
+    backend = current_backend()
+    if backend not in BACKENDS:
+        return f"{backend}: only the CUDA kernels' decode steps are compiled"
+    if not flag(DECODE_SWITCH):
+        return f"the CUDA decode kernel is switched off ({DECODE_SWITCH}=0)"
+    if not options.enabled()[1]:
+        return "decode disabled by apply(decode=False)"
+    return None
+
+
 def eligible() -> bool:
-    return (flag(SWITCH) and not _suspensions[0] and current_backend() in BACKENDS and flag(DECODE_SWITCH)
-            and options.enabled()[1])
+    return why_not_compiled() is None
 
 
 def compiled_at_decode(wrapper):
