@@ -113,6 +113,13 @@ def test_decode_split_smoke_prints_its_table():
     assert "max relative error over layers: 0.00e+00" in out  # CPU: the reference is stock's math
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_decode_blocks_smoke_prints_every_row(family):
+    out = run_module("benchmarks.decode_blocks", "--family", family, "--layers", "2", "--reps", "2", "--scale", "32")
+    rows = [line for line in out.splitlines() if line.startswith("| MoE block") or line.startswith("| dense")]
+    assert len(rows) == 4, out
+
+
 def test_decode_graph_patched_adds_no_primitives_to_a_decode_step():
     """The patched layers' default path (the references) asks MLX for no more work per decode
     token than stock: a fused-activation regression (7 more primitives per gpt-oss layer before

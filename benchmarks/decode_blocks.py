@@ -1,0 +1,99 @@
+"""A decode step's MoE block against its dense equivalent's MLP, layer for layer: host graph
+building vs evaluation, per layer, all layers in one graph (the per-layer split of the gap
+between a MoE model's and its dense equivalent's single-stream decode).
+
+    python3 -m benchmarks.decode_blocks                  # qwen3_moe's block (Qwen3-30B-A3B), 48 layers
+    python3 -m benchmarks.decode_blocks --family mixtral --layers 32
+
+One token, bf16, 4-bit affine g64 weights (random), mlx-lm's own block and MLP classes: the MoE
+block stock, patched with its decode step compiled, and patched built in Python at every step
+(MLX_MOE_FIX_COMPILED_DECODE=0), and the dense MLP of the block's active width (top-k x expert
+width) stock. Same timing as decode_split (median of --reps after 3 warm-ups).
+"""
+
+import argparse
+import importlib
+
+import mlx.core as mx
+import mlx.nn as nn
+
+import mlx_moe_fix
+from mlx_moe_fix.patches import compiled
+
+from .decode_split import split, switched
+
+# family: (module, block class, the block's ModelArgs fields, the expert width's field); the
+# widths are the full-size models' of benchmarks/models.py. The dense MLP is mlx-lm's SwiGLU MLP
+# (qwen3's class; llama's, mixtral's dense equivalent, is the same three projections).
+FAMILIES = {
+    "qwen3_moe": ("mlx_lm.models.qwen3_moe", "Qwen3MoeSparseMoeBlock",
+                  dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                       norm_topk_prob=True), "moe_intermediate_size"),
+    "mixtral": ("mlx_lm.models.mixtral", "MixtralSparseMoeBlock",
+                dict(hidden_size=4096, num_local_experts=8, num_experts_per_tok=2, intermediate_size=14336),
+                "intermediate_size"),
+}
+
+
+def quantized(layer: nn.Module) -> nn.Module:
+    nn.quantize(layer, group_size=64, bits=4)
+    layer.set_dtype(mx.bfloat16)
+    mx.eval(layer.parameters())
+    return layer
+
+
+def build(family: str, layers: int, scale: int):
+    module, block_name, fields, width_field = FAMILIES[family]
+    # Scaled widths stay whole 64-wide quantization groups.
+    fields = {k: (max(64, v // scale // 64 * 64) if k in ("hidden_size", width_field) else v) for k, v in fields.items()}
+    block_class = getattr(importlib.import_module(module), block_name)
+    from mlx_lm.models.qwen3 import MLP as mlp_class
+    top_k = fields["num_experts_per_tok"]
+    args = block_args(module, fields)
+    blocks = [quantized(block_class(args)) for _ in range(layers)]
+    mlps = [quantized(mlp_class(fields["hidden_size"], top_k * fields[width_field])) for _ in range(layers)]
+    return blocks, mlps, fields["hidden_size"]
+
+
+def block_args(module: str, fields: dict):
+    """The block's ModelArgs: the class's required fields filled with harmless values."""
+    args_class = importlib.import_module(module).ModelArgs
+    required = {name: 1 for name, field in args_class.__dataclass_fields__.items()
+                if field.default is field.default_factory}  # neither a default nor a factory
+    return args_class(**{**required, **fields})
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_moe")
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--scale", type=int, default=1, help="divide the hidden and expert widths (to multiples of 64; CPU smoke)")
+    args = parser.parse_args(argv)
+
+    blocks, mlps, hidden = build(args.family, args.layers, args.scale)
+    x = mx.random.normal((1, 1, hidden)).astype(mx.bfloat16)
+    mx.eval(x)
+
+    def run(layers):
+        return lambda: [layer(x) for layer in layers]
+
+    mlx_moe_fix.revert()
+    rows = [("MoE block, stock", split(run(blocks), args.reps))]
+    with mlx_moe_fix.patched():
+        rows.append(("MoE block, patched (decode step compiled where it is)", split(run(blocks), args.reps)))
+        with switched(compiled.SWITCH, "0"):
+            rows.append(("MoE block, patched, built in Python", split(run(blocks), args.reps)))
+    rows.append(("dense equivalent's MLP", split(run(mlps), args.reps)))
+
+    print(f"{args.family} block, hidden {hidden}, {args.layers} layers, MLX {mx.__version__}, {mx.default_device()}; "
+          f"compiled decode steps: {mlx_moe_fix.status()['compiled_decode_steps']['reason']}")
+    print("| layer | build us/layer | eval us/layer | total us/layer |")
+    print("|---|---|---|---|")
+    for name, (build_s, eval_s) in rows:
+        print(f"| {name} | {build_s / args.layers * 1e6:.1f} | {eval_s / args.layers * 1e6:.1f} | "
+              f"{(build_s + eval_s) / args.layers * 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
