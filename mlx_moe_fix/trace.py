@@ -51,6 +51,12 @@ def replay(records: Counter) -> None:
             _counts[key] += calls
 
 
+def restore(counts: dict) -> None:
+    """Put the counts back to `counts` (an earlier path_counts())."""
+    _counts.clear()
+    _counts.update(counts)
+
+
 def path_counts() -> dict:
     """{PathRecord(layer, phase, path, reason): calls} since the last reset."""
     return dict(_counts)

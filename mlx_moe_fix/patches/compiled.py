@@ -186,6 +186,9 @@ class _Step:
             try:
                 with _outer_call():
                     return wrapper(types.MethodType(function, owner), owner, args, kwargs)
+            except BaseException:
+                trace.restore(before)  # the call is then built in Python, and counted there
+                raise
             finally:
                 dict.update(owner, originals)
                 records = Counter(trace.path_counts())

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_moe_fix
-from mlx_moe_fix import env, zoo
+from mlx_moe_fix import env, trace, zoo
 from mlx_moe_fix.patches import compiled
 
 FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v4", "inkling")
@@ -134,12 +134,14 @@ def test_a_call_mlx_cannot_trace_stays_built_in_python(compiled_steps):
         def __call__(self, x):
             return x * self.w.sum().item()
 
-    def wrapper(wrapped, instance, args, kwargs):
+    def counted(wrapped, instance, args, kwargs):
+        trace.record("Evaluating", "decode", "stock", "test", lambda: ())
         return wrapped(*args, **kwargs)
 
     compiled_steps(True)
-    call = compiled.compiled_at_decode(wrapper)
+    call = compiled.compiled_at_decode(counted)
     layer, x = Evaluating(), mx.ones((1, 4))
     outputs = [call(layer.__call__, layer, (x,), {}) for _ in range(3)]
     assert all(mx.array_equal(out, x * 4).item() for out in outputs)
     assert list(layer.__dict__[STEPS].values()) == [compiled._BUILT_IN_PYTHON]
+    assert list(mlx_moe_fix.path_counts().values()) == [3], "the failed trace's call must count once"
