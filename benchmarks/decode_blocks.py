@@ -20,7 +20,7 @@ import mlx.nn as nn
 import mlx_moe_fix
 from mlx_moe_fix.patches import compiled
 
-from .decode_split import split, switched
+from .decode_split import per_layer_table, split, switched
 
 # family: (module, block class, the block's ModelArgs fields, the expert width's field); the
 # widths are the full-size models' of benchmarks/models.py. The dense MLP is mlx-lm's SwiGLU MLP
@@ -88,11 +88,7 @@ def main(argv=None):
 
     print(f"{args.family} block, hidden {hidden}, {args.layers} layers, MLX {mx.__version__}, {mx.default_device()}; "
           f"compiled decode steps: {mlx_moe_fix.status()['compiled_decode_steps']['reason']}")
-    print("| layer | build us/layer | eval us/layer | total us/layer |")
-    print("|---|---|---|---|")
-    for name, (build_s, eval_s) in rows:
-        print(f"| {name} | {build_s / args.layers * 1e6:.1f} | {eval_s / args.layers * 1e6:.1f} | "
-              f"{(build_s + eval_s) / args.layers * 1e6:.1f} |")
+    print(per_layer_table("layer", rows, args.layers))
 
 
 if __name__ == "__main__":

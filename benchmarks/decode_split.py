@@ -45,6 +45,19 @@ def switched(name: str, value: str):
         env.refresh()
 
 
+def per_layer_table(first_column: str, rows, layers: int, layer_bytes: int = 0) -> str:
+    """rows of (name, (build seconds, eval seconds)) over `layers` layers as a markdown table of
+    µs per layer, with the GB/s of eval that reading `layer_bytes` per layer makes, if given."""
+    extra = " expert weights GB/s (eval) |" if layer_bytes else ""
+    lines = [f"| {first_column} | build us/layer | eval us/layer | total us/layer |{extra}",
+             "|---|---|---|---|" + ("---|" if layer_bytes else "")]
+    for name, (build, evaluate) in rows:
+        bandwidth = f" {layer_bytes * layers / evaluate / 1e9:.0f} |" if layer_bytes else ""
+        lines.append(f"| {name} | {build / layers * 1e6:.1f} | {evaluate / layers * 1e6:.1f} | "
+                     f"{(build + evaluate) / layers * 1e6:.1f} |{bandwidth}")
+    return "\n".join(lines)
+
+
 def split(fn, reps):
     """Median (build seconds, eval seconds) after 3 warm-up runs at the same shapes."""
     for _ in range(3):
@@ -149,11 +162,7 @@ def main(argv=None):
           f"MLX {mx.__version__}, {mx.default_device()}, MLX_MOE_FIX_CUDA_DECODE={os.environ.get('MLX_MOE_FIX_CUDA_DECODE', '')!r}")
     print(f"expert weights per layer: {layer_bytes / 1e6:.1f} MB = {layer_bytes / HBM_BYTES_PER_S * 1e6:.1f} us at 4.3 TB/s")
     print(f"patched vs stock, max relative error over layers: {max(errors):.2e}")
-    print("| path | build us/layer | eval us/layer | total us/layer | expert weights GB/s (eval) |")
-    print("|---|---|---|---|---|")
-    for name, (build, evaluate) in rows:
-        print(f"| {name} | {build / args.layers * 1e6:.1f} | {evaluate / args.layers * 1e6:.1f} | "
-              f"{(build + evaluate) / args.layers * 1e6:.1f} | {layer_bytes * args.layers / evaluate / 1e9:.0f} |")
+    print(per_layer_table("path", rows, args.layers, layer_bytes))
 
 
 if __name__ == "__main__":
