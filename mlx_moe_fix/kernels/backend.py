@@ -34,8 +34,7 @@ def choose(
     unsupported_reason: Optional[Callable[[], Optional[str]]],
 ) -> Implementation:
     """The CUDA kernel where the backend is CUDA, its `switch` is on and `unsupported_reason()`
-    (None: no experts to check) finds nothing; the reference otherwise, with the reason.
-    """
+    (None: no experts to check) finds nothing; the reference otherwise, with the reason."""
     backend = current_backend()
     if backend == "cpu":
         return Implementation(reference, "reference", "CPU: the pure-MLX reference is the implementation")

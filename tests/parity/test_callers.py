@@ -49,6 +49,18 @@ def test_compiled_forward_takes_the_ops_and_matches_the_uncompiled_one(device, f
         assert mx.array_equal(results[0][0], stock_compiled).item()
 
 
+def batch_prompts(family: str) -> list:
+    """Prompts of unequal lengths: left padding in the batch."""
+    base = zoo.prompt_for(family)
+    return [base, base[:25], base[5:38], base[:12]]
+
+
+def skip_unless_batch_generator_runs_here():
+    if generation_stream.device != mx.default_device():
+        pytest.skip(f"BatchGenerator runs on mlx-lm's generation stream, made on {generation_stream.device} "
+                    f"at import, not on {mx.default_device()}")
+
+
 def batch_generated_tokens(model, prompts: list, max_tokens: int) -> list:
     """Greedy tokens of every prompt, generated as one batch by mlx-lm's BatchGenerator."""
     generator = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=len(prompts),
@@ -64,12 +76,9 @@ def batch_generated_tokens(model, prompts: list, max_tokens: int) -> list:
 
 @pytest.mark.parametrize("family", MLX_LM_FAMILIES)
 def test_batch_generator_tokens_match_stock(device, family):
-    if generation_stream.device != mx.default_device():
-        pytest.skip(f"BatchGenerator runs on mlx-lm's generation stream, made on {generation_stream.device} "
-                    f"at import, not on {mx.default_device()}")
+    skip_unless_batch_generator_runs_here()
     model, _, references_only = setup(device, family)
-    base = zoo.prompt_for(family)
-    prompts = [base, base[:25], base[5:38], base[:12]]  # unequal lengths: left padding in the batch
+    prompts = batch_prompts(family)
     stock = batch_generated_tokens(model, prompts, 8)
     with mlx_moe_fix.patched():
         mlx_moe_fix.reset_path_counts()

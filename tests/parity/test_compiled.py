@@ -44,9 +44,8 @@ def steps_of(model) -> int:
 
 
 def decode(model, family: str, n: int = 6):
-    """Greedy steps from a one-token prompt: every call is one token, the compiled path's size.
-    (Several zoo families do not reproduce themselves on MLX's CUDA backend after a longer
-    prefill: test_greedy_tokens.py.)"""
+    """Greedy steps from a one-token prompt: every call is one token, the compiled path's size
+    (the prefill too; a longer prompt's prefill is not compiled)."""
     mlx_moe_fix.reset_path_counts()
     tokens, logits = zoo.greedy_decode(model, zoo.prompt_for(family)[:1], n)
     return tokens, logits, mlx_moe_fix.path_counts()
@@ -103,15 +102,11 @@ def test_layers_with_compiled_steps_are_freed(compiled_steps):
 def test_compiled_batched_decode_matches_python_built(compiled_steps, family):
     """mlx-lm's BatchGenerator: its decode steps (4 rows, left-padded prompts) compiled against
     built in Python; the same tokens (the kernels run alike in both)."""
-    from mlx_lm.generate import generation_stream
+    from .test_callers import batch_generated_tokens, batch_prompts, skip_unless_batch_generator_runs_here
 
-    from .test_callers import batch_generated_tokens
-
-    if generation_stream.device != mx.default_device():
-        pytest.skip(f"BatchGenerator runs on mlx-lm's generation stream, made on {generation_stream.device}")
+    skip_unless_batch_generator_runs_here()
     model = zoo.build(family, 4, dtype=mx.bfloat16)
-    base = zoo.prompt_for(family)
-    prompts = [base, base[:25], base[5:38], base[:12]]
+    prompts = batch_prompts(family)
     tokens = {}
     with mlx_moe_fix.patched():
         for on in (False, True):
