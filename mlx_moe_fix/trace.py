@@ -45,10 +45,9 @@ def record(layer: str, phase: str, path: str, reason: str, shape_class: Callable
 
 
 def replay(records: Counter) -> None:
-    """Count `records` ({PathRecord: calls}) again: the calls a compiled step made when traced."""
-    for key, calls in records.items():
-        if calls > 0:
-            _counts[key] += calls
+    """Count `records` ({PathRecord: calls}, calls > 0) again: the calls a compiled step made
+    when traced."""
+    _counts.update(records)
 
 
 def restore(counts: dict) -> None:

@@ -61,17 +61,23 @@ def _signature(value):
     raise TypeError
 
 
+_SCALARS = (bool, int, float, str)
+
+
 def _step_key(instance, args: tuple, kwargs: dict):
-    """The trace key of this call, or None where it must run uncompiled."""
-    try:
-        arguments = tuple(map(_signature, args)) + tuple((k, _signature(v)) for k, v in sorted(kwargs.items()))
-    except TypeError:
-        return None  # an argument compile cannot take (neither an array nor None)
+    """The trace key of this call, or None where it must run uncompiled. (Per decode step and
+    layer: written for speed.)"""
     first = args[0] if args else None
     if not isinstance(first, mx.array) or first.ndim == 0 or first.size > MAX_TOKENS * first.shape[-1]:
         return None
+    try:
+        arguments = tuple(map(_signature, args))
+        if kwargs:
+            arguments += tuple((k, _signature(v)) for k, v in sorted(kwargs.items()))
+    except TypeError:
+        return None  # an argument compile cannot take (neither an array nor None)
     children = tuple(map(id, instance.values()))
-    scalars = tuple(v for v in vars(instance).values() if isinstance(v, (bool, int, float, str)))
+    scalars = tuple([v for v in vars(instance).values() if isinstance(v, _SCALARS)])
     return arguments, children, scalars, snapshot(), options.enabled()
 
 
@@ -106,7 +112,9 @@ def why_not_compiled():
 
 
 def eligible() -> bool:
-    return why_not_compiled() is None
+    """why_not_compiled() is None, without building its reasons (asked at every call)."""
+    return (not _suspensions[0] and flag(SWITCH) and flag(DECODE_SWITCH) and options.enabled()[1]
+            and current_backend() in BACKENDS)
 
 
 def compiled_at_decode(wrapper):
@@ -193,7 +201,7 @@ class _Step:
                 dict.update(owner, originals)
                 records = Counter(trace.path_counts())
                 records.subtract(before)
-                traces.append(records)
+                traces.append(+records)  # the calls this trace made
 
         self.compiled = mx.compile(traced, inputs=captured)
 
