@@ -9,8 +9,10 @@ near-ties, where a rounding difference sends a token to another expert (or, in p
 sparsemixer, jumps a routing weight) and moves that step's logits far. There the patched model
 is fed stock's tokens (teacher forcing) and, at every step that every MoE layer routed and
 weighted as stock did, must produce logits within a bf16 / fp16 tolerance of stock's and pick
-stock's token wherever stock's choice is clear (zoo.clear_steps: top-2 margin above 4 bf16 ulps);
-at least 3/4 of the steps must be clear and routed as stock, so the check cannot go vacuous.
+stock's token wherever stock's choice is clear (zoo.clear_steps: top-2 margin above 4 bf16 ulps).
+So that the check cannot go vacuous, at most 1/4 of the steps may be excused as rerouted (a
+kernel that moved the routing would exceed it) and at least half must be clear and routed as
+stock (the zoo's random heads leave 1-6 of 32 steps within 4 ulps on the CPU, up to 9 on the H200).
 
 Where stock's whole model does not reproduce itself (two unpatched runs differ: on MLX's CUDA
 backend the zoo's deepseek_v3 / deepseek_v4 / inkling do, outside their MoE layers, per
@@ -68,9 +70,13 @@ def assert_clear_choices_match(stock, stock_logits, choices, logits, rerouted, t
             clear.append(step)
             assert choices[step] == stock[step], (
                 f"step {step}: patched picks {choices[step]}, stock {stock[step]}: {top_two_margin(expected)}")
-    assert len(clear) >= 3 * len(stock) // 4, (
+    # Two ways the check could go vacuous, told apart: a kernel that moves the routing (many
+    # steps excused as rerouted), and a model with too many near-ties for its choices to say much.
+    assert sum(rerouted) <= len(stock) // 4, (
+        f"{sum(rerouted)} of {len(stock)} steps routed some token elsewhere than stock: a kernel that moves the routing?")
+    assert len(clear) >= len(stock) // 2, (
         f"only {len(clear)} of {len(stock)} steps clear and routed as stock ({sum(rerouted)} rerouted): "
-        "an ill-conditioned model, or a kernel that moves the routing")
+        "an ill-conditioned model")
 
 
 def stock_run_to_run(model, prompt, stock, stock_logits, runs=1):
@@ -182,7 +188,7 @@ def test_clear_choices_check_passes_matching_choices_near_tie_flips_and_rerouted
 
 @pytest.mark.parametrize("case", ["clear step flips", "logits too far", "too few clear steps", "too many rerouted"])
 def test_clear_choices_check_fails(case):
-    margins = [0.01] * 3 + [1.0] * 5 if case == "too few clear steps" else [1.0] * 8
+    margins = [0.01] * 5 + [1.0] * 3 if case == "too few clear steps" else [1.0] * 8
     stock, logits = synthetic_stream(margins)
     choices, patched, rerouted = [0] * 8, mx.array(logits), [False] * 8
     if case == "clear step flips":
