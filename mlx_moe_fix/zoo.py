@@ -576,15 +576,21 @@ def replayed_layer_calls(model, prompt: list[int], n: int) -> tuple[int, list[tu
     return len(calls), replayed
 
 
-def rerouted_steps(routes: list[tuple], other: list[tuple], layers: int) -> list[bool]:
+def rerouted_steps(routes: list[tuple], other: list[tuple], layers: int, by_row: bool = False) -> list:
     """Per forward (prefill, then each decode step): whether any of the ``layers`` MoE layers
     routed some token to other experts in ``routes`` than in ``other``, or moved a recorded
-    routing weight by more than REWEIGHTED (recording_routes)."""
+    routing weight by more than REWEIGHTED (recording_routes). With ``by_row``, per forward a
+    list over the batch's rows (the first axis of the recorded indices): whether that row's
+    tokens were."""
     if len(routes) != len(other) or len(routes) % layers:
         raise ValueError(f"routes of {len(routes)} and {len(other)} layer calls for {layers} MoE layers")
 
-    def differ(a, b):
+    def differ(a, b, row):
         (experts, weights), (other_experts, other_weights) = a, b
+        if row is not None:
+            experts, other_experts = experts[row], other_experts[row]
+            weights = None if weights is None else weights[row]
+            other_weights = None if other_weights is None else other_weights[row]
         if not mx.array_equal(experts, other_experts).item():
             return True
         if weights is None or other_weights is None:
@@ -592,8 +598,13 @@ def rerouted_steps(routes: list[tuple], other: list[tuple], layers: int) -> list
         moved = mx.abs(weights.astype(mx.float32) - other_weights.astype(mx.float32))
         return (moved > REWEIGHTED * mx.abs(other_weights.astype(mx.float32))).any().item()
 
-    return [any(differ(routes[c], other[c]) for c in range(step, step + layers))
-            for step in range(0, len(routes), layers)]
+    def forward(step, row=None):
+        return any(differ(routes[c], other[c], row) for c in range(step, step + layers))
+
+    steps = range(0, len(routes), layers)
+    if by_row:
+        return [[forward(step, row) for row in range(routes[step][0].shape[0])] for step in steps]
+    return [forward(step) for step in steps]
 
 
 def greedy_decode_timed(model, prompt: list[int], n: int = 32) -> tuple[list[int], float, float]:

@@ -121,12 +121,12 @@ def test_batch_generator_tokens_match_stock(device, family):
     # Kernels sum in another order, so the free-running streams may part at a near-tie: compared
     # as the greedy test does, under teacher forcing, all streams' steps together. Processor
     # call s of a stream comes from forward s + 1 of the batch (forward 0 prefills the prompts
-    # but their last tokens); a step whose forward, or the prefill before step 0, routed some
-    # token elsewhere than stock is excused.
-    forwards = zoo.rerouted_steps(routes, stock_routes, len(zoo.moe_layers(model)))
+    # but their last tokens); a stream's step is excused where that forward, or for step 0 the
+    # prefill, routed one of the stream's tokens elsewhere than stock.
+    forwards = zoo.rerouted_steps(routes, stock_routes, len(zoo.moe_layers(model)), by_row=True)
     steps = stock_logits[0].shape[0]
-    assert len(forwards) == steps + 1, (len(forwards), steps)
-    rerouted = [forwards[s + 1] or (s == 0 and forwards[0]) for s in range(steps)] * len(prompts)
+    assert len(forwards) == steps + 1 and len(forwards[0]) == len(prompts), (len(forwards), steps)
+    rerouted = [forwards[s + 1][row] or (s == 0 and forwards[0][row]) for row in range(len(prompts)) for s in range(steps)]
     assert_clear_choices_match(sum(forced, []), mx.concatenate(stock_logits),
                                mx.argmax(mx.concatenate(logits), axis=-1).tolist(), mx.concatenate(logits),
                                rerouted, LOGITS_TOLERANCE[dtype])

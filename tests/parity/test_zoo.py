@@ -3,6 +3,7 @@ deterministically, and really routes through quantized switch layers."""
 
 import importlib
 
+import mlx.core as mx
 import pytest
 
 from mlx_moe_fix import zoo
@@ -123,3 +124,10 @@ def test_recording_routes_sees_phimoe_weights_and_their_jumps():
     import mlx_lm.models.phimoe as phimoe
 
     assert phimoe.sparsemixer.__name__ == "sparsemixer"  # put back
+
+
+def test_rerouted_steps_by_row_tells_which_rows_moved():
+    same = (mx.array([[[0, 1]], [[2, 3]]]), None)
+    moved = (mx.array([[[0, 1]], [[2, 4]]]), None)
+    assert zoo.rerouted_steps([same, moved], [same, same], 1, by_row=True) == [[False, False], [False, True]]
+    assert zoo.rerouted_steps([same, moved], [same, same], 1) == [False, True]
