@@ -103,7 +103,7 @@ def empty_launches(decode, x, indices, described, with_header=True):
                                         output_names=decode.OUTPUTS[stage], source="", header=header)
              for stage in decode.INPUTS}
     flat = indices.reshape(-1)
-    launches = [decode._launches(e, indices.shape[-1], flat.size, x.dtype, None) for e in described]
+    launches = [decode._launches(e, indices.shape[-1], flat.size, x.dtype, None, "cuda") for e in described]
 
     def run():
         outs = []

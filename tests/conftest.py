@@ -4,6 +4,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_moe_fix
+from mlx_moe_fix import env
 
 
 def gpu_available() -> bool:
@@ -33,6 +34,22 @@ def cuda_device():
     mx.set_default_device(mx.gpu)
     yield
     mx.set_default_device(previous)
+
+
+@pytest.fixture
+def metal_device(monkeypatch):
+    """Runs a test on a Metal GPU with the Metal decode kernel switched on (it is off by default
+    until it has run on Apple hardware); skipped visibly elsewhere."""
+    if not mx.metal.is_available():
+        pytest.skip("no Metal: MLX reports no Metal GPU on this machine (the Metal kernels are untested here)")
+    monkeypatch.setenv("MLX_MOE_FIX_METAL_DECODE", "1")
+    env.refresh()
+    previous = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    yield
+    mx.set_default_device(previous)
+    monkeypatch.undo()
+    env.refresh()
 
 
 @pytest.fixture(autouse=True)

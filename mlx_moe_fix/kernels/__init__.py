@@ -16,6 +16,7 @@ from ..env import flag
 from .backend import current_backend
 from .experts import Activation, ExpertLinear, MoEExperts
 from .moe_decode import CUDA_KERNEL_SWITCH as DECODE_SWITCH
+from .moe_decode import METAL_KERNEL_SWITCH as METAL_DECODE_SWITCH
 from .moe_decode import moe_decode, moe_decode_implementation, moe_decode_reference
 from .moe_prefill import CUDA_KERNEL_SWITCH as PREFILL_SWITCH
 from .moe_prefill import moe_prefill, moe_prefill_implementation, moe_prefill_reference
@@ -49,7 +50,7 @@ def plan(
     decode): the decode kernel computes every (token, expert) pair alike, whatever else the call
     holds, and takes the block whole; otherwise the call stays with upstream's block path (its
     own exact kernels on Metal, per-pair projections elsewhere)."""
-    switches = (current_backend(), flag(PREFILL_SWITCH), flag(DECODE_SWITCH))
+    switches = (current_backend(), flag(PREFILL_SWITCH), flag(DECODE_SWITCH), flag(METAL_DECODE_SWITCH))
     if indices.size >= PREFILL_MIN_PAIRS:
         return _plan(x, indices, experts, prefill, decode, token_by_token, switches)
     # A decode step calls every layer with the same few shapes: plan each once (a prefill's

@@ -32,17 +32,26 @@ def choose(
     cuda_kernel: Callable,
     switch: str,
     unsupported_reason: Optional[Callable[[], Optional[str]]],
+    metal: Optional[tuple] = None,
 ) -> Implementation:
-    """The CUDA kernel where the backend is CUDA, its `switch` is on and `unsupported_reason()`
-    (None: no experts to check) finds nothing; the reference otherwise, with the reason."""
+    """The backend's kernel where its switch is on and `unsupported_reason()` (None: no experts to
+    check) finds nothing; the reference otherwise, with the reason. CUDA: `cuda_kernel` under
+    `switch`; Metal: `metal` = (kernel, switch), if the op has a Metal kernel."""
     backend = current_backend()
     if backend == "cpu":
         return Implementation(reference, "reference", "CPU: the pure-MLX reference is the implementation")
-    if backend != "cuda":
-        return Implementation(reference, "reference", f"no {backend} kernel for {op_name} yet")
-    if not flag(switch):
-        return Implementation(reference, "reference", f"the CUDA {op_name} kernel is switched off ({switch}=0)")
+    if backend == "metal" and metal is not None:
+        kernel, switch = metal
+        if not flag(switch):
+            return Implementation(reference, "reference", f"the Metal {op_name} kernel is not verified on Apple hardware "
+                                  f"yet and is off unless {switch}=1")
+    elif backend != "cuda":
+        return Implementation(reference, "reference", f"no {backend} kernel for {op_name}")
+    else:
+        kernel = cuda_kernel
+        if not flag(switch):
+            return Implementation(reference, "reference", f"the CUDA {op_name} kernel is switched off ({switch}=0)")
     reason = None if unsupported_reason is None else unsupported_reason()
     if reason is not None:
         return Implementation(reference, "reference", reason)
-    return Implementation(cuda_kernel, "kernel", f"CUDA {op_name} kernel")
+    return Implementation(kernel, "kernel", f"{'CUDA' if backend == 'cuda' else 'Metal'} {op_name} kernel")

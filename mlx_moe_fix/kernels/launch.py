@@ -14,6 +14,14 @@ from .sources import sections
 ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "gelu_fast": 4}
 
 
+def _kernel_name(backend: str, filename: str, section: str, suffix: str = "") -> str:
+    """A kernel's name with its source's digest: MLX keeps compiled kernels under their names (on
+    disk, for CUDA: MLX_PTX_CACHE_DIR), so an edited source must not find its old build there."""
+    source = sections(backend, filename)
+    digest = hashlib.sha1((source["header"] + source[section]).encode()).hexdigest()[:12]
+    return f"mlx_moe_fix_{filename.split('.')[0]}_{section}{suffix}_{digest}"
+
+
 @functools.lru_cache(maxsize=None)
 def cuda_kernel_object(filename: str, section: str, input_names: tuple, output_names: tuple, shared_bytes: int):
     """The mx.fast.cuda_kernel object of one section of cuda/`filename`, with `shared_bytes` of
@@ -22,16 +30,30 @@ def cuda_kernel_object(filename: str, section: str, input_names: tuple, output_n
     if not mx.cuda.is_available():
         return None
     source = sections("cuda", filename)
-    # The source's digest in the name: MLX keeps compiled kernels on disk under their names
-    # (MLX_PTX_CACHE_DIR), so an edited source must not find its old build there.
-    digest = hashlib.sha1((source["header"] + source[section]).encode()).hexdigest()[:12]
     return mx.fast.cuda_kernel(
-        name=f"mlx_moe_fix_{filename.split('.')[0]}_{section}_smem{shared_bytes}_{digest}",
+        name=_kernel_name("cuda", filename, section, f"_smem{shared_bytes}"),
         input_names=list(input_names),
         output_names=list(output_names),
         source=source[section],
         header=source["header"],
         shared_memory=shared_bytes,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def metal_kernel_object(filename: str, section: str, input_names: tuple, output_names: tuple):
+    """The mx.fast.metal_kernel object of one section of metal/`filename`, or None where MLX has
+    no Metal. Cached: each object is a Metal library compile per template variant."""
+    if not mx.metal.is_available():
+        return None
+    source = sections("metal", filename)
+    return mx.fast.metal_kernel(
+        name=_kernel_name("metal", filename, section),
+        input_names=list(input_names),
+        output_names=list(output_names),
+        source=source[section],
+        header=source["header"],
+        ensure_row_contiguous=True,
     )
 
 

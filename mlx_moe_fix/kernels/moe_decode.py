@@ -4,6 +4,8 @@ Reference: each token's row paired with its k experts directly (one GEMV per pai
 CUDA kernel (`cuda/moe_decode.cu`): two launches per layer: gate+up GEMV with the activation
 (clamp stage and per-expert gate scale included), then down GEMV with the per-expert output scale
 and the weighted top-k combine, so the [tokens, k, hidden] intermediate is never written.
+Metal kernel (`metal/moe_decode.metal`): the same two launches, one simdgroup where CUDA has one
+warp, the same launchers; not yet run on Apple hardware, so off unless MLX_MOE_FIX_METAL_DECODE=1.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from .backend import Implementation, choose
+from .backend import Implementation, choose, current_backend
 from .experts import ExpertLinear, MoEExperts
-from .launch import absent, bias_template, cuda_kernel_object, kernel_dims, kernel_params, quantized_experts_reason
+from .launch import (absent, bias_template, cuda_kernel_object, kernel_dims, kernel_params, metal_kernel_object,
+                     quantized_experts_reason)
 from .reference import combine, expert_chain
 
 WARPS_PER_BLOCK = 8
@@ -42,8 +45,11 @@ INPUTS = {
 }
 OUTPUTS = {"gate_up": ["hidden"], "down": ["out"]}
 
-def cuda_kernel(stage: str):
-    """The cuda_kernel object of one stage ("gate_up" or "down"), or None where MLX has no CUDA."""
+def gpu_kernel(stage: str, backend: str):
+    """The kernel object of one stage ("gate_up" or "down") on `backend` ("cuda" or "metal"), or
+    None where MLX lacks that backend. The two take the same inputs, templates and grid."""
+    if backend == "metal":
+        return metal_kernel_object("moe_decode.metal", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]))
     return cuda_kernel_object("moe_decode.cu", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]), 0)
 
 
@@ -84,13 +90,13 @@ def _quant_templates(linear: ExpertLinear, dtype) -> list:
             ("WARPS", WARPS_PER_BLOCK), ("RPW", ROWS_PER_WARP)]
 
 
-def _gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype) -> Launch:
+def _gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: str) -> Launch:
     gated = len(experts.projections) == 3
     gate, up = experts.projections[:2] if gated else (experts.projections[0],) * 2
     has_scale = experts.gate_scale is not None
     grid, block = _grid(up.output_dims, pairs)
     return Launch(
-        cuda_kernel("gate_up"),
+        gpu_kernel("gate_up", backend),
         [gate.weight, gate.scales, gate.biases, up.weight, up.scales, up.biases,
          gate.bias if gate.bias is not None else absent(),
          up.bias if up.bias is not None else absent(),
@@ -104,14 +110,14 @@ def _gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype) -> Launc
 
 
 def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype, weights_dtype,
-                 input_per_pair: bool) -> Launch:
+                 input_per_pair: bool, backend: str) -> Launch:
     combined = weights_dtype is not None
     rows_out = pairs // top_k if combined else pairs
     # With the combine, a block's warps split over the token's pairs (cuda/moe_decode.cu, down).
     grid, block = _grid(linear.output_dims, rows_out,
                         WARPS_PER_BLOCK // min(top_k, WARPS_PER_BLOCK) if combined else WARPS_PER_BLOCK)
     return Launch(
-        cuda_kernel("down"),
+        gpu_kernel("down", backend),
         [linear.weight, linear.scales, linear.biases,
          linear.bias if linear.bias is not None else absent(),
          out_scale if out_scale is not None else absent(),
@@ -124,29 +130,30 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
     )
 
 
-def _launches(experts: MoEExperts, top_k: int, pairs: int, dtype, weights_dtype) -> tuple:
+def _launches(experts: MoEExperts, top_k: int, pairs: int, dtype, weights_dtype, backend: str) -> tuple:
     """(gate_up or None, down) for this call's shape, cached on the experts object (itself
     cached per layer) to keep per-call host time low at decode."""
     def plan():
         single = len(experts.projections) == 1
         return (
-            None if single else _gate_up_launch(experts, top_k, pairs, dtype),
+            None if single else _gate_up_launch(experts, top_k, pairs, dtype, backend),
             _down_launch(experts.projections[-1], experts.out_scale, top_k, pairs, dtype, weights_dtype,
-                         input_per_pair=not single),
+                         input_per_pair=not single, backend=backend),
         )
 
-    return experts.memo(("cuda decode launches", top_k, pairs, dtype, weights_dtype), plan)
+    return experts.memo(("decode launches", backend, top_k, pairs, dtype, weights_dtype), plan)
 
 
 def moe_decode_kernel(
     x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array] = None
 ) -> mx.array:
-    """The CUDA implementation; same contract as moe_decode_reference."""
+    """The GPU implementation (CUDA, or Metal where that is the backend); same contract as
+    moe_decode_reference."""
     top_k = indices.shape[-1]
     tokens = x.reshape(-1, x.shape[-1])
     flat_indices = indices.reshape(-1).astype(mx.uint32)
     gate_up, down = _launches(
-        experts, top_k, flat_indices.size, x.dtype, None if weights is None else weights.dtype
+        experts, top_k, flat_indices.size, x.dtype, None if weights is None else weights.dtype, current_backend()
     )
     rows = tokens if gate_up is None else gate_up(tokens, flat_indices)
     out_dims = experts.output_dims
@@ -165,11 +172,14 @@ def moe_decode(
 # On by default since its compiled decode steps beat stock end to end on every model measured
 # (docs/benchmarks.md, seventh session: 1.05-1.35x at batch 1).
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_DECODE"
+# Off by default: nobody has run the Metal kernel yet (env.SWITCHES).
+METAL_KERNEL_SWITCH = "MLX_MOE_FIX_METAL_DECODE"
 
 
 def moe_decode_implementation(experts: Optional[MoEExperts] = None, dtype=None) -> Implementation:
     """dtype: the activations' (every dtype the ops support has a decode kernel)."""
     return choose(
         "moe_decode", moe_decode_reference, moe_decode_kernel, CUDA_KERNEL_SWITCH,
-        None if experts is None else lambda: experts.memo("cuda decode", lambda: cuda_unsupported_reason(experts)),
+        None if experts is None else lambda: experts.memo("gpu decode", lambda: cuda_unsupported_reason(experts)),
+        metal=(moe_decode_kernel, METAL_KERNEL_SWITCH),
     )

@@ -13,7 +13,7 @@ import functools
 import re
 from importlib import resources
 
-COMMON = {"cuda": "common.cuh"}
+COMMON = {"cuda": "common.cuh", "metal": "common.metal"}
 
 
 @functools.lru_cache(maxsize=None)

@@ -145,6 +145,15 @@ def test_cuda_decode_kernel_matches_ref(cuda_device, case):
 
 @CASES
 @given(case=layer_cases())
+def test_metal_decode_kernel_matches_ref(metal_device, case):
+    # the CUDA test's property, on Apple hardware (not run by this project: no Metal machine here)
+    from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason, moe_decode_kernel
+
+    check_kernel(moe_decode_kernel, cuda_unsupported_reason(case.experts), moe_decode_reference, case)
+
+
+@CASES
+@given(case=layer_cases())
 def test_cuda_prefill_kernel_matches_ref(cuda_device, case):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel
 

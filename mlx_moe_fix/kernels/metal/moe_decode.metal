@@ -1,0 +1,191 @@
+// Fused decode MoE for mx.fast.metal_kernel, the counterpart of ../cuda/moe_decode.cu: the same
+// sections, stages, template constants and run-time inputs, one simdgroup where CUDA has one warp.
+// Written to the CUDA kernels' contract and NOT compiled or run on Apple hardware by this
+// project (no Metal machine here); the GPU parity tests are written to run on one unchanged.
+//
+// One simdgroup per (pair or token, output rows), 16-byte loads of packed affine-quantized
+// weights, dequantisation in registers, fp32 accumulation. Template constants and types:
+//   T   activation / output type        S   scales, affine biases and additive bias type
+//   SC  per-expert scale type           WT  routing weight type
+//   BITS 4 or 8, GROUP 32/64/128, WARPS (simdgroups per threadgroup), RPW (output rows per
+//   simdgroup), HAS_BIAS (kept for the CUDA launchers' template list; unused here)
+//   gate_up: GATED;  down: INPUT_PER_PAIR, COMBINE
+// Run-time values (an int32 array `dims` and a float array `params`):
+//   dims: IN_DIM, OUT_DIM, TOP_K, ACT (0 swiglu, 1 swiglu_oai, 2 gelu, 3 gelu_approx,
+//         4 gelu_fast), HAS_LIMIT, HAS_BIAS, HAS_SCALE (gate_scale / out_scale)
+//   params: limit, alpha
+
+//// header
+namespace moe_decode {
+
+using namespace moe_common;
+
+constant constexpr int WORDS_PER_VECTOR = 4;  // one 16-byte load of packed weights
+
+template <int BITS>
+constexpr int vector_values() {
+  return WORDS_PER_VECTOR * 32 / BITS;
+}
+
+// Activation vector v of `row` (vector_values<BITS>() values of T from v * that) as fp32.
+template <int BITS, typename P>
+inline void load_vector(thread float* x, P row, int v) {
+  constexpr int N = vector_values<BITS>();
+#pragma clang loop unroll(full)
+  for (int i = 0; i < N; ++i) x[i] = static_cast<float>(row[v * N + i]);
+}
+
+template <int BITS>
+inline float dot_vector(uint4 packed, thread const float* x) {
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr uint MASK = (1u << BITS) - 1u;
+  float acc = 0.f;
+#pragma clang loop unroll(full)
+  for (int w = 0; w < 4; ++w) {
+#pragma clang loop unroll(full)
+    for (int i = 0; i < PER_WORD; ++i) {
+      acc = metal::fma(small_uint_to_float((packed[w] >> (BITS * i)) & MASK), x[w * PER_WORD + i], acc);
+    }
+  }
+  return acc;
+}
+
+// One expert's quantized matrix: packed rows and per-group scales and affine biases.
+template <typename S>
+struct QuantizedRows {
+  const device uint32_t* w;
+  const device S* s;
+  const device S* b;
+};
+
+// Dot products of RPW consecutive rows (first_row on, each past last_row reading last_row) of
+// each of M matrices with one activation row, summed over the simdgroup: out[m * RPW + r].
+// Each lane takes whole 16-byte vectors; a vector never straddles a quantization group.
+template <int BITS, int GROUP, int M, int RPW, typename S, typename P>
+inline void rows_dot(thread float* out, thread const QuantizedRows<S>* m, int first_row, int last_row, P activations,
+                     int in_dim, uint lane) {
+  constexpr int N = vector_values<BITS>();
+  const int vectors = in_dim / N, groups = in_dim / GROUP, words = in_dim * BITS / 32;
+  float acc[M * RPW];
+  for (int i = 0; i < M * RPW; ++i) acc[i] = 0.f;
+  for (int v = int(lane); v < vectors; v += 32) {
+    float x[N];
+    load_vector<BITS>(x, activations, v);
+    float x_sum = 0.f;
+    for (int i = 0; i < N; ++i) x_sum += x[i];
+    const int group = v * N / GROUP;
+    for (int r = 0; r < RPW; ++r) {
+      const int at = metal::min(first_row + r, last_row);
+      const ulong g = ulong(at) * groups + group;
+      for (int j = 0; j < M; ++j) {
+        const uint4 packed = *reinterpret_cast<const device uint4*>(m[j].w + ulong(at) * words + v * WORDS_PER_VECTOR);
+        acc[j * RPW + r] += static_cast<float>(m[j].s[g]) * dot_vector<BITS>(packed, x) + static_cast<float>(m[j].b[g]) * x_sum;
+      }
+    }
+  }
+  for (int i = 0; i < M * RPW; ++i) out[i] = metal::simd_sum(acc[i]);
+}
+
+}  // namespace moe_decode
+
+//// gate_up
+// inputs: x [N, IN_DIM], indices [N * TOP_K], gate_w / up_w [E, OUT_DIM, IN_DIM * BITS / 32],
+//         gate_s, gate_b, up_s, up_b [E, OUT_DIM, IN_DIM / GROUP], gate_bias, up_bias [E, OUT_DIM],
+//         gate_scale [E], dims, params;  output: hidden [N * TOP_K, OUT_DIM]
+// One threadgroup per (pair, WARPS x RPW output rows).
+// GATED false: an MLP's first projection: only up_* is read.
+{
+  using namespace moe_decode;
+  const Dims d = read_dims(dims);
+  const int pair = int(threadgroup_position_in_grid.y);
+  const auto activations = x + ulong(pair / d.top_k) * d.in_dim;
+  const uint lane = thread_index_in_simdgroup;
+  const int first_row = (int(threadgroup_position_in_grid.x) * WARPS + int(simdgroup_index_in_threadgroup)) * RPW;
+  if (first_row >= d.out_dim) return;
+  const ulong expert = indices[pair];
+  // This simdgroup's RPW rows of the expert's matrices, up then gate (rows past OUT_DIM read the
+  // last row and are not written).
+  const ulong rows_before = expert * d.out_dim;
+  const ulong words = rows_before * (d.in_dim * BITS / 32), groups = rows_before * (d.in_dim / GROUP);
+  float dots[2 * RPW];
+  const QuantizedRows<S> matrices[2] = {{up_w + words, up_s + groups, up_b + groups},
+                                        {gate_w + words, gate_s + groups, gate_b + groups}};
+  if (GATED) {
+    rows_dot<BITS, GROUP, 2, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
+  } else {
+    rows_dot<BITS, GROUP, 1, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
+  }
+  // Every lane holds every row's sums: lane r writes row first_row + r.
+  for (int r = 0; r < RPW; ++r) {
+    const int row = first_row + r;
+    if (int(lane) != r || row >= d.out_dim) continue;
+    float up = rnd<T>(dots[r]), gate = GATED ? rnd<T>(dots[RPW + r]) : 0.f;
+    if (d.has_bias) {
+      up = rnd<T>(up + static_cast<float>(up_bias[expert * d.out_dim + row]));
+      if (GATED) gate = rnd<T>(gate + static_cast<float>(gate_bias[expert * d.out_dim + row]));
+    }
+    if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(gate_scale[expert])));
+    hidden[ulong(pair) * d.out_dim + row] = static_cast<T>(activate<T>(d.act, d.has_limit, up, gate, params[0], params[1]));
+  }
+}
+
+//// down
+// inputs: hidden [rows, IN_DIM] (one row per pair, or per token when !INPUT_PER_PAIR),
+//         indices [N * TOP_K], weights [N * TOP_K], w [E, OUT_DIM, IN_DIM * BITS / 32],
+//         s, b [E, OUT_DIM, IN_DIM / GROUP], bias [E, OUT_DIM], out_scale [E], dims
+// output: out [N, OUT_DIM] (COMBINE: the routing-weighted sum over TOP_K) or [N * TOP_K, OUT_DIM]
+// One threadgroup per (pair, WARPS x RPW output rows), or with COMBINE per (token, output rows):
+// its simdgroups split over the token's pairs (simdgroup % PAIR_SLOTS, PAIR_SLOTS =
+// min(TOP_K, WARPS)) and over rows (simdgroup / PAIR_SLOTS, RPW rows each); the pairs' partial
+// sums meet in threadgroup memory and are added in pair order.
+{
+  using namespace moe_decode;
+  threadgroup float partial[WARPS * RPW];  // COMBINE: each simdgroup's sums, [WARPS][RPW]
+  const Dims d = read_dims(dims);
+  const int first_pair = COMBINE ? int(threadgroup_position_in_grid.y) * d.top_k : int(threadgroup_position_in_grid.y);
+  const int pairs = COMBINE ? d.top_k : 1;
+  const uint lane = thread_index_in_simdgroup;
+  const int warp = int(simdgroup_index_in_threadgroup);
+  const int pair_slots = COMBINE ? metal::min(d.top_k, WARPS) : 1;
+  const int row_slots = WARPS / pair_slots;
+  const int pair_slot = warp % pair_slots, row_slot = warp / pair_slots;
+  const int first_row = (int(threadgroup_position_in_grid.x) * row_slots + row_slot) * RPW;
+  const bool active = row_slot < row_slots && first_row < d.out_dim;
+  float total[RPW];
+  for (int r = 0; r < RPW; ++r) total[r] = 0.f;
+  for (int j = pair_slot; active && j < pairs; j += pair_slots) {
+    const int pair = first_pair + j;
+    const ulong expert = indices[pair];
+    const ulong rows_before = expert * d.out_dim;
+    const QuantizedRows<S> matrices[1] = {
+        {w + rows_before * (d.in_dim * BITS / 32), s + rows_before * (d.in_dim / GROUP), b + rows_before * (d.in_dim / GROUP)}};
+    const auto activations = hidden + ulong(INPUT_PER_PAIR ? pair : pair / d.top_k) * d.in_dim;
+    float dots[RPW];
+    rows_dot<BITS, GROUP, 1, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
+    for (int r = 0; r < RPW; ++r) {
+      const int row = metal::min(first_row + r, d.out_dim - 1);
+      float y = rnd<T>(dots[r]);
+      if (d.has_bias) y = rnd<T>(y + static_cast<float>(bias[expert * d.out_dim + row]));
+      if (d.has_scale) y = rnd<T>(y * rnd<T>(static_cast<float>(out_scale[expert])));
+      if (COMBINE) y = rnd<T>(y * rnd<T>(static_cast<float>(weights[pair])));
+      total[r] += y;
+    }
+  }
+  if (COMBINE) {
+    // Every lane holds its simdgroup's sums; lane r of each leaves row r's.
+    for (int r = 0; r < RPW; ++r) {
+      if (int(lane) == r) partial[warp * RPW + r] = total[r];
+    }
+    threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+    if (pair_slot != 0 || !active) return;  // simdgroups past the last row slot (TOP_K not dividing WARPS) sum nothing
+    for (int r = 0; r < RPW; ++r) {
+      total[r] = 0.f;
+      for (int slot = 0; slot < pair_slots; ++slot) total[r] += partial[(row_slot * pair_slots + slot) * RPW + r];
+    }
+  }
+  for (int r = 0; r < RPW; ++r) {
+    if (active && int(lane) == r && first_row + r < d.out_dim) {
+      out[ulong(threadgroup_position_in_grid.y) * d.out_dim + first_row + r] = static_cast<T>(total[r]);
+    }
+  }
+}
