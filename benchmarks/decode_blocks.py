@@ -63,6 +63,12 @@ def block_args(module: str, fields: dict):
     return args_class(**{**required, **fields})
 
 
+def compiled_steps(blocks) -> list:
+    """Each block's compiled decode step (patches/compiled.py), or [] where steps are not compiled."""
+    steps = [[v for v in vars(b).get(compiled._ATTRIBUTE, {}).values() if isinstance(v, compiled._Step)] for b in blocks]
+    return [found[0] for found in steps] if all(steps) else []
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_moe")
@@ -82,6 +88,9 @@ def main(argv=None):
     rows = [("MoE block, stock", split(run(blocks), args.reps))]
     with mlx_moe_fix.patched():
         rows.append(("MoE block, patched (decode step compiled where it is)", split(run(blocks), args.reps)))
+        steps = compiled_steps(blocks)
+        if steps:  # what MLX's replay of the traced graph costs, without the wrapper around it
+            rows.append(("the compiled step alone (no wrapper)", split(lambda: [step.compiled(x) for step in steps], args.reps)))
         with switched(compiled.SWITCH, "0"):
             rows.append(("MoE block, patched, built in Python", split(run(blocks), args.reps)))
     rows.append(("dense equivalent's MLP", split(run(mlps), args.reps)))
