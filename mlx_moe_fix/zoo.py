@@ -49,10 +49,13 @@ MLX_VLM_FAMILIES = ("deepseek_v4", "inkling")
 
 GROUP_SIZE = 64
 # K64_NOTE: no quantized projection takes 64-wide inputs (one quantization group), sharded over two
-# ranks included: on the H200, MLX 0.32.4's CUDA quantized_matmul gives NaN or different values
-# from run to run for such inputs at more than one row (docs/benchmarks.md, seventh session),
-# which made stock deepseek_v3 / deepseek_v4 / inkling zoo models (64-wide expert and shared
-# expert down projections) and the sharded zoo models not reproduce themselves there.
+# ranks included (SHARDED_FAMILIES: the expert down projections and attention's o_proj take a
+# rank's slice of their input): on the H200, MLX 0.32.4's CUDA quantized_matmul gives NaN or
+# different values from run to run for such inputs at more than one row (docs/benchmarks.md,
+# seventh session), which made stock deepseek_v3 / deepseek_v4 / inkling zoo models (64-wide
+# expert and shared expert down projections) and the sharded zoo models (a 64-wide o_proj per
+# rank, until the eighth session) not reproduce themselves there.
+SHARDED_FAMILIES = ("qwen3_moe", "gpt_oss")
 VOCAB = 256
 HIDDEN = 128
 PROMPT_LEN = 40  # x top_k (>= 2) >= 80 >= 64: prefill takes SwitchGLU's sorted path
@@ -107,7 +110,7 @@ def _config(family: str):
             rms_norm_eps=1e-6,
             vocab_size=VOCAB,
             num_key_value_heads=2,
-            head_dim=32,
+            head_dim=64,  # o_proj 256 wide: 128 per rank when sharded over two (K64_NOTE)
             rope_theta=1e6,
             tie_word_embeddings=False,
             max_position_embeddings=4096,
@@ -157,7 +160,7 @@ def _config(family: str):
             vocab_size=VOCAB,
             hidden_size=HIDDEN,
             intermediate_size=256,  # 128 per rank when sharded over two (K64_NOTE)
-            head_dim=32,
+            head_dim=64,  # o_proj 256 wide: 128 per rank when sharded over two (K64_NOTE)
             num_attention_heads=4,
             num_key_value_heads=2,
             sliding_window=32,  # < prompt + decode: the rotating cache wraps

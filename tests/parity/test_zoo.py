@@ -131,3 +131,21 @@ def test_rerouted_steps_by_row_tells_which_rows_moved():
     moved = (mx.array([[[0, 1]], [[2, 4]]]), None)
     assert zoo.rerouted_steps([same, moved], [same, same], 1, by_row=True) == [[False, False], [False, True]]
     assert zoo.rerouted_steps([same, moved], [same, same], 1) == [False, True]
+
+
+# Projections whose input `model.shard(group)` splits across the ranks (upstream's "sharded-to-all"
+# attention output, and the in-place sharded experts' down projection).
+INPUT_SHARDED = ("o_proj", "down_proj")
+
+
+@pytest.mark.parametrize("family", zoo.FAMILIES)
+def test_no_quantized_projection_takes_a_64_wide_input_sharded_or_not(family):
+    # zoo.K64_NOTE: MLX 0.32.4's CUDA quantized_matmul is wrong for one quantization group per row
+    ranks = 2 if family in zoo.SHARDED_FAMILIES else 1
+    model = zoo.build(family, 4)
+    widths = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "bits") and hasattr(module, "scales") and "embed" not in name:
+            width = module.weight.shape[-1] * 32 // module.bits
+            widths[name] = width // ranks if name.endswith(INPUT_SHARDED) else width
+    assert widths and min(widths.values()) > zoo.GROUP_SIZE, {n: w for n, w in widths.items() if w <= zoo.GROUP_SIZE}
