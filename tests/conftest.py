@@ -26,6 +26,15 @@ def device(request):
 
 
 @pytest.fixture
+def cpu_device():
+    """Runs a test on the CPU wherever it runs (its checks are exact, as the references allow)."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(previous)
+
+
+@pytest.fixture
 def cuda_device():
     """Runs a test on a CUDA GPU; skipped visibly elsewhere."""
     if not mx.cuda.is_available():

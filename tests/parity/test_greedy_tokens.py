@@ -230,17 +230,7 @@ def doubled_down_scales(model):
 
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["patched", "wrong-layer"])
-def test_layer_call_replay_passes_the_patch_and_catches_a_wrong_layer(monkeypatch, wrong):
-    # On the CPU wherever it runs: the replay is compared exactly, as the references allow.
-    previous = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        check_layer_call_replay(monkeypatch, wrong)
-    finally:
-        mx.set_default_device(previous)
-
-
-def check_layer_call_replay(monkeypatch, wrong):
+def test_layer_call_replay_passes_the_patch_and_catches_a_wrong_layer(cpu_device, monkeypatch, wrong):
     model = zoo.build("qwen3_moe", 4)
     if wrong:
         monkeypatch.setattr(mlx_moe_fix, "patched", lambda: doubled_down_scales(model))

@@ -1,7 +1,7 @@
 """The patched layers under mlx-lm's own sharding (`model.shard(group)`), on the single-rank
 group MLX gives without a distributed backend: the sharded code path (in-place sharded expert
-weights, the MoE block's all_sum) runs through the ops and keeps stock's greedy tokens. The
-multi-GPU run belongs to the GPU machine."""
+weights, the MoE block's all_sum) runs through the ops and keeps stock's greedy tokens; two
+ranks on the CPU (ring backend) and, where there are two CUDA GPUs, on them (NCCL)."""
 
 import json
 import os
@@ -16,7 +16,7 @@ from mlx_moe_fix import zoo
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
-def test_sharded_model_keeps_tokens_through_the_ops(family):
+def test_sharded_model_keeps_tokens_through_the_ops(cpu_device, family):
     group = mx.distributed.init()
     if group.size() != 1:
         pytest.skip("this test is for the single-rank group; multi-rank runs are on the GPU machine")
@@ -33,6 +33,21 @@ def test_sharded_model_keeps_tokens_through_the_ops(family):
     assert paths == {("prefill", "reference"), ("decode", "reference")}, mlx_moe_fix.path_counts()
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def rank0_result(stdout: str) -> dict:
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def repo_env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+
+
+def port_for(family: str) -> str:
+    return str(20000 + (os.getpid() * 7 + len(family)) % 20000)
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
 def test_two_ranks_on_the_cpu_keep_the_unsharded_tokens(family):
     """Two processes over MLX's ring backend (localhost): the model really split across ranks,
@@ -41,15 +56,12 @@ def test_two_ranks_on_the_cpu_keep_the_unsharded_tokens(family):
     launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
     if not os.path.exists(launcher):
         pytest.skip(f"no mlx.launch beside {sys.executable}")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    port = str(20000 + (os.getpid() * 7 + len(family)) % 20000)
     done = subprocess.run(
-        [launcher, "-n", "2", "--backend", "ring", "--starting-port", port, sys.executable, "-m",
+        [launcher, "-n", "2", "--backend", "ring", "--starting-port", port_for(family), sys.executable, "-m",
          "benchmarks.sharded_tokens", "--family", family, "--backend", "ring"],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+        cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    result = rank0_result(done.stdout)
     assert result["ranks"] == 2
     whole, sharded = result["expert_widths"]
     assert sharded * 2 == whole, result["expert_widths"]
@@ -62,3 +74,45 @@ def test_two_ranks_on_the_cpu_keep_the_unsharded_tokens(family):
         forced = result["forced"][run]
         assert forced["clear_steps"] >= 24 and forced["clear_steps_alike"] == forced["clear_steps"], result
     assert ["SwitchGLU", "decode", "reference"] in result["paths"] and ["SwitchGLU", "prefill", "reference"] in result["paths"]
+
+
+def cuda_gpus() -> int:
+    if not mx.cuda.is_available():
+        return 0
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 1
+    return sum(line.startswith("GPU ") for line in listed.splitlines())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_two_gpus_keep_the_unsharded_tokens(family):
+    """Two processes, rank r on GPU r, over MLX's NCCL backend (the variables its init reads, as
+    `mlx.launch --backend nccl` sets them; NVLink multicast off), all kernels on. qwen3_moe's 32
+    greedy tokens, sharded, stock and patched, equal the unsharded model's on one GPU. gpt_oss's
+    sharded stock parts from the unsharded stream at a near-tie of its first token (its ranks sum
+    in another order), so there the comparison is teacher-forced: every clear step alike,
+    stock's and patched's, and every MoE layer call of a sharded stock run replayed patched
+    within the bf16 tolerance."""
+    if cuda_gpus() < 2:
+        pytest.skip("needs two CUDA GPUs (the nvidia-h200-x2 machine: scripts/two-gpu-check.sh)")
+    env = {**repo_env(), "NCCL_NVLS_ENABLE": "0", "NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": port_for(family),
+           "MLX_WORLD_SIZE": "2"}
+    ranks = [subprocess.Popen([sys.executable, "-m", "benchmarks.sharded_tokens", "--family", family, "--backend", "nccl"],
+                              cwd=REPO, env={**env, "MLX_RANK": str(r), "CUDA_VISIBLE_DEVICES": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), [err[-3000:] for _, err in outputs]
+    result = rank0_result(outputs[0][0])
+    assert result["ranks"] == 2 and result["stock_reproducible"], result
+    assert ["SwitchGLU", "decode", "kernel"] in result["paths"] and ["SwitchGLU", "prefill", "kernel"] in result["paths"]
+    if family == "qwen3_moe":
+        assert len(set(result["unsharded"])) >= 4, result
+        assert result["stock"] == result["unsharded"] and result["patched"] == result["stock"], result
+    for run in ("stock", "patched"):
+        forced = result["forced"][run]
+        assert forced["clear_steps"] >= 24 and forced["clear_steps_alike"] == forced["clear_steps"], result
+    assert result["replay"]["compared"] == result["replay"]["calls"] > 0, result
+    assert result["replay"]["max_relative_error"] <= 1.6e-2, result
