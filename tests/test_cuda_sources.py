@@ -2,6 +2,7 @@
 from the launchers' input names: syntax and type errors show up here, before GPU time is spent.
 Needs nvcc (skipped, with the reason, where there is none); nothing runs."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -107,3 +108,24 @@ def test_a_bias_signature_that_disagrees_with_has_bias_does_not_compile(tmp_path
     done = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "-c", "-o", str(tmp_path / "k.o"), str(path)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "HAS_BIAS disagrees" in done.stderr
+
+
+def test_one_matrix_prefill_gemm_fits_its_launch_bounds_without_spilling(tmp_path):
+    # moe_prefill.launch_bounds_for: 64-row one-matrix GEMMs are capped to 3 blocks of 128
+    # threads per SM (<= 170 registers); the cap must not make the 4-bit variant spill.
+    from mlx_moe_fix.kernels.launch import launch_bounds
+
+    assert PREFILL.launch_bounds_for(64, gated=False) == (128, PREFILL.ONE_MATRIX_MIN_BLOCKS)
+    assert PREFILL.launch_bounds_for(64, gated=True) == () and PREFILL.launch_bounds_for(32, gated=False) == ()
+    constants = {"BITS": 4, "GROUP": 64, "BM": 64, "PAIRS_IN": False, "ACTIVATE": False, "GATED": False, "ACT": 0,
+                 "LIMITED": False, "HAS_BIAS": False, "OUT_BITS": 0}
+    text = translation_unit(PREFILL, "moe_prefill.cu", [("grouped", "__nv_bfloat16", constants)])
+    header = sections("cuda", "moe_prefill.cu")["header"]
+    path = tmp_path / "kernels.cu"
+    path.write_text(text.replace(header, header + launch_bounds(*PREFILL.launch_bounds_for(64, gated=False))))
+    done = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90a", "-c", "--resource-usage", "-o", str(tmp_path / "k.o"), str(path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    usage = done.stdout + done.stderr
+    registers = int(re.search(r"Used (\d+) registers", usage).group(1))
+    assert registers <= 65536 // (128 * PREFILL.ONE_MATRIX_MIN_BLOCKS) and "0 bytes spill stores" in usage, usage

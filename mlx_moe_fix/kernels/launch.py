@@ -22,20 +22,32 @@ def _kernel_name(backend: str, filename: str, section: str, suffix: str = "") ->
     return f"mlx_moe_fix_{filename.split('.')[0]}_{section}{suffix}_{digest}"
 
 
+def launch_bounds(threads: int, min_blocks: int) -> str:
+    """Header lines that give the kernel MLX declares next `__launch_bounds__(threads,
+    min_blocks)` (registers capped so that `min_blocks` blocks fit an SM): cuda_kernel writes the
+    `__global__` signature itself, so the qualifier is redefined after the header. Only where
+    `__global__` is the usual `__location__(global)` macro; elsewhere nothing changes."""
+    return ("#if defined(__global__) && defined(__location__)\n#undef __global__\n"
+            f"#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n#endif\n")
+
+
 @functools.lru_cache(maxsize=None)
-def cuda_kernel_object(filename: str, section: str, input_names: tuple, output_names: tuple, shared_bytes: int):
+def cuda_kernel_object(filename: str, section: str, input_names: tuple, output_names: tuple, shared_bytes: int,
+                       bounds: tuple = ()):
     """The mx.fast.cuda_kernel object of one section of cuda/`filename`, with `shared_bytes` of
-    dynamic shared memory (fixed per object), or None where MLX has no CUDA. Cached: each object
-    is an NVRTC compile per template variant."""
+    dynamic shared memory (fixed per object) and, given `bounds` = (threads, min_blocks), launch
+    bounds, or None where MLX has no CUDA. Cached: each object is an NVRTC compile per template
+    variant."""
     if not mx.cuda.is_available():
         return None
     source = sections("cuda", filename)
+    suffix = f"_smem{shared_bytes}" + (f"_lb{bounds[0]}x{bounds[1]}" if bounds else "")
     return mx.fast.cuda_kernel(
-        name=_kernel_name("cuda", filename, section, f"_smem{shared_bytes}"),
+        name=_kernel_name("cuda", filename, section, suffix),
         input_names=list(input_names),
         output_names=list(output_names),
         source=source[section],
-        header=source["header"],
+        header=source["header"] + (launch_bounds(*bounds) if bounds else ""),
         shared_memory=shared_bytes,
     )
 

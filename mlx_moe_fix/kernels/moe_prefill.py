@@ -73,10 +73,21 @@ def threads(tile: int) -> int:
     return max(tile // 64, 1) * 4 * 32
 
 
-def cuda_kernel(section: str, shared: int = 0):
+def cuda_kernel(section: str, shared: int = 0, bounds: tuple = ()):
     """The cuda_kernel object of a section of cuda/moe_prefill.cu, for blocks of `shared` bytes
-    of dynamic shared memory, or None where MLX has no CUDA."""
-    return cuda_kernel_object("moe_prefill.cu", section, tuple(INPUTS[section]), tuple(OUTPUTS[section]), shared)
+    of dynamic shared memory (and launch `bounds`), or None where MLX has no CUDA."""
+    return cuda_kernel_object("moe_prefill.cu", section, tuple(INPUTS[section]), tuple(OUTPUTS[section]), shared, bounds)
+
+
+# A one-matrix GEMM with 64-row tiles takes 176 registers a thread unbounded (2 blocks of 4 warps
+# per SM); capped at 3 blocks it fits 166 without spilling (4-bit; nvcc --resource-usage), for
+# 12 warps per SM: the GEMM is latency bound at 8 (ncu, docs/benchmarks.md, eighth session).
+# The gated GEMM already needs 254.
+ONE_MATRIX_MIN_BLOCKS = 3
+
+
+def launch_bounds_for(tile: int, gated: bool) -> tuple:
+    return (threads(tile), ONE_MATRIX_MIN_BLOCKS) if not gated and tile == 64 else ()
 
 
 def tile_height(pairs: int, num_experts: int) -> int:
@@ -143,7 +154,7 @@ def _grouped(a, routing, pairs: int, top_k: int, matrices: tuple, activation, sc
     row_pair, tile_expert, tiles, tile = routing
     first, second = matrices[0], matrices[-1]
     gated = len(matrices) == 2
-    return cuda_kernel("grouped", shared_bytes(tile, gated, first.bits))(
+    return cuda_kernel("grouped", shared_bytes(tile, gated, first.bits), launch_bounds_for(tile, gated))(
         inputs=[a, row_pair, tile_expert, first.weight, first.scales, first.biases,
                 second.weight, second.scales, second.biases,
                 first.bias if first.bias is not None else absent(),
