@@ -81,8 +81,9 @@ def cuda_kernel(section: str, shared: int = 0, bounds: tuple = ()):
 
 # A one-matrix GEMM with 64-row tiles takes 176 registers a thread unbounded (2 blocks of 4 warps
 # per SM); capped at 3 blocks it fits 166 without spilling (4-bit; nvcc --resource-usage), for
-# 12 warps per SM: the GEMM is latency bound at 8 (ncu, docs/benchmarks.md, eighth session).
-# The gated GEMM already needs 254.
+# 12 warps per SM: the GEMM is latency bound at 8 (ncu). On the H200 the down GEMM went from 130
+# to 146 TFLOP/s (Qwen3, 2048 tokens) and 236 to 246 (Mixtral); at 512 tokens within the noise
+# (docs/benchmarks.md, eighth session). The gated GEMM already needs 254.
 ONE_MATRIX_MIN_BLOCKS = 3
 
 
