@@ -293,7 +293,10 @@ def test_status_says_whether_decode_steps_are_compiled_and_why(monkeypatch):
 
     def steps():
         env.refresh()
-        return mlx_moe_fix.status()["compiled_decode_steps"]
+        state = mlx_moe_fix.status()["compiled_decode_steps"]
+        # the per-call check and the reported reason must agree
+        assert compiled.eligible() == state["on"] == (compiled.why_not_compiled() is None)
+        return state
 
     monkeypatch.setattr(compiled, "BACKENDS", ("nowhere",))
     assert steps() == {"on": False, "reason": f"{mlx_moe_fix.current_backend()}: only the CUDA kernels' decode steps are compiled"}
@@ -305,5 +308,10 @@ def test_status_says_whether_decode_steps_are_compiled_and_why(monkeypatch):
     assert "MLX_MOE_FIX_CUDA_DECODE=0" in steps()["reason"]
     monkeypatch.setenv("MLX_MOE_FIX_COMPILED_DECODE", "0")
     assert steps() == {"on": False, "reason": "switched off (MLX_MOE_FIX_COMPILED_DECODE=0)"}
+    monkeypatch.delenv("MLX_MOE_FIX_COMPILED_DECODE")
+    monkeypatch.setenv("MLX_MOE_FIX_CUDA_DECODE", "1")
+    assert steps()["on"] is True
+    with compiled.suspended():
+        assert steps()["reason"] == "suspended while layer calls are intercepted (zoo.intercepting)"
     monkeypatch.undo()
     env.refresh()
