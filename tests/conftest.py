@@ -46,19 +46,30 @@ def cuda_device():
 
 
 @pytest.fixture
-def metal_device(monkeypatch):
+def switch(monkeypatch):
+    """switch(name, value): sets one of env.SWITCHES for the test ("" for its default) and
+    refreshes the package's reading of them; they are read afresh after the test."""
+
+    def set_switch(name: str, value: str):
+        monkeypatch.setenv(name, value)
+        env.refresh()
+
+    yield set_switch
+    monkeypatch.undo()
+    env.refresh()
+
+
+@pytest.fixture
+def metal_device(switch):
     """Runs a test on a Metal GPU with the Metal decode kernel switched on (it is off by default
     until it has run on Apple hardware); skipped visibly elsewhere."""
     if not mx.metal.is_available():
         pytest.skip("no Metal: MLX reports no Metal GPU on this machine (the Metal kernels are untested here)")
-    monkeypatch.setenv("MLX_MOE_FIX_METAL_DECODE", "1")
-    env.refresh()
+    switch("MLX_MOE_FIX_METAL_DECODE", "1")
     previous = mx.default_device()
     mx.set_default_device(mx.gpu)
     yield
     mx.set_default_device(previous)
-    monkeypatch.undo()
-    env.refresh()
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,6 @@ backend (the kernels themselves are not called here)."""
 
 import pytest
 
-from mlx_moe_fix import env
 from mlx_moe_fix.kernels import backend, moe_prefill_implementation, moe_router_implementation
 from mlx_moe_fix.kernels.moe_decode import METAL_KERNEL_SWITCH, moe_decode_implementation, moe_decode_kernel
 
@@ -11,36 +10,29 @@ from mlx_moe_fix.kernels.moe_decode import METAL_KERNEL_SWITCH, moe_decode_imple
 @pytest.fixture
 def pretend(monkeypatch):
     """pretend(name): current_backend() says `name` for the test."""
-    yield lambda name: monkeypatch.setattr(backend, "current_backend", lambda: name)
-    monkeypatch.undo()
-    env.refresh()
+    return lambda name: monkeypatch.setattr(backend, "current_backend", lambda: name)
 
 
-def switch(monkeypatch, name, value):
-    monkeypatch.setenv(name, value)
-    env.refresh()
-
-
-def test_metal_decode_kernel_is_off_until_switched_on(pretend, monkeypatch):
+def test_metal_decode_kernel_is_off_until_switched_on(pretend, switch):
     pretend("metal")
-    switch(monkeypatch, METAL_KERNEL_SWITCH, "")
+    switch(METAL_KERNEL_SWITCH, "")
     off = moe_decode_implementation()
     assert off.path == "reference" and f"{METAL_KERNEL_SWITCH}=1" in off.reason
-    switch(monkeypatch, METAL_KERNEL_SWITCH, "1")
+    switch(METAL_KERNEL_SWITCH, "1")
     on = moe_decode_implementation()
     assert on.path == "kernel" and on.function is moe_decode_kernel and on.reason == "Metal moe_decode kernel"
 
 
-def test_metal_keeps_the_references_of_ops_without_a_metal_kernel(pretend, monkeypatch):
+def test_metal_keeps_the_references_of_ops_without_a_metal_kernel(pretend, switch):
     pretend("metal")
-    switch(monkeypatch, METAL_KERNEL_SWITCH, "1")
+    switch(METAL_KERNEL_SWITCH, "1")
     for implementation, op in ((moe_prefill_implementation(), "moe_prefill"), (moe_router_implementation(), "moe_router")):
         assert implementation.path == "reference" and implementation.reason == f"no metal kernel for {op}"
 
 
-def test_the_metal_switch_does_not_touch_cuda(pretend, monkeypatch):
+def test_the_metal_switch_does_not_touch_cuda(pretend, switch):
     pretend("cuda")
-    switch(monkeypatch, METAL_KERNEL_SWITCH, "")
+    switch(METAL_KERNEL_SWITCH, "")
     assert moe_decode_implementation().reason == "CUDA moe_decode kernel"
-    switch(monkeypatch, "MLX_MOE_FIX_CUDA_DECODE", "0")
+    switch("MLX_MOE_FIX_CUDA_DECODE", "0")
     assert moe_decode_implementation().path == "reference"
