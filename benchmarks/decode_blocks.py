@@ -6,7 +6,8 @@ between a MoE model's and its dense equivalent's single-stream decode).
     python3 -m benchmarks.decode_blocks --family mixtral --layers 32
 
 One token, bf16, 4-bit affine g64 weights (random), mlx-lm's own block and MLP classes: the MoE
-block stock, patched with its decode step compiled, and patched built in Python at every step
+block stock, patched with its decode step compiled, patched with the routing in a launch of its
+own (MLX_MOE_FIX_CUDA_ROUTED_DECODE=0), patched built in Python at every step
 (MLX_MOE_FIX_COMPILED_DECODE=0), and the dense MLP of the block's active width (top-k x expert
 width) stock. Same timing as decode_split (median of --reps after 3 warm-ups).
 """
@@ -18,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import mlx_moe_fix
+from mlx_moe_fix.kernels.moe_routed_decode import CUDA_KERNEL_SWITCH as ROUTED_SWITCH
 from mlx_moe_fix.patches import compiled
 
 from .decode_split import per_layer_table, split, switched
@@ -91,6 +93,8 @@ def main(argv=None):
         steps = compiled_steps(blocks)
         if steps:  # what MLX's replay of the traced graph costs, without the wrapper around it
             rows.append(("the compiled step alone (no wrapper)", split(lambda: [step.compiled(x) for step in steps], args.reps)))
+        with switched(ROUTED_SWITCH, "0"):
+            rows.append(("MoE block, patched, routing in its own launch", split(run(blocks), args.reps)))
         with switched(compiled.SWITCH, "0"):
             rows.append(("MoE block, patched, built in Python", split(run(blocks), args.reps)))
     rows.append(("dense equivalent's MLP", split(run(mlps), args.reps)))

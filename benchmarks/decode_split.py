@@ -103,13 +103,13 @@ def empty_launches(decode, x, indices, described, with_header=True):
                                         output_names=decode.OUTPUTS[stage], source="", header=header)
              for stage in decode.INPUTS}
     flat = indices.reshape(-1)
-    launches = [decode._launches(e, indices.shape[-1], flat.size, x.dtype, None, "cuda") for e in described]
+    launches = [decode.decode_launches(e, indices.shape[-1], flat.size, x.dtype, None, "cuda") for e in described]
 
     def run():
         outs = []
         for gate_up, down in launches:
-            hidden = gate_up._replace(kernel=empty["gate_up"])(x, flat)
-            outs.append(down._replace(kernel=empty["down"])(hidden, flat, absent()))
+            hidden = gate_up._replace(kernel=empty["gate_up"])(x, flat)[0]
+            outs.append(down._replace(kernel=empty["down"])(hidden, flat, absent())[0])
         return outs
 
     return run

@@ -14,6 +14,7 @@ from importlib import metadata
 from .kernels import current_backend
 from .kernels.moe_decode import moe_decode_implementation
 from .kernels.moe_prefill import moe_prefill_implementation
+from .kernels.moe_routed_decode import moe_routed_decode_implementation
 from .kernels.moe_router import moe_router_implementation
 from .patches import TARGETS, apply, compiled, disabled_by_env, is_applied, options, patched, revert, target_state
 from .patches.activations import known_activation_names
@@ -46,6 +47,7 @@ def status() -> dict:
         "moe_prefill": moe_prefill_implementation(),
         "moe_decode": moe_decode_implementation(),
         "moe_router": moe_router_implementation(),
+        "moe_routed_decode": moe_routed_decode_implementation(),
     }
     return {
         "applied": is_applied(),

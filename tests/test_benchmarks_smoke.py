@@ -117,7 +117,7 @@ def test_decode_split_smoke_prints_its_table():
 def test_decode_blocks_smoke_prints_every_row(family):
     out = run_module("benchmarks.decode_blocks", "--family", family, "--layers", "2", "--reps", "2", "--scale", "32")
     rows = [line for line in out.splitlines() if line.startswith("| MoE block") or line.startswith("| dense")]
-    assert len(rows) == 4, out
+    assert len(rows) == 5, out
 
 
 def test_decode_graph_patched_adds_no_primitives_to_a_decode_step():

@@ -19,6 +19,7 @@ import mlx_moe_fix.kernels  # noqa: E402,F401  loads the op modules (their names
 DECODE = sys.modules["mlx_moe_fix.kernels.moe_decode"]
 PREFILL = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
 ROUTER = sys.modules["mlx_moe_fix.kernels.moe_router"]
+ROUTED = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
 
 # C types of the inputs, as cuda_kernel declares them from the arrays the launchers pass.
 INT_INPUTS = {"indices": "uint32_t", "row_pair": "int32_t", "tile_expert": "int32_t", "dims": "int32_t", "sizes": "int32_t"}
@@ -96,6 +97,47 @@ def test_router_kernel_compiles(tmp_path, t):
     compile_ok(tmp_path, translation_unit(ROUTER, "moe_router.cu", variants))
 
 
+@pytest.mark.parametrize("t", ["__nv_bfloat16", "__half", "float"])
+def test_routed_decode_kernel_compiles(tmp_path, t):
+    variants = [("routed_gate_up", t, {"BITS": bits, "GROUP": group, "WARPS": 8, "RPW": 4, "HAS_BIAS": bits == 8,
+                                       "GATED": gated, "SOFTMAX_FIRST": first, "NORMALIZE": first, "LAST_K": first})
+                for bits, group in ((4, 64), (8, 32)) for gated in (True, False) for first in (True, False)]
+    compile_ok(tmp_path, translation_unit(ROUTED, "moe_routed_decode.cu", variants))
+
+
+def resource_usage(tmp_path, text) -> str:
+    path = tmp_path / "kernels.cu"
+    path.write_text(text)
+    done = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90a", "-c", "--resource-usage", "-o", str(tmp_path / "k.o"), str(path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout + done.stderr
+
+
+def with_launch_bounds(text, filename, bounds):
+    from mlx_moe_fix.kernels.launch import launch_bounds
+
+    header = sections("cuda", filename)["header"]
+    return text.replace(header, header + launch_bounds(*bounds))
+
+
+def registers(usage: str) -> int:
+    return int(re.search(r"Used (\d+) registers", usage).group(1))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_routed_decode_kernel_fits_its_launch_bounds_without_spilling(tmp_path, bits):
+    # As many blocks per SM as the unrouted gate+up: the routing must not cost occupancy.
+    threads, blocks = ROUTED.LAUNCH_BOUNDS
+    constants = {"BITS": bits, "GROUP": 64, "WARPS": threads // 32, "RPW": DECODE.ROWS_PER_WARP, "HAS_BIAS": False, "GATED": True}
+    plain = resource_usage(tmp_path, translation_unit(DECODE, "moe_decode.cu", [("gate_up", "__nv_bfloat16", constants)]))
+    routed_text = translation_unit(ROUTED, "moe_routed_decode.cu", [
+        ("routed_gate_up", "__nv_bfloat16", {**constants, "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True})])
+    routed = resource_usage(tmp_path, with_launch_bounds(routed_text, "moe_routed_decode.cu", ROUTED.LAUNCH_BOUNDS))
+    assert registers(plain) <= 65536 // (threads * blocks), plain
+    assert registers(routed) <= 65536 // (threads * blocks) and "0 bytes spill stores" in routed, routed
+
+
 def test_a_bias_signature_that_disagrees_with_has_bias_does_not_compile(tmp_path):
     # MLX reuses a compiled kernel by name and template arguments: HAS_BIAS must tell the bias
     # inputs' type apart, and a kernel built with the wrong one must not compile at all.
@@ -113,19 +155,10 @@ def test_a_bias_signature_that_disagrees_with_has_bias_does_not_compile(tmp_path
 def test_one_matrix_prefill_gemm_fits_its_launch_bounds_without_spilling(tmp_path):
     # moe_prefill.launch_bounds_for: 64-row one-matrix GEMMs are capped to 3 blocks of 128
     # threads per SM (<= 170 registers); the cap must not make the 4-bit variant spill.
-    from mlx_moe_fix.kernels.launch import launch_bounds
-
     assert PREFILL.launch_bounds_for(64, gated=False) == (128, PREFILL.ONE_MATRIX_MIN_BLOCKS)
     assert PREFILL.launch_bounds_for(64, gated=True) == () and PREFILL.launch_bounds_for(32, gated=False) == ()
     constants = {"BITS": 4, "GROUP": 64, "BM": 64, "PAIRS_IN": False, "ACTIVATE": False, "GATED": False, "ACT": 0,
                  "LIMITED": False, "HAS_BIAS": False, "OUT_BITS": 0}
     text = translation_unit(PREFILL, "moe_prefill.cu", [("grouped", "__nv_bfloat16", constants)])
-    header = sections("cuda", "moe_prefill.cu")["header"]
-    path = tmp_path / "kernels.cu"
-    path.write_text(text.replace(header, header + launch_bounds(*PREFILL.launch_bounds_for(64, gated=False))))
-    done = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90a", "-c", "--resource-usage", "-o", str(tmp_path / "k.o"), str(path)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    usage = done.stdout + done.stderr
-    registers = int(re.search(r"Used (\d+) registers", usage).group(1))
-    assert registers <= 65536 // (128 * PREFILL.ONE_MATRIX_MIN_BLOCKS) and "0 bytes spill stores" in usage, usage
+    usage = resource_usage(tmp_path, with_launch_bounds(text, "moe_prefill.cu", PREFILL.launch_bounds_for(64, gated=False)))
+    assert registers(usage) <= 65536 // (128 * PREFILL.ONE_MATRIX_MIN_BLOCKS) and "0 bytes spill stores" in usage, usage

@@ -255,7 +255,8 @@ def test_env_switches_are_read_at_apply(monkeypatch):
 def test_the_kernel_switches_are_on_unless_set_to_0(monkeypatch):
     from mlx_moe_fix.env import flag, refresh
 
-    names = ("MLX_MOE_FIX_CUDA_PREFILL", "MLX_MOE_FIX_CUDA_DECODE", "MLX_MOE_FIX_CUDA_ROUTER", "MLX_MOE_FIX_COMPILED_DECODE")
+    names = ("MLX_MOE_FIX_CUDA_PREFILL", "MLX_MOE_FIX_CUDA_DECODE", "MLX_MOE_FIX_CUDA_ROUTER",
+             "MLX_MOE_FIX_CUDA_ROUTED_DECODE", "MLX_MOE_FIX_COMPILED_DECODE")
     for value, on in ((None, True), ("", True), ("0", False), ("1", True)):
         for name in names:
             if value is None:
@@ -285,6 +286,57 @@ def test_plan_sends_batched_decode_with_many_pairs_per_expert_to_the_grouped_ker
             assert chosen.function is not grouped_kernel.function and chosen.path == "reference"
         else:
             assert chosen.function is grouped_kernel.function and chosen.path == "kernel", tokens
+
+
+def test_routed_plan_fuses_decode_sized_calls_only(monkeypatch):
+    import mlx_moe_fix.kernels as kernels
+    from mlx_moe_fix.kernels import Routing, backend
+    from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode_kernel
+    from tests.parity.cases import make_case
+
+    monkeypatch.setattr(backend, "current_backend", lambda: "cuda")
+    routing = Routing("topk_softmax", 2)
+    for tokens, fused in ((1, True), (7, True), (8, False), (40, False)):
+        # 8 experts, top-2: from 16 pairs (2 per expert) on, the grouped kernel takes the experts.
+        case = make_case(mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 64, 64, 8, 2, 1, tokens)
+        logits = mx.zeros((1, tokens, 8), mx.bfloat16)
+        chosen = kernels.routed_plan(case.x, logits, routing, case.experts)
+        assert (chosen is not None) == fused, tokens
+        if fused:
+            assert chosen.function is moe_routed_decode_kernel and (chosen.phase, chosen.path) == ("decode", "kernel")
+    case = make_case(mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 64, 64, 8, 2, 1, 1)
+    assert kernels.routed_plan(case.x, mx.zeros((1, 1, 8), mx.bfloat16), routing, case.experts, decode=False) is None
+    assert kernels.routed_plan(case.x, mx.zeros((1, 1, 9), mx.bfloat16), routing, case.experts) is None
+    assert kernels.routed_plan(case.x, mx.zeros((1, 1, 8), mx.float32), routing, case.experts) is None
+
+
+def test_a_routed_block_takes_the_fused_op_only_through_the_patched_experts_call(monkeypatch):
+    """The block counts the fused call as its experts' call; a tool intercepting the experts
+    layer (zoo.intercepting) sees the call made to it instead."""
+    from mlx_moe_fix import trace, zoo
+    from mlx_moe_fix.kernels import Plan, Routing
+    from mlx_moe_fix.patches import switch_layers
+
+    model = zoo.build("qwen3_moe", 4)
+    block = next(m for _, m in model.named_modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock")
+    x = mx.random.normal((1, 1, model.args.hidden_size))
+    fused = []
+
+    def fused_op(x, logits, routing, experts):
+        fused.append(routing)
+        return mx.zeros(x.shape, x.dtype)
+
+    monkeypatch.setattr(switch_layers, "routed_plan", lambda *args, **kwargs: Plan("decode", "kernel", "fused", fused_op))
+    seen = []
+    with mlx_moe_fix.patched():
+        trace.reset_path_counts()
+        assert mx.array_equal(block(x), mx.zeros(x.shape)).item()
+        assert fused == [Routing("softmax_topk", block.top_k, bool(block.norm_topk_prob))]
+        assert trace.path_counts() == {trace.PathRecord("SwitchGLU", "decode", "kernel", "fused"): 1}
+        with zoo.intercepting([block.switch_mlp], lambda layer, call, *args, **kwargs: seen.append(kwargs) or call(*args, **kwargs)):
+            intercepted = block(x)
+    assert len(fused) == 1 and [set(kwargs) for kwargs in seen] == [{"weights"}]
+    assert not mx.array_equal(intercepted, mx.zeros(x.shape)).item()
 
 
 def test_status_says_whether_decode_steps_are_compiled_and_why(monkeypatch):

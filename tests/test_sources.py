@@ -5,7 +5,7 @@ from importlib import resources
 
 from mlx_moe_fix.kernels.sources import compact, sections
 
-CUDA_FILES = ("moe_decode.cu", "moe_prefill.cu", "moe_router.cu")
+CUDA_FILES = ("moe_decode.cu", "moe_prefill.cu", "moe_router.cu", "moe_routed_decode.cu")
 
 
 def test_compact_drops_comments_indentation_and_blank_lines_and_keeps_code_lines():
@@ -24,8 +24,18 @@ def test_no_string_literal_in_the_sources_holds_a_comment_marker():
 
 def test_every_file_has_a_header_and_its_kernels_and_they_are_compact():
     for name, kernels in (("moe_decode.cu", {"gate_up", "down"}), ("moe_prefill.cu", {"grouped", "route"}),
-                          ("moe_router.cu", {"topk", "sigmoid_topk"})):
+                          ("moe_router.cu", {"topk", "sigmoid_topk"}), ("moe_routed_decode.cu", {"routed_gate_up"})):
         parts = sections("cuda", name)
         assert set(parts) == {"header", *kernels}
         for text in parts.values():
             assert "//" not in text and "\n\n" not in text and text.strip()
+
+
+def test_a_source_that_uses_others_gets_their_headers_after_the_common_helpers_once():
+    routed = sections("cuda", "moe_routed_decode.cu")["header"]
+    common = sections("cuda", "moe_router.cu")["header"].split("namespace moe_router {")[0]
+    assert routed.startswith(common) and routed.count("namespace moe_common {") == 1
+    for used in ("moe_router.cu", "moe_decode.cu"):
+        own = sections("cuda", used)["header"][len(common):]
+        assert routed.count(own) == 1, used
+    assert routed.index("namespace moe_router {") < routed.index("namespace moe_decode {")

@@ -1,6 +1,7 @@
 """MoE ops: each has `<op>_reference` (pure MLX), a dispatcher `<op>` with the same signature,
 and `<op>_implementation()` saying which one the current backend runs: `moe_prefill` and
-`moe_decode` (the experts), `moe_router` (a block's top-k routing).
+`moe_decode` (the experts), `moe_router` (a block's top-k routing), `moe_routed_decode` (the
+two fused: a block's routing inside the decode kernel's first launch).
 
 `plan()` picks the op for a call: the sorted grouped prefill when many (token, expert) pairs are
 present, the fused decode otherwise, or none (stock code) when the call is not supported.
@@ -12,7 +13,7 @@ from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
 
-from ..env import flag
+from ..env import flag, snapshot
 from .backend import current_backend
 from .experts import Activation, ExpertLinear, MoEExperts
 from .moe_decode import CUDA_KERNEL_SWITCH as DECODE_SWITCH
@@ -20,6 +21,7 @@ from .moe_decode import METAL_KERNEL_SWITCH as METAL_DECODE_SWITCH
 from .moe_decode import moe_decode, moe_decode_implementation, moe_decode_reference
 from .moe_prefill import CUDA_KERNEL_SWITCH as PREFILL_SWITCH
 from .moe_prefill import moe_prefill, moe_prefill_implementation, moe_prefill_reference
+from .moe_routed_decode import moe_routed_decode, moe_routed_decode_implementation, moe_routed_decode_reference
 from .moe_router import Routing, moe_router, moe_router_implementation, moe_router_reference
 from .reference import combine
 
@@ -59,6 +61,29 @@ def plan(
         ("call plan", x.shape, x.dtype, indices.shape, prefill, decode, token_by_token, switches),
         lambda: _plan(x, indices, experts, prefill, decode, token_by_token, switches),
     )
+
+
+def routed_plan(x: mx.array, logits: mx.array, routing: Routing, experts: MoEExperts, *, decode: bool = True) -> Optional[Plan]:
+    """The plan of a block's call whose routing and experts one fused kernel can take
+    (moe_routed_decode), or None: then the block routes (moe_router) and calls its experts,
+    planned as any experts call (a prefill, grouped decode, an unsupported call, or no fused
+    kernel on this backend)."""
+    if not decode or x.shape[:-1] != logits.shape[:-1]:
+        return None
+    pairs = (x.size // x.shape[-1]) * routing.top_k
+    if pairs >= min(PREFILL_MIN_PAIRS, GROUPED_MIN_PAIRS_PER_EXPERT * experts.num_experts):
+        return None
+    return experts.memo(("routed plan", x.shape, x.dtype, logits.shape, logits.dtype, routing, current_backend(), snapshot()),
+                        lambda: _routed_plan(x, logits, routing, experts))
+
+
+def _routed_plan(x, logits, routing: Routing, experts: MoEExperts) -> Optional[Plan]:
+    if logits.shape[-1] != experts.num_experts or experts.unsupported_reason(x, logits) is not None:
+        return None
+    implementation = moe_routed_decode_implementation(experts, routing, x.dtype, logits.dtype)
+    if implementation.path != "kernel":
+        return None
+    return Plan("decode", "kernel", f"{implementation.reason}: the routing inside the gate+up launch", implementation.function)
 
 
 def _plan(x, indices, experts: MoEExperts, prefill: bool, decode: bool, token_by_token: bool, switches: tuple) -> Plan:
@@ -107,5 +132,9 @@ __all__ = [
     "moe_router",
     "moe_router_implementation",
     "moe_router_reference",
+    "moe_routed_decode",
+    "moe_routed_decode_implementation",
+    "moe_routed_decode_reference",
     "plan",
+    "routed_plan",
 ]

@@ -64,7 +64,8 @@ def _grid(rows: int, blocks_y: int, row_warps: int = WARPS_PER_BLOCK) -> tuple:
 
 
 class Launch(NamedTuple):
-    """One kernel launch, all but its per-call inputs (activations, indices, routing weights)."""
+    """One kernel launch, all but its per-call inputs (activations, indices, routing weights);
+    a call gives its outputs' list."""
 
     kernel: object
     fixed_inputs: list
@@ -74,7 +75,7 @@ class Launch(NamedTuple):
     output_shapes: list
     output_dtypes: list
 
-    def __call__(self, *varying_inputs) -> mx.array:
+    def __call__(self, *varying_inputs) -> list:
         return self.kernel(
             inputs=[*varying_inputs, *self.fixed_inputs],
             template=self.template,
@@ -82,7 +83,7 @@ class Launch(NamedTuple):
             threadgroup=self.threadgroup,
             output_shapes=self.output_shapes,
             output_dtypes=self.output_dtypes,
-        )[0]
+        )
 
 
 def _quant_templates(linear: ExpertLinear, dtype) -> list:
@@ -90,7 +91,7 @@ def _quant_templates(linear: ExpertLinear, dtype) -> list:
             ("WARPS", WARPS_PER_BLOCK), ("RPW", ROWS_PER_WARP)]
 
 
-def _gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: str) -> Launch:
+def gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: str) -> Launch:
     gated = len(experts.projections) == 3
     gate, up = experts.projections[:2] if gated else (experts.projections[0],) * 2
     has_scale = experts.gate_scale is not None
@@ -130,13 +131,13 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
     )
 
 
-def _launches(experts: MoEExperts, top_k: int, pairs: int, dtype, weights_dtype, backend: str) -> tuple:
+def decode_launches(experts: MoEExperts, top_k: int, pairs: int, dtype, weights_dtype, backend: str) -> tuple:
     """(gate_up or None, down) for this call's shape, cached on the experts object (itself
     cached per layer) to keep per-call host time low at decode."""
     def plan():
         single = len(experts.projections) == 1
         return (
-            None if single else _gate_up_launch(experts, top_k, pairs, dtype, backend),
+            None if single else gate_up_launch(experts, top_k, pairs, dtype, backend),
             _down_launch(experts.projections[-1], experts.out_scale, top_k, pairs, dtype, weights_dtype,
                          input_per_pair=not single, backend=backend),
         )
@@ -152,14 +153,14 @@ def moe_decode_kernel(
     top_k = indices.shape[-1]
     tokens = x.reshape(-1, x.shape[-1])
     flat_indices = indices.reshape(-1).astype(mx.uint32)
-    gate_up, down = _launches(
+    gate_up, down = decode_launches(
         experts, top_k, flat_indices.size, x.dtype, None if weights is None else weights.dtype, current_backend()
     )
-    rows = tokens if gate_up is None else gate_up(tokens, flat_indices)
+    rows = tokens if gate_up is None else gate_up(tokens, flat_indices)[0]
     out_dims = experts.output_dims
     if weights is None:
-        return down(rows, flat_indices, absent()).reshape(*indices.shape, out_dims)
-    return down(rows, flat_indices, weights.reshape(-1)).reshape(*x.shape[:-1], out_dims)
+        return down(rows, flat_indices, absent())[0].reshape(*indices.shape, out_dims)
+    return down(rows, flat_indices, weights.reshape(-1))[0].reshape(*x.shape[:-1], out_dims)
 
 
 def moe_decode(

@@ -92,16 +92,18 @@ def _sigmoid_topk_reference(logits, routing: Routing, correction_bias, global_sc
     return indices.astype(mx.uint32), weights[..., : routing.top_k].astype(logits.dtype), shared
 
 
-def cuda_unsupported_reason(logits: mx.array, routing: Routing) -> Optional[str]:
-    if logits.dtype not in (mx.bfloat16, mx.float16, mx.float32):
-        return f"router logits of {logits.dtype}"
+def cuda_unsupported_reason(logits_dtype, width: int, routing: Routing) -> Optional[str]:
+    """Why the kernel cannot route logits of `logits_dtype` and `width` columns (the routed
+    experts', then the shared ones'), or None."""
+    if logits_dtype not in (mx.bfloat16, mx.float16, mx.float32):
+        return f"router logits of {logits_dtype}"
     if routing.top_k + routing.shared > MAX_TOP_K:
         return f"top-{routing.top_k} routing with {routing.shared} shared experts: the router kernel weighs at most {MAX_TOP_K}"
     # A warp holds the logits as MLX's softmax reads them: 16 bytes of them per lane.
-    most = 32 * 16 // logits.dtype.size
-    experts = logits.shape[-1] - routing.shared
+    most = 32 * 16 // logits_dtype.size
+    experts = width - routing.shared
     if experts > most or routing.top_k > experts:
-        return f"{experts} experts for top-{routing.top_k}: the router kernel takes up to {most} of {logits.dtype}"
+        return f"{experts} experts for top-{routing.top_k}: the router kernel takes up to {most} of {logits_dtype}"
     return None
 
 
@@ -162,5 +164,5 @@ def moe_router(
 def moe_router_implementation(logits: Optional[mx.array] = None, routing: Optional[Routing] = None) -> Implementation:
     return choose(
         "moe_router", moe_router_reference, moe_router_kernel, CUDA_KERNEL_SWITCH,
-        None if logits is None else lambda: cuda_unsupported_reason(logits, routing),
+        None if logits is None else lambda: cuda_unsupported_reason(logits.dtype, logits.shape[-1], routing),
     )

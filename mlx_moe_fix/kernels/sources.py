@@ -1,7 +1,8 @@
 """Kernel sources shipped as package data, split into named sections on `//// <name>` lines.
 
-The `header` section of each source gets the backend's shared helpers (`common.cuh`) in front:
-cuda_kernel compiles each kernel on its own, with no include path to this package.
+The `header` section of each source gets the backend's shared helpers (`common.cuh`) in front,
+then the headers of the sources it names on a `//// uses <file> ...` line (without their own
+`uses`): cuda_kernel compiles each kernel on its own, with no include path to this package.
 
 Sections come without comments, indentation or blank lines: MLX copies a kernel's whole source
 into every call's primitive and hashes it at every evaluation (mlx/backend/cuda/custom_kernel.cpp),
@@ -18,11 +19,21 @@ COMMON = {"cuda": "common.cuh", "metal": "common.metal"}
 
 @functools.lru_cache(maxsize=None)
 def sections(backend: str, filename: str) -> dict:
-    folder = resources.files(__package__).joinpath(backend)
-    parts = re.split(r"^//// (\w+)\s*$", folder.joinpath(filename).read_text(), flags=re.M)
-    named = {name: body for name, body in zip(parts[1::2], parts[2::2])}
-    named["header"] = folder.joinpath(COMMON[backend]).read_text() + named.get("header", "")
+    named = _own_sections(backend, filename)
+    used = "".join(_own_sections(backend, name).get("header", "") for name in named.pop("uses", "").split())
+    named["header"] = _folder(backend).joinpath(COMMON[backend]).read_text() + used + named.get("header", "")
     return {name: compact(body) for name, body in named.items()}
+
+
+def _folder(backend: str):
+    return resources.files(__package__).joinpath(backend)
+
+
+def _own_sections(backend: str, filename: str) -> dict:
+    """The sections as written in the file; `uses` holds the names on its `//// uses` line."""
+    text = re.sub(r"^//// uses (.+)$", lambda m: f"//// uses\n{m.group(1)}\n////", _folder(backend).joinpath(filename).read_text(), flags=re.M)
+    parts = re.split(r"^////(?: (\w+))?\s*$", text, flags=re.M)
+    return {name: body for name, body in zip(parts[1::2], parts[2::2]) if name}
 
 
 def compact(source: str) -> str:

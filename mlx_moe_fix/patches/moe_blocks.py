@@ -2,7 +2,8 @@
 mixtral, gpt_oss): the block's own router computes the logits, `moe_router` the experts and
 weights, and the experts call takes the weights (`weights=`, which only these wrappers pass), so
 that the weighted combine happens inside the expert op (the fused decode does it in its down
-launch). The others (DeepSeek's): upstream's code as is. Both compile their decode steps
+launch); at decode, where one kernel can take both, the routing and the experts are one op
+(`moe_routed_decode`: the routing inside the decode kernel's first launch). The others (DeepSeek's): upstream's code as is. Both compile their decode steps
 (patches/compiled.py). A block with a sharding group runs upstream's code uncompiled (its
 experts still go through the patched switch layer). No math here."""
 
@@ -12,7 +13,7 @@ import functools
 
 from ..kernels import Routing, moe_router
 from .compiled import compiled_at_decode
-from .switch_layers import bind
+from .switch_layers import bind, routed_experts_call
 
 
 # One Routing per distinct configuration, so that the router's dispatch cache sees equal keys
@@ -49,8 +50,12 @@ def routed_block(routing_of, router: str = "gate", experts: str = "switch_mlp"):
 
     def routed(wrapped, instance, args, kwargs):
         (x,) = bind(args, kwargs, ("x",))
-        indices, weights = moe_router(instance[router](x), routing_of(instance))
-        return instance[experts](x, indices, weights=weights)
+        logits, layer, block_routing = instance[router](x), instance[experts], routing_of(instance)
+        fused = routed_experts_call(layer, x, logits, block_routing)
+        if fused is not None:
+            return fused
+        indices, weights = moe_router(logits, block_routing)
+        return layer(x, indices, weights=weights)
 
     return unsharded_compiled(routed)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from .. import trace
-from ..kernels import PREFILL_MIN_PAIRS, ExpertLinear, MoEExperts, Plan, combine, plan
+from ..kernels import PREFILL_MIN_PAIRS, ExpertLinear, MoEExperts, Plan, Routing, combine, plan, routed_plan
 from . import options
 from .activations import recognise
 from .compiled import compiled_at_decode
@@ -69,9 +69,9 @@ def _describe(layer, projection_names: tuple, gate_scale, out_scale):
         return None, str(error)
 
 
-def shape_class(phase: str, x, indices, experts: Optional[MoEExperts]) -> tuple:
+def shape_class(phase: str, x, top_k: int, experts: Optional[MoEExperts]) -> tuple:
     if experts is None:
-        return (phase, str(x.dtype), tuple(x.shape[-1:]), indices.shape[-1])
+        return (phase, str(x.dtype), tuple(x.shape[-1:]), top_k)
     first = experts.projections[0]
     return (
         phase,
@@ -79,7 +79,7 @@ def shape_class(phase: str, x, indices, experts: Optional[MoEExperts]) -> tuple:
         f"{first.bits}bit/g{first.group_size}" if first.quantized else str(first.weight.dtype),
         f"{experts.input_dims}->{experts.output_dims}",
         f"E{experts.num_experts}",
-        f"k{indices.shape[-1]}",
+        f"k{top_k}",
     )
 
 
@@ -93,7 +93,7 @@ def choose(
         prefill, decode = options.enabled()
         chosen = plan(x, indices, experts, prefill=prefill, decode=decode, token_by_token=token_by_token)
     trace.record(
-        layer_kind, chosen.phase, chosen.path, chosen.reason, lambda: shape_class(chosen.phase, x, indices, experts)
+        layer_kind, chosen.phase, chosen.path, chosen.reason, lambda: shape_class(chosen.phase, x, indices.shape[-1], experts)
     )
     return chosen
 
@@ -127,6 +127,28 @@ def expert_block_wrapper(layer_kind: str, projection_names: tuple, expert_scales
 
 switch_glu = expert_block_wrapper("SwitchGLU", GLU_PROJECTIONS)
 switch_mlp = expert_block_wrapper("SwitchMLP", MLP_PROJECTIONS)
+
+
+# The patched expert blocks' wrappers: (layer kind, projection names).
+_EXPERT_BLOCKS = {switch_glu: ("SwitchGLU", GLU_PROJECTIONS), switch_mlp: ("SwitchMLP", MLP_PROJECTIONS)}
+
+
+def routed_experts_call(layer, x, logits, routing: Routing):
+    """What `layer(x, indices, weights=weights)` gives for the indices and weights that `routing`
+    makes of `logits`, computed by one fused op (kernels.routed_plan) and counted as that call; or
+    None, and the caller routes and calls the layer. Only where the layer's call is the patched
+    expert block's own: not a subclass's override, nor a tool's interception (zoo.intercepting),
+    which must see the call."""
+    kind = _EXPERT_BLOCKS.get(getattr(type(layer).__call__, "_self_wrapper", None))
+    if kind is None:
+        return None
+    experts, _ = describe(layer, kind[1])
+    chosen = None if experts is None else routed_plan(x, logits, routing, experts, decode=options.enabled()[1])
+    if chosen is None:
+        return None
+    trace.record(kind[0], chosen.phase, chosen.path, chosen.reason,
+                 lambda: shape_class(chosen.phase, x, routing.top_k, experts))
+    return chosen.function(x, logits, routing, experts)
 
 
 def quantized_switch_linear(wrapped, instance, args, kwargs):

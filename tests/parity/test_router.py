@@ -11,7 +11,7 @@ import mlx_moe_fix.patches.moe_blocks as moe_blocks
 from mlx_moe_fix import zoo
 from mlx_moe_fix.kernels import Routing, moe_router_reference
 
-from .cases import CASES
+from .cases import CASES, layer_cases
 from .tolerance import assert_close, assert_matches, references_only, relative_error
 
 BLOCK_FAMILIES = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock", "gpt_oss": "MLPBlock"}
@@ -32,10 +32,14 @@ def test_ref_patched_block_matches_stock_block(device, family, tokens, monkeypat
     routed = []
     original = moe_blocks.moe_router
     monkeypatch.setattr(moe_blocks, "moe_router", lambda logits, routing: routed.append(routing) or original(logits, routing))
+    fused = []
+    original_fused = moe_blocks.routed_experts_call
+    monkeypatch.setattr(moe_blocks, "routed_experts_call",
+                        lambda *args: (lambda out: fused.append(out is not None) or out)(original_fused(*args)))
     with mlx_moe_fix.patched():
         patched = block(x)
         references = references_only()
-    assert routed, "the patched block did not route through moe_router"
+    assert routed or True in fused, "the patched block routed through neither moe_router nor moe_routed_decode"
     assert patched.shape == stock.shape and patched.dtype == stock.dtype
     assert_matches(patched, stock, references, dtype)
 
@@ -43,9 +47,9 @@ def test_ref_patched_block_matches_stock_block(device, family, tokens, monkeypat
 def test_router_kernel_declines_what_a_warp_cannot_hold():
     from mlx_moe_fix.kernels.moe_router import cuda_unsupported_reason
 
-    assert cuda_unsupported_reason(mx.zeros((1, 256), mx.bfloat16), Routing("topk_softmax", 8)) is None
-    assert "up to 128 of" in cuda_unsupported_reason(mx.zeros((1, 256), mx.float32), Routing("topk_softmax", 8))
-    assert "at most 32" in cuda_unsupported_reason(mx.zeros((1, 64), mx.bfloat16), Routing("topk_softmax", 33))
+    assert cuda_unsupported_reason(mx.bfloat16, 256, Routing("topk_softmax", 8)) is None
+    assert "up to 128 of" in cuda_unsupported_reason(mx.float32, 256, Routing("topk_softmax", 8))
+    assert "at most 32" in cuda_unsupported_reason(mx.bfloat16, 64, Routing("topk_softmax", 33))
 
 
 def test_routing_rejects_unknown_kinds_and_misplaced_normalisation():
@@ -78,7 +82,7 @@ def test_cuda_router_kernel_matches_ref(cuda_device, case):
     from mlx_moe_fix.kernels.moe_router import cuda_unsupported_reason, moe_router_kernel
 
     logits, routing = case
-    assert cuda_unsupported_reason(logits, routing) is None
+    assert cuda_unsupported_reason(logits.dtype, logits.shape[-1], routing) is None
     indices, weights = moe_router_kernel(logits, routing)
     expected_indices, expected_weights = moe_router_reference(logits, routing)
     assert indices.dtype == mx.uint32 and weights.dtype == logits.dtype
@@ -175,10 +179,39 @@ def test_cuda_sigmoid_router_kernel_matches_ref(cuda_device, case):
     from mlx_moe_fix.kernels.moe_router import cuda_unsupported_reason, moe_router_kernel
 
     logits, routing, correction, global_scale = case
-    assert cuda_unsupported_reason(logits, routing) is None
+    assert cuda_unsupported_reason(logits.dtype, logits.shape[-1], routing) is None
     out = moe_router_kernel(logits, routing, correction, global_scale)
     expected = moe_router_reference(logits, routing, correction, global_scale)
     assert out[0].dtype == mx.uint32 and out[0].tolist() == expected[0].tolist()
     for name, got, ref in zip(("weights", "shared weights"), out[1:], expected[1:]):
         assert got.shape == ref.shape and got.dtype == logits.dtype, name
         assert_close(got, ref, logits.dtype, f"{name}: ")
+
+
+@st.composite
+def routed_decode_cases(draw):
+    """A decode-sized expert layer case (the experts' own indices and weights unused) with
+    coarse router logits: ties, at the k-th place too."""
+    case = draw(layer_cases(max_pairs=48))
+    kind = draw(st.sampled_from(["softmax_topk", "topk_softmax", "topk_softmax_last"]))
+    routing = Routing(kind, case.indices.shape[-1], kind == "softmax_topk" and draw(st.booleans()))
+    logits = coarse((*case.x.shape[:-1], case.experts.num_experts), draw(st.integers(0, 2**16)), case.dtype)
+    return case, logits, routing
+
+
+@CASES
+@given(routed=routed_decode_cases())
+def test_cuda_routed_decode_kernel_matches_the_router_and_decode_kernels(cuda_device, routed):
+    """Bit for bit: the fused kernel routes with the router kernel's device code and computes
+    with the decode kernel's (each tested against its reference above and in test_ops)."""
+    from mlx_moe_fix.kernels.moe_decode import moe_decode_kernel
+    from mlx_moe_fix.kernels.moe_routed_decode import cuda_unsupported_reason, moe_routed_decode_kernel
+    from mlx_moe_fix.kernels.moe_router import moe_router_kernel
+
+    case, logits, routing = routed
+    assert cuda_unsupported_reason(case.experts, routing, case.dtype, logits.dtype) is None, case.label
+    fused = moe_routed_decode_kernel(case.x, logits, routing, case.experts)
+    indices, weights = moe_router_kernel(logits, routing)
+    apart = moe_decode_kernel(case.x, indices, case.experts, weights)
+    assert fused.shape == apart.shape == (*case.x.shape[:-1], case.experts.output_dims) and fused.dtype == case.dtype
+    assert mx.array_equal(fused, apart).item(), f"{case.label}: {relative_error(fused, apart):.2e}"

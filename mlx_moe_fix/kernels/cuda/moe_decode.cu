@@ -134,33 +134,25 @@ __device__ __forceinline__ void rows_dot(
   for (int i = 0; i < M * RPW; ++i) out[i] = warp_sum(acc[i]);
 }
 
-}  // namespace moe_decode
-
-//// gate_up
-// inputs: x [N, IN_DIM], indices [N * TOP_K], gate_w / up_w [E, OUT_DIM, IN_DIM * BITS / 32],
-//         gate_s, gate_b, up_s, up_b [E, OUT_DIM, IN_DIM / GROUP], gate_bias, up_bias [E, OUT_DIM],
-//         gate_scale [E], dims, params;  output: hidden [N * TOP_K, OUT_DIM]
-// One block per (pair, WARPS x RPW output rows).
-// GATED false: an MLP's first projection: only up_* is read.
-{
-  using namespace moe_decode;
-  static_assert(bias_signature_matches<HAS_BIAS, S, decltype(up_bias)> &&
-                bias_signature_matches<HAS_BIAS, S, decltype(gate_bias)>, "HAS_BIAS disagrees with the bias inputs");
-  const Dims d(dims);
-  const int pair = blockIdx.y;
-  const T* activations = x + (size_t)(pair / d.top_k) * d.in_dim;
+// A warp's RPW rows (from first_row) of one pair's hidden row: the gate and up GEMVs of its
+// expert on the token's `activations`, additive biases, the gate scale, the activation.
+// `gate_matrices` / `up_matrices` hold every expert's. GATED false: an MLP's first projection:
+// only `up_matrices` is read.
+template <int BITS, int GROUP, int RPW, bool GATED, bool HAS_BIAS, typename T, typename S, typename GB, typename UB, typename SC>
+__device__ __forceinline__ void gate_up_rows(
+    T* hidden, int pair, size_t expert, int first_row, const T* activations, QuantizedRows<S> gate_matrices, QuantizedRows<S> up_matrices,
+    const GB* gate_bias, const UB* up_bias, const SC* gate_scale, const Dims& d, const float* params) {
+  static_assert(bias_signature_matches<HAS_BIAS, S, const GB*> && bias_signature_matches<HAS_BIAS, S, const UB*>,
+                "HAS_BIAS disagrees with the bias inputs");
   const int lane = threadIdx.x % 32;
-  const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
-  if (first_row >= d.out_dim) return;
-  const size_t expert = indices[pair];
   // This warp's RPW rows of the expert's matrices, up then gate (rows past OUT_DIM read the last
   // row and are not written).
   const size_t rows_before = expert * d.out_dim;
   const size_t words = rows_before * (d.in_dim * BITS / 32), groups = rows_before * (d.in_dim / GROUP);
-  const QuantizedRows<S> up_rows{up_w + words, up_s + groups, up_b + groups};
+  const QuantizedRows<S> up_rows{up_matrices.w + words, up_matrices.s + groups, up_matrices.b + groups};
   float dots[2 * RPW];
   if (GATED) {
-    const QuantizedRows<S> matrices[2] = {up_rows, {gate_w + words, gate_s + groups, gate_b + groups}};
+    const QuantizedRows<S> matrices[2] = {up_rows, {gate_matrices.w + words, gate_matrices.s + groups, gate_matrices.b + groups}};
     rows_dot<BITS, GROUP, 2, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
   } else {
     const QuantizedRows<S> matrices[1] = {up_rows};
@@ -179,6 +171,24 @@ __device__ __forceinline__ void rows_dot(
     if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(gate_scale[expert])));
     hidden[(size_t)pair * d.out_dim + row] = static_cast<T>(activate<T>(d.act, d.has_limit, up, gate, params[0], params[1]));
   }
+}
+
+}  // namespace moe_decode
+
+//// gate_up
+// inputs: x [N, IN_DIM], indices [N * TOP_K], gate_w / up_w [E, OUT_DIM, IN_DIM * BITS / 32],
+//         gate_s, gate_b, up_s, up_b [E, OUT_DIM, IN_DIM / GROUP], gate_bias, up_bias [E, OUT_DIM],
+//         gate_scale [E], dims, params;  output: hidden [N * TOP_K, OUT_DIM]
+// One block per (pair, WARPS x RPW output rows).
+{
+  using namespace moe_decode;
+  const Dims d(dims);
+  const int pair = blockIdx.y;
+  const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
+  if (first_row >= d.out_dim) return;
+  gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, T, S>(
+      hidden, pair, indices[pair], first_row, x + (size_t)(pair / d.top_k) * d.in_dim,
+      {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
 }
 
 //// down

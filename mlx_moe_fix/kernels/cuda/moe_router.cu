@@ -117,6 +117,53 @@ __device__ __forceinline__ void top_k_rounds(
   }
 }
 
+// The position in stock's order of the k of the choice made in round `round` (rounds go from
+// the top rank down; stock's order is ascending where it takes the last k); its own inverse.
+template <bool LAST_K>
+__device__ __forceinline__ int stock_position(int round, int top_k) {
+  return LAST_K ? top_k - 1 - round : round;
+}
+
+// Stock's top-k routing of one token (SOFTMAX_FIRST, NORMALIZE, LAST_K: see the top of this
+// file) by the whole warp: lane j < top_k gets round j's expert and routing weight, which stock
+// puts at stock_position(j).
+template <bool SOFTMAX_FIRST, bool NORMALIZE, bool LAST_K, typename T>
+__device__ __forceinline__ void route_token(const T* row, int experts, int top_k, int& index, float& weight) {
+  constexpr int N = CHUNK<T>;
+  const int lane = threadIdx.x % 32;
+  float value[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int e = lane * N + i;
+    value[i] = e < experts ? static_cast<float>(row[e]) : NEG_INF;
+  }
+  if (SOFTMAX_FIRST) {
+    float row_max, reciprocal;
+    softmax_stats<N>(value, row_max, reciprocal);
+#pragma unroll
+    for (int i = 0; i < N; ++i) value[i] = rnd<T>(__fmul_rn(__expf(value[i] - row_max), reciprocal));
+  }
+  float chosen_value = 0.f;
+  index = 0;
+  top_k_rounds<LAST_K>(value, experts, top_k, chosen_value, index);
+  auto holder = [top_k](int position) { return stock_position<LAST_K>(position, top_k); };
+  weight = chosen_value;
+  if (SOFTMAX_FIRST && NORMALIZE) {
+    float chunk[N];
+    gather_chunk<N>(chunk, chosen_value, top_k, holder, 0.f);
+    T chunk_sum = T(0.f);
+#pragma unroll
+    for (int i = 0; i < N; ++i) chunk_sum = chunk_sum + static_cast<T>(chunk[i]);
+    const T sum = warp_sum(chunk_sum);
+    weight = static_cast<float>(static_cast<T>(chosen_value) / sum);
+  } else if (!SOFTMAX_FIRST) {
+    float chunk[N], row_max, reciprocal;
+    gather_chunk<N>(chunk, chosen_value, top_k, holder, NEG_INF);
+    softmax_stats<N>(chunk, row_max, reciprocal);
+    weight = __fmul_rn(__expf(chosen_value - row_max), reciprocal);
+  }
+}
+
 // MLX's sigmoid of a float (unary_ops.cuh).
 __device__ __forceinline__ float mlx_sigmoid(float x) {
   const float y = 1.f / (1.f + expf(fabsf(x)));
@@ -158,49 +205,16 @@ __device__ __forceinline__ float mlx_logsumexp(float value, int n) {
 // weights [tokens, top_k] (T), in stock's order.
 {
   using namespace moe_router;
-  using namespace moe_common;
-  constexpr int N = CHUNK<T>;
   const int tokens = sizes[0], experts = sizes[1], top_k = sizes[2];
   const int token = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (token >= tokens) return;  // whole warps: blockDim.x is a multiple of 32
-  const T* row = logits + (size_t)token * experts;
-  float value[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const int e = lane * N + i;
-    value[i] = e < experts ? static_cast<float>(row[e]) : NEG_INF;
-  }
-  if (SOFTMAX_FIRST) {
-    float row_max, reciprocal;
-    softmax_stats<N>(value, row_max, reciprocal);
-#pragma unroll
-    for (int i = 0; i < N; ++i) value[i] = rnd<T>(__fmul_rn(__expf(value[i] - row_max), reciprocal));
-  }
-  // Lane j: round j's choice.
-  float chosen_value = 0.f;
-  int chosen_index = 0;
-  top_k_rounds<LAST_K>(value, experts, top_k, chosen_value, chosen_index);
-  // Rounds go from the top rank down; stock's order is ascending where it takes the last k.
-  auto holder = [top_k](int position) { return LAST_K ? top_k - 1 - position : position; };
-  float weight = chosen_value;
-  if (SOFTMAX_FIRST && NORMALIZE) {
-    float chunk[N];
-    gather_chunk<N>(chunk, chosen_value, top_k, holder, 0.f);
-    T chunk_sum = T(0.f);
-#pragma unroll
-    for (int i = 0; i < N; ++i) chunk_sum = chunk_sum + static_cast<T>(chunk[i]);
-    const T sum = warp_sum(chunk_sum);
-    weight = static_cast<float>(static_cast<T>(chosen_value) / sum);
-  } else if (!SOFTMAX_FIRST) {
-    float chunk[N], row_max, reciprocal;
-    gather_chunk<N>(chunk, chosen_value, top_k, holder, NEG_INF);
-    softmax_stats<N>(chunk, row_max, reciprocal);
-    weight = __fmul_rn(__expf(chosen_value - row_max), reciprocal);
-  }
+  int index;
+  float weight;
+  route_token<SOFTMAX_FIRST, NORMALIZE, LAST_K>(logits + (size_t)token * experts, experts, top_k, index, weight);
   if (lane >= top_k) return;
-  const size_t at = (size_t)token * top_k + holder(lane);
-  indices[at] = static_cast<uint32_t>(chosen_index);
+  const size_t at = (size_t)token * top_k + stock_position<LAST_K>(lane, top_k);
+  indices[at] = static_cast<uint32_t>(index);
   weights[at] = static_cast<T>(weight);
 }
 

@@ -86,30 +86,22 @@ inline void rows_dot(thread float* out, thread const QuantizedRows<S>* m, int fi
   for (int i = 0; i < M * RPW; ++i) out[i] = metal::simd_sum(acc[i]);
 }
 
-}  // namespace moe_decode
-
-//// gate_up
-// inputs: x [N, IN_DIM], indices [N * TOP_K], gate_w / up_w [E, OUT_DIM, IN_DIM * BITS / 32],
-//         gate_s, gate_b, up_s, up_b [E, OUT_DIM, IN_DIM / GROUP], gate_bias, up_bias [E, OUT_DIM],
-//         gate_scale [E], dims, params;  output: hidden [N * TOP_K, OUT_DIM]
-// One threadgroup per (pair, WARPS x RPW output rows).
-// GATED false: an MLP's first projection: only up_* is read.
-{
-  using namespace moe_decode;
-  const Dims d = read_dims(dims);
-  const int pair = int(threadgroup_position_in_grid.y);
-  const auto activations = x + ulong(pair / d.top_k) * d.in_dim;
-  const uint lane = thread_index_in_simdgroup;
-  const int first_row = (int(threadgroup_position_in_grid.x) * WARPS + int(simdgroup_index_in_threadgroup)) * RPW;
-  if (first_row >= d.out_dim) return;
-  const ulong expert = indices[pair];
+// A simdgroup's RPW rows (from first_row) of one pair's hidden row: the gate and up GEMVs of
+// its expert on the token's `activations`, additive biases, the gate scale, the activation.
+// `gate_matrices` / `up_matrices` hold every expert's. GATED false: an MLP's first projection:
+// only `up_matrices` is read.
+template <int BITS, int GROUP, int RPW, bool GATED, typename T, typename S, typename P, typename GB, typename UB, typename SC>
+inline void gate_up_rows(device T* hidden, int pair, ulong expert, int first_row, P activations,
+                         QuantizedRows<S> gate_matrices, QuantizedRows<S> up_matrices, const device GB* gate_bias,
+                         const device UB* up_bias, const device SC* gate_scale, thread const Dims& d,
+                         const device float* params, uint lane) {
   // This simdgroup's RPW rows of the expert's matrices, up then gate (rows past OUT_DIM read the
   // last row and are not written).
   const ulong rows_before = expert * d.out_dim;
   const ulong words = rows_before * (d.in_dim * BITS / 32), groups = rows_before * (d.in_dim / GROUP);
   float dots[2 * RPW];
-  const QuantizedRows<S> matrices[2] = {{up_w + words, up_s + groups, up_b + groups},
-                                        {gate_w + words, gate_s + groups, gate_b + groups}};
+  const QuantizedRows<S> matrices[2] = {{up_matrices.w + words, up_matrices.s + groups, up_matrices.b + groups},
+                                        {gate_matrices.w + words, gate_matrices.s + groups, gate_matrices.b + groups}};
   if (GATED) {
     rows_dot<BITS, GROUP, 2, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
   } else {
@@ -127,6 +119,25 @@ inline void rows_dot(thread float* out, thread const QuantizedRows<S>* m, int fi
     if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(gate_scale[expert])));
     hidden[ulong(pair) * d.out_dim + row] = static_cast<T>(activate<T>(d.act, d.has_limit, up, gate, params[0], params[1]));
   }
+}
+
+}  // namespace moe_decode
+
+//// gate_up
+// inputs: x [N, IN_DIM], indices [N * TOP_K], gate_w / up_w [E, OUT_DIM, IN_DIM * BITS / 32],
+//         gate_s, gate_b, up_s, up_b [E, OUT_DIM, IN_DIM / GROUP], gate_bias, up_bias [E, OUT_DIM],
+//         gate_scale [E], dims, params;  output: hidden [N * TOP_K, OUT_DIM]
+// One threadgroup per (pair, WARPS x RPW output rows).
+{
+  using namespace moe_decode;
+  const Dims d = read_dims(dims);
+  const int pair = int(threadgroup_position_in_grid.y);
+  const int first_row = (int(threadgroup_position_in_grid.x) * WARPS + int(simdgroup_index_in_threadgroup)) * RPW;
+  if (first_row >= d.out_dim) return;
+  gate_up_rows<BITS, GROUP, RPW, GATED, T, S>(
+      hidden, pair, indices[pair], first_row, x + ulong(pair / d.top_k) * d.in_dim,
+      QuantizedRows<S>{gate_w, gate_s, gate_b}, QuantizedRows<S>{up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params,
+      thread_index_in_simdgroup);
 }
 
 //// down

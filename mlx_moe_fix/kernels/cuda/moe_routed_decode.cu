@@ -1,0 +1,39 @@
+// Fused decode MoE with its routing, for mx.fast.cuda_kernel: the gate+up launch of
+// moe_decode.cu that also routes. Each warp ranks its token's router logits with moe_router.cu's
+// device code (the whole row is one 16-byte load per lane, so every warp routing for itself costs
+// less than the launch it saves), takes its pair's expert and goes on as moe_decode's gate_up;
+// the blocks of row 0 write each pair's expert and routing weight, which moe_decode's combining
+// down launch reads. A decode step's MoE block is then three launches: router matmul, this, down.
+//
+// Template constants: moe_decode.cu's gate_up ones (T is also the logits' and the weights'
+// type) and moe_router.cu's topk ones (SOFTMAX_FIRST, NORMALIZE, LAST_K). Run-time values:
+// moe_decode's dims and params, and moe_router's sizes = tokens, experts, top_k.
+
+//// uses moe_router.cu moe_decode.cu
+
+//// routed_gate_up
+// inputs: x [N, IN_DIM], logits [N, E], sizes, then moe_decode's gate_up inputs from gate_w on;
+// outputs: hidden [N * TOP_K, OUT_DIM], indices [N * TOP_K] (uint32), weights [N * TOP_K] (T),
+// the k of each token in stock's order.
+{
+  using namespace moe_decode;
+  const Dims d(dims);
+  const int pair = blockIdx.y;
+  const int token = pair / d.top_k;
+  const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
+  if (first_row >= d.out_dim) return;
+  const int experts = sizes[1];
+  int index;
+  float weight;
+  moe_router::route_token<SOFTMAX_FIRST, NORMALIZE, LAST_K>(logits + (size_t)token * experts, experts, d.top_k, index, weight);
+  const int round = moe_router::stock_position<LAST_K>(pair % d.top_k, d.top_k);
+  const int expert = __shfl_sync(0xffffffffu, index, round);
+  const float routing_weight = __shfl_sync(0xffffffffu, weight, round);
+  if (first_row == 0 && threadIdx.x == 0) {
+    indices[pair] = static_cast<uint32_t>(expert);
+    weights[pair] = static_cast<T>(routing_weight);
+  }
+  gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, T, S>(
+      hidden, pair, expert, first_row, x + (size_t)token * d.in_dim,
+      {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
+}

@@ -1,0 +1,109 @@
+"""Fused decode MoE that routes too: router logits [..., E] and the block's Routing in, the
+routing-weighted sum over the k experts out, for the blocks whose routing `moe_router` knows.
+
+Reference: `moe_router_reference`, then `moe_decode_reference` with the weights (what the block
+computes unfused). CUDA kernel (`cuda/moe_routed_decode.cu`): moe_decode's gate+up launch with
+moe_router's routing done inside it, then moe_decode's combining down launch: two launches where
+the unfused block makes three (docs/decode-attribution.md: at batch 1 a launch costs more host
+and GPU time than the routing's arithmetic). It routes with moe_router's device code, so its
+experts and weights are the router kernel's, bit for bit. MLX_MOE_FIX_CUDA_ROUTED_DECODE=0 turns
+it off (the block then routes and runs its experts in separate launches).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from ..env import flag
+from .backend import Implementation, choose
+from .experts import MoEExperts
+from .launch import cuda_kernel_object, int_array
+from .moe_decode import decode_launches, gate_up_launch, moe_decode_implementation, moe_decode_reference
+from .moe_decode import INPUTS as DECODE_INPUTS
+from .moe_decode import WARPS_PER_BLOCK
+from .moe_router import CUDA_KERNEL_SWITCH as ROUTER_SWITCH
+from .moe_router import Routing, moe_router_reference
+from .moe_router import cuda_unsupported_reason as router_unsupported_reason
+
+CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTED_DECODE"
+# The kernel's parameters, in the order of its `inputs` / outputs.
+INPUTS = {"routed_gate_up": ["x", "logits", "sizes", *DECODE_INPUTS["gate_up"][2:]]}
+OUTPUTS = {"routed_gate_up": ["hidden", "indices", "weights"]}
+# Two blocks of the decode kernel's WARPS_PER_BLOCK warps per SM, as its unrouted gate+up runs
+# (128 registers): the routing's 2 more would leave room for one (nvcc --resource-usage for
+# sm_90a: 130 registers unbounded, 124 and no spills bounded; tests/test_cuda_sources.py).
+LAUNCH_BOUNDS = (WARPS_PER_BLOCK * 32, 2)
+
+
+def moe_routed_decode_reference(x: mx.array, logits: mx.array, routing: Routing, experts: MoEExperts) -> mx.array:
+    """x: [..., D], logits: [..., E]; returns [..., out]: the experts' outputs weighted by the
+    routing's weights and summed over its k."""
+    indices, weights = moe_router_reference(logits, routing)
+    return moe_decode_reference(x, indices, experts, weights)
+
+
+def _launches(experts: MoEExperts, routing: Routing, tokens: int, dtype) -> tuple:
+    """(routed gate+up, combining down) for this call's shape, cached on the experts object."""
+
+    def plan():
+        pairs = tokens * routing.top_k
+        gate_up = gate_up_launch(experts, routing.top_k, pairs, dtype, "cuda")
+        kernel = cuda_kernel_object("moe_routed_decode.cu", "routed_gate_up", tuple(INPUTS["routed_gate_up"]),
+                                    tuple(OUTPUTS["routed_gate_up"]), 0, LAUNCH_BOUNDS)
+        routed = gate_up._replace(
+            kernel=kernel,
+            fixed_inputs=[int_array(tokens, experts.num_experts, routing.top_k), *gate_up.fixed_inputs],
+            template=gate_up.template + [("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
+                                         ("NORMALIZE", routing.normalize), ("LAST_K", routing.kind != "topk_softmax")],
+            output_shapes=[*gate_up.output_shapes, (pairs,), (pairs,)],
+            output_dtypes=[*gate_up.output_dtypes, mx.uint32, dtype],
+        )
+        return routed, decode_launches(experts, routing.top_k, pairs, dtype, dtype, "cuda")[1]
+
+    return experts.memo(("routed decode launches", routing, tokens, dtype), plan)
+
+
+def moe_routed_decode_kernel(x: mx.array, logits: mx.array, routing: Routing, experts: MoEExperts) -> mx.array:
+    """The CUDA implementation; same contract as moe_routed_decode_reference."""
+    tokens = x.reshape(-1, x.shape[-1])
+    gate_up, down = _launches(experts, routing, tokens.shape[0], x.dtype)
+    hidden, indices, weights = gate_up(tokens, logits.reshape(tokens.shape[0], -1))
+    return down(hidden, indices, weights)[0].reshape(*x.shape[:-1], experts.output_dims)
+
+
+def moe_routed_decode(x: mx.array, logits: mx.array, routing: Routing, experts: MoEExperts) -> mx.array:
+    """Dispatcher: the implementation for the current backend, these experts and this routing."""
+    return moe_routed_decode_implementation(experts, routing, x.dtype, logits.dtype).function(x, logits, routing, experts)
+
+
+def cuda_unsupported_reason(experts: MoEExperts, routing: Routing, dtype, logits_dtype) -> Optional[str]:
+    """Why the kernel cannot take these experts and this routing (dtype: the activations'), or
+    None: it needs what the decode kernel and the router kernel each need, and no more."""
+    if not flag(ROUTER_SWITCH):
+        return f"the CUDA moe_router kernel is switched off ({ROUTER_SWITCH}=0)"
+    decode = moe_decode_implementation(experts, dtype)
+    if decode.path != "kernel":
+        return decode.reason
+    return experts.memo(("routed decode", routing, dtype, logits_dtype),
+                        lambda: _routing_reason(experts, routing, dtype, logits_dtype))
+
+
+def _routing_reason(experts: MoEExperts, routing: Routing, dtype, logits_dtype) -> Optional[str]:
+    if len(experts.projections) == 1:
+        return "a single expert projection: no gate+up launch to route in"
+    if routing.kind == "sigmoid_topk":
+        return "sigmoid_topk routing (Inkling's) also weighs shared experts: its block routes apart"
+    if logits_dtype != dtype:
+        return f"router logits of {logits_dtype} for activations of {dtype}: the kernel takes one dtype"
+    return router_unsupported_reason(logits_dtype, experts.num_experts, routing)
+
+
+def moe_routed_decode_implementation(
+    experts: Optional[MoEExperts] = None, routing: Optional[Routing] = None, dtype=None, logits_dtype=None
+) -> Implementation:
+    return choose(
+        "moe_routed_decode", moe_routed_decode_reference, moe_routed_decode_kernel, CUDA_KERNEL_SWITCH,
+        None if experts is None else lambda: cuda_unsupported_reason(experts, routing, dtype, logits_dtype),
+    )
