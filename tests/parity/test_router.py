@@ -1,5 +1,10 @@
 """moe_router: the reference against upstream's MoE blocks (through the patched blocks), and the
-CUDA kernel against the reference (ref_* / cuda_* as elsewhere)."""
+CUDA kernel against the reference (ref_* / cuda_* as elsewhere); moe_routed_decode's kernel
+against the router and decode kernels."""
+
+import io
+import re
+from collections import Counter
 
 import mlx.core as mx
 import pytest
@@ -215,3 +220,40 @@ def test_cuda_routed_decode_kernel_matches_the_router_and_decode_kernels(cuda_de
     apart = moe_decode_kernel(case.x, indices, case.experts, weights)
     assert fused.shape == apart.shape == (*case.x.shape[:-1], case.experts.output_dims) and fused.dtype == case.dtype
     assert mx.array_equal(fused, apart).item(), f"{case.label}: {relative_error(fused, apart):.2e}"
+
+
+def primitives_of(array) -> list:
+    """The primitives of `array`'s graph (inputs evaluated beforehand contribute none)."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, array)
+    return re.findall(r'label ="([^"]+)"', dot.getvalue())
+
+
+VIEWS = ("Reshape", "Broadcast")  # of contiguous arrays: no launch
+
+
+def launches_of(array) -> list:
+    return [p for p in primitives_of(array) if p not in VIEWS]
+
+
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
+def test_a_routed_decode_block_is_its_router_and_two_launches(cuda_device, switch, family):
+    """Issue 5: the block's router linear (one matmul; gpt-oss's adds its bias), the routed
+    gate+up kernel and the combining down kernel; with the routing in its own launch
+    (MLX_MOE_FIX_CUDA_ROUTED_DECODE=0), one more. Built in Python (no compiled step), so that the
+    graph shows the primitives a replay runs."""
+    switch("MLX_MOE_FIX_COMPILED_DECODE", "0")
+    model = zoo.build(family, 4, dtype=mx.bfloat16)
+    block = first_block(model)
+    x = mx.random.normal((1, 1, model.args.hidden_size)).astype(mx.bfloat16)
+    mx.eval(x)
+    router = launches_of(block["router" if family == "gpt_oss" else "gate"](x))
+    with mlx_moe_fix.patched():
+        fused = launches_of(block(x))
+        switch("MLX_MOE_FIX_CUDA_ROUTED_DECODE", "0")
+        apart = launches_of(block(x))
+    assert len(router) == (2 if family == "gpt_oss" else 1), router
+    for launches, experts_launches in ((fused, 2), (apart, 3)):
+        beyond_router = Counter(launches)
+        beyond_router.subtract(router)
+        assert min(beyond_router.values()) >= 0 and sum(beyond_router.values()) == experts_launches, launches
