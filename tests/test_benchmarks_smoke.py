@@ -168,3 +168,9 @@ def test_stock_qmm_probe_finds_the_cpu_consistent():
     rows = [line for line in out.splitlines() if line.startswith("| quantized_matmul") or line.startswith("| gather_qmm")]
     assert len(rows) == 16
     assert all(line.count("0.00e+00") == 2 for line in rows), out
+
+
+def test_single_stream_smoke_prints_every_variant():
+    out = run_module("benchmarks.single_stream", "--smoke")
+    rows = [line for line in out.splitlines() if line.startswith("| stock") or line.startswith("| patched")]
+    assert len(rows) == 6 and all(len(line.split("|")) == 5 for line in rows), out
