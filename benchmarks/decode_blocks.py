@@ -4,10 +4,14 @@ between a MoE model's and its dense equivalent's single-stream decode).
 
     python3 -m benchmarks.decode_blocks                  # qwen3_moe's block (Qwen3-30B-A3B), 48 layers
     python3 -m benchmarks.decode_blocks --family mixtral --layers 32
+    python3 -m benchmarks.decode_blocks --family deepseek_v4 --layers 8   # mlx-vlm's, from benchmarks.models
 
-One token, bf16, 4-bit affine g64 weights (random), mlx-lm's own block and MLP classes: the MoE
+One token, bf16, 4-bit affine g64 weights (random), mlx-lm's own block and MLP classes (for
+mlx-vlm's deepseek_v4 and inkling: the MoE blocks and dense MLPs of benchmarks.models' full-size
+model and dense equivalent, built with --layers layers; their attention is built too but not
+run): the MoE
 block stock, patched with its decode step compiled, patched with the routing in a launch of its
-own (MLX_MOE_FIX_CUDA_ROUTED_DECODE=0), patched built in Python at every step
+own (MLX_MOE_FIX_CUDA_ROUTED_DECODE=0; mlx-lm's routed blocks), patched built in Python at every step
 (MLX_MOE_FIX_COMPILED_DECODE=0), and the dense MLP of the block's active width (top-k x expert
 width) stock. Same timing as decode_split (median of --reps after 3 warm-ups).
 """
@@ -37,6 +41,11 @@ FAMILIES = {
 }
 
 
+# mlx-vlm families: the decoder layer's attribute that holds the MoE block (in the dense
+# equivalent, the MLP).
+VLM_FAMILIES = {"deepseek_v4": "ffn", "inkling": "mlp"}
+
+
 def quantized(layer: nn.Module) -> nn.Module:
     nn.quantize(layer, group_size=64, bits=4)
     layer.set_dtype(mx.bfloat16)
@@ -45,6 +54,8 @@ def quantized(layer: nn.Module) -> nn.Module:
 
 
 def build(family: str, layers: int, scale: int):
+    if family in VLM_FAMILIES:
+        return build_vlm(family, layers, scale)
     module, block_name, fields, width_field = FAMILIES[family]
     # Scaled widths stay whole 64-wide quantization groups.
     fields = {k: (max(64, v // scale // 64 * 64) if k in ("hidden_size", width_field) else v) for k, v in fields.items()}
@@ -55,6 +66,17 @@ def build(family: str, layers: int, scale: int):
     blocks = [quantized(block_class(args)) for _ in range(layers)]
     mlps = [quantized(mlp_class(fields["hidden_size"], top_k * fields[width_field])) for _ in range(layers)]
     return blocks, mlps, fields["hidden_size"]
+
+
+def build_vlm(family: str, layers: int, scale: int):
+    """benchmarks.models' model and dense equivalent (its tiny configs where scale > 1)."""
+    from . import models
+
+    specs = models.model_specs(scale > 1, layers)
+    attribute = VLM_FAMILIES[family]
+    built = [models.build_model(specs[name]) for name in (family, specs[family].dense)]
+    blocks, mlps = ([getattr(layer, attribute) for layer in model.layers] for model in built)
+    return blocks, mlps, specs[family].config["hidden_size"]
 
 
 def block_args(module: str, fields: dict):
@@ -73,10 +95,11 @@ def compiled_steps(blocks) -> list:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_moe")
+    parser.add_argument("--family", choices=sorted([*FAMILIES, *VLM_FAMILIES]), default="qwen3_moe")
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--scale", type=int, default=1, help="divide the hidden and expert widths (to multiples of 64; CPU smoke)")
+    parser.add_argument("--scale", type=int, default=1, help="divide the hidden and expert widths (to multiples of 64; "
+                        "mlx-vlm families: any scale > 1 takes benchmarks.models' tiny configs; CPU smoke)")
     args = parser.parse_args(argv)
 
     blocks, mlps, hidden = build(args.family, args.layers, args.scale)
@@ -93,8 +116,9 @@ def main(argv=None):
         steps = compiled_steps(blocks)
         if steps:  # what MLX's replay of the traced graph costs, without the wrapper around it
             rows.append(("the compiled step alone (no wrapper)", split(lambda: [step.compiled(x) for step in steps], args.reps)))
-        with switched(ROUTED_SWITCH, "0"):
-            rows.append(("MoE block, patched, routing in its own launch", split(run(blocks), args.reps)))
+        if args.family in FAMILIES:  # mlx-lm's routed blocks; mlx-vlm's keep their own routing
+            with switched(ROUTED_SWITCH, "0"):
+                rows.append(("MoE block, patched, routing in its own launch", split(run(blocks), args.reps)))
         with switched(compiled.SWITCH, "0"):
             rows.append(("MoE block, patched, built in Python", split(run(blocks), args.reps)))
     rows.append(("dense equivalent's MLP", split(run(mlps), args.reps)))
