@@ -1,24 +1,29 @@
-"""One full-size MoE model's single-stream decode through mlx-lm's two callers, generate_step and
-BatchGenerator (batch 1), stock and the patched variants alternating in one process, so that the
-host's drift between calls (docs/benchmarks.md) shows as the spread between repeated rows
-instead of as a difference between variants.
+"""One full-size MoE model's single-stream decode against its dense equivalent, with every variant
+measured once per round and the rounds repeated, all in one process: this host's speed drifts
+between calls and within one (docs/benchmarks.md, ninth session), so a ratio is taken within a
+round, where the variants ran seconds apart, and the rounds show its spread.
 
-    python3 -m benchmarks.single_stream                        # qwen3_moe
+    python3 -m benchmarks.single_stream                        # qwen3_moe, 3 rounds
     python3 -m benchmarks.single_stream --model mixtral --profile
-    python3 -m benchmarks.single_stream --smoke                # tiny config, CPU
+    python3 -m benchmarks.single_stream --model deepseek_v4 --deepseek-layers 6
+    python3 -m benchmarks.single_stream --smoke                # tiny configs, CPU
 
-Variants: stock; patched (the defaults); patched with the routing in its own launch
-(MLX_MOE_FIX_CUDA_ROUTED_DECODE=0); patched without compiled decode steps
-(MLX_MOE_FIX_COMPILED_DECODE=0); then stock and patched again. Each row: the best of --repeats
-runs after a warm-up (tok/s over --tokens tokens after the first), the worst in brackets.
+Variants: the MoE model stock; patched (the defaults); patched with the routing in its own launch
+(MLX_MOE_FIX_CUDA_ROUTED_DECODE=0; mlx-lm's routed blocks only); patched without compiled decode steps
+(MLX_MOE_FIX_COMPILED_DECODE=0); its dense equivalent (benchmarks.models). Callers: mlx-lm's
+generate_step, and BatchGenerator at batch 1 (not for the mlx-vlm families, whose caches it does
+not take). Each measurement: tok/s over --tokens tokens after the first, from a --prompt-token
+prompt (BatchGenerator: a prompt cache built once), after one warm-up run in the first round.
 --profile adds a cProfile of one BatchGenerator run per mode (the functions with the most own
 time).
 """
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
+import statistics
 import types
 
 import mlx.core as mx
@@ -31,63 +36,94 @@ from mlx_moe_fix.patches.compiled import SWITCH as COMPILED_SWITCH
 from . import models
 from .decode_split import switched
 
+# label: (the dense equivalent's model rather than the MoE one, patched, switches set to "0")
+VARIANTS = {
+    "stock": (False, False, ()),
+    "patched": (False, True, ()),
+    "patched, routing in its own launch": (False, True, (ROUTED_SWITCH,)),
+    "patched, decode steps not compiled": (False, True, (COMPILED_SWITCH,)),
+    "dense equivalent": (True, False, ()),
+}
+
+
+ROUTED_BLOCKS = ("qwen3_moe", "mixtral", "gpt_oss")
+
+
+def measure(run, variant: tuple) -> float:
+    """`run()` (seconds for the timed tokens) in `variant`, then stock again."""
+    _, patched, off = variant
+    with contextlib.ExitStack() as stack:
+        for name in off:
+            stack.enter_context(switched(name, "0"))
+        (mlx_moe_fix.apply if patched else mlx_moe_fix.revert)()
+        try:
+            return run()
+        finally:
+            mlx_moe_fix.revert()
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=[m for m in models.MOE_MODELS if m not in models.NO_BATCHED_DECODE],
-                        default="qwen3_moe")
-    parser.add_argument("--prompt", type=int, default=256, help="tokens in the cache before decoding")
+    parser.add_argument("--model", choices=models.MOE_MODELS, default="qwen3_moe")
+    parser.add_argument("--deepseek-layers", type=int, default=4, help="layers of deepseek_v3, inkling, deepseek_v4")
+    parser.add_argument("--prompt", type=int, default=256, help="tokens before decoding")
     parser.add_argument("--tokens", type=int, default=32, help="tokens timed per run")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--smoke", action="store_true", help="tiny config, few tokens (CPU)")
+    parser.add_argument("--smoke", action="store_true", help="tiny configs, few tokens (CPU)")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.prompt, args.tokens, args.repeats = 12, 4, 1
+        args.prompt, args.tokens, args.rounds = 12, 4, 2
 
-    spec = models.model_specs(args.smoke, 4)[args.model]
-    model = models.build_model(spec)
+    specs = models.model_specs(args.smoke, args.deepseek_layers)
+    built = {dense: models.build_model(specs[specs[args.model].dense if dense else args.model]) for dense in (False, True)}
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, spec.config["vocab_size"], args.prompt).tolist()]
-    decode_prompt = mx.array(prompts[0])
-    # models.time_decode times the tokens after the first; the BatchGenerator run, its steps after the first
+    prompt = rng.integers(0, specs[args.model].config["vocab_size"], args.prompt).tolist()
+    # models.time_decode times the tokens after the first; a BatchGenerator run, its steps after the first
     settings = types.SimpleNamespace(prefill_step_size=2048, batch_tokens=args.tokens, decode_tokens=args.tokens + 1)
-    mlx_moe_fix.apply()
-    caches = models.build_prompt_caches(model, prompts, settings)
+    batched = args.model not in models.NO_BATCHED_DECODE
+    caches = {dense: models.build_prompt_caches(model, [prompt], settings) for dense, model in built.items()} if batched else {}
 
-    def rates(run) -> str:
-        measured = [args.tokens / run() for _ in range(args.repeats + 1)][1:]
-        return f"{max(measured):.1f} ({min(measured):.1f})"
+    callers = {"generate_step": lambda model, dense: models.time_decode(model, mx.array(prompt), settings)[0]}
+    if batched:
+        callers["BatchGenerator, batch 1"] = lambda model, dense: models.time_batch_decode(model, [prompt], caches[dense], 1, settings)
+    # the routing in its own launch only where the routing can be inside (moe_blocks.routed_block)
+    variants = {label: v for label, v in VARIANTS.items() if ROUTED_SWITCH not in v[2] or args.model in ROUTED_BLOCKS}
+    rates = {(caller, label): [] for caller in callers for label in variants}
+    for round_index in range(args.rounds):
+        for caller, run in callers.items():
+            for label, variant in variants.items():
+                model = built[variant[0]]
+                timed = lambda: run(model, variant[0])  # noqa: E731
+                if round_index == 0:
+                    measure(timed, variant)  # warm-up at exactly the timed shapes
+                rates[caller, label].append(args.tokens / measure(timed, variant))
 
-    def row(label: str, patched: bool) -> str:
-        (mlx_moe_fix.apply if patched else mlx_moe_fix.revert)()
-        batched = rates(lambda: models.time_batch_decode(model, prompts, caches, 1, settings))
-        single = rates(lambda: models.time_decode(model, decode_prompt, settings)[0])
-        return f"| {label} | {batched} | {single} |"
+    print(f"{args.model} and its dense equivalent, {args.prompt}-token prompt, {args.tokens} tokens, "
+          f"{args.rounds} rounds, MLX {mx.__version__}, {mx.default_device()}")
+    for caller in callers:
+        print(f"\n{caller}: tok/s per round; / dense: the ratio within each round, and its median\n"
+              "| variant | tok/s | / dense | median / dense |\n|---|---|---|---|")
+        dense = rates[caller, "dense equivalent"]
+        for label in variants:
+            ratios = [r / d for r, d in zip(rates[caller, label], dense)]
+            print(f"| {label} | {' / '.join(f'{r:.1f}' for r in rates[caller, label])} | "
+                  f"{' / '.join(f'{q:.3f}' for q in ratios)} | {statistics.median(ratios):.3f} |")
+    if args.profile and batched:
+        for label in ("patched", "stock"):
+            variant = VARIANTS[label]
 
-    rows = [row("stock", False), row("patched", True)]
-    with switched(ROUTED_SWITCH, "0"):
-        rows.append(row("patched, routing in its own launch", True))
-    with switched(COMPILED_SWITCH, "0"):
-        rows.append(row("patched, decode steps not compiled", True))
-    rows += [row("stock again", False), row("patched again", True)]
-    mlx_moe_fix.revert()
+            def profiled():
+                profile = cProfile.Profile()
+                profile.enable()
+                seconds = callers["BatchGenerator, batch 1"](built[False], False)
+                profile.disable()
+                text = io.StringIO()
+                pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
+                print(f"\n{label}, BatchGenerator batch 1 under cProfile: {args.tokens / seconds:.1f} tok/s\n{text.getvalue()}")
+                return seconds
 
-    print(f"{args.model}, {args.prompt}-token cache, {args.tokens} tokens, MLX {mx.__version__}, {mx.default_device()}; "
-          f"tok/s, best of {args.repeats} (worst)")
-    print("| variant | BatchGenerator, batch 1 | generate_step |\n|---|---|---|")
-    print("\n".join(rows))
-    if args.profile:
-        for label, patched in (("patched", True), ("stock", False)):
-            (mlx_moe_fix.apply if patched else mlx_moe_fix.revert)()
-            profile = cProfile.Profile()
-            profile.enable()
-            seconds = models.time_batch_decode(model, prompts, caches, 1, settings)
-            profile.disable()
-            text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
-            print(f"\n{label}, BatchGenerator batch 1 under cProfile: {args.tokens / seconds:.1f} tok/s\n{text.getvalue()}")
-        mlx_moe_fix.revert()
+            measure(profiled, variant)
 
 
 if __name__ == "__main__":
