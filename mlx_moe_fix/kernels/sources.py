@@ -31,9 +31,8 @@ def _folder(backend: str):
 
 def _own_sections(backend: str, filename: str) -> dict:
     """The sections as written in the file; `uses` holds the names on its `//// uses` line."""
-    text = re.sub(r"^//// uses (.+)$", lambda m: f"//// uses\n{m.group(1)}\n////", _folder(backend).joinpath(filename).read_text(), flags=re.M)
-    parts = re.split(r"^////(?: (\w+))?\s*$", text, flags=re.M)
-    return {name: body for name, body in zip(parts[1::2], parts[2::2]) if name}
+    parts = re.split(r"^//// (\w+)(.*)$", _folder(backend).joinpath(filename).read_text(), flags=re.M)
+    return {name: rest if name == "uses" else body for name, rest, body in zip(parts[1::3], parts[2::3], parts[3::3])}
 
 
 def compact(source: str) -> str:
