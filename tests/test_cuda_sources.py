@@ -86,6 +86,7 @@ def test_prefill_kernel_compiles(tmp_path, t):
                                                (False, False, False, 0), (True, False, False, 0))
     ]
     variants.append(("route", t, {"TILE": 128, "MAX_EXPERTS": PREFILL.ROUTE_MAX_EXPERTS}))
+    variants.append(("combine", t, {}))
     compile_ok(tmp_path, translation_unit(PREFILL, "moe_prefill.cu", variants))
 
 

@@ -9,7 +9,8 @@ since its greedy tokens match stock on every GPU parity model: routing in one la
 height, a tile -> expert map; the grid sized for the worst case, so no host synchronisation;
 `route_reference` does the same with MLX ops), then two launches of one grouped tensor-core
 GEMM: gate+up with the activation in the epilogue into expert-sorted padded rows, and down
-written back per (token, expert) pair; the weighted combine is one MLX op.
+written back per (token, expert) pair; then, given routing weights, one launch of their
+weighted sum over each token's pairs.
 
 The GEMM dequantises the weights in registers (no dequantised copy anywhere); its tile height
 follows the mean rows per expert (`tile_height`).
@@ -39,8 +40,9 @@ CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL"
 # The kernel's parameters, in the order of its `inputs`.
 GROUPED_INPUTS = ["a", "row_pair", "tile_expert", "w0", "s0", "b0", "w1", "s1", "b1", "bias0", "bias1", "scale", "dims",
                   "params"]
-INPUTS = {"grouped": GROUPED_INPUTS, "route": ["indices", "sizes"]}
-OUTPUTS = {"grouped": ["out"], "route": ["row_pair", "tile_expert"]}
+INPUTS = {"grouped": GROUPED_INPUTS, "route": ["indices", "sizes"], "combine": ["rows", "weights", "sizes"]}
+OUTPUTS = {"grouped": ["out"], "route": ["row_pair", "tile_expert"], "combine": ["out"]}
+COMBINE_THREADS = 256
 ROUTE_MAX_EXPERTS = 1024  # the route kernel's shared arrays
 ROUTE_THREADS = 1024
 MAX_GRID_TILES = 65535  # the grouped GEMM's grid has one y index per tile
@@ -138,6 +140,22 @@ def route_reference(flat_indices: mx.array, num_experts: int, tile: int = TILES[
     return row_pair, tile_expert, tiles
 
 
+def combine_kernel(rows: mx.array, weights: mx.array) -> mx.array:
+    """reference.combine on the down GEMM's rows [pairs, out] (pair order) and weights [..., k]:
+    the weighted sum over k, [..., out], in one launch."""
+    top_k, (pairs, width) = weights.shape[-1], rows.shape
+    tokens = pairs // top_k
+    out = cuda_kernel("combine")(
+        inputs=[rows, weights.reshape(-1), int_array(tokens, top_k, width)],
+        template=[("T", rows.dtype), ("WT", weights.dtype)],
+        grid=(tokens * (width // 8), 1, 1),
+        threadgroup=(COMBINE_THREADS, 1, 1),
+        output_shapes=[(tokens, width)],
+        output_dtypes=[rows.dtype],
+    )[0]
+    return out.reshape(*weights.shape[:-1], width)
+
+
 def cuda_unsupported_reason(experts: MoEExperts, dtype) -> Optional[str]:
     if dtype not in (mx.bfloat16, mx.float16):
         return f"the grouped prefill kernel takes bfloat16 / float16 activations, not {dtype}"
@@ -199,7 +217,9 @@ def moe_prefill_kernel(
                           pairs_in=True, activate=True)
         out = _grouped(hidden, routing, pairs, top_k, projections[-1:], None, experts.out_scale,
                        pairs_in=False, activate=False)
-    return combine(out.reshape(*indices.shape, experts.output_dims), weights)
+    if weights is None:
+        return out.reshape(*indices.shape, experts.output_dims)
+    return combine_kernel(out, weights)
 
 
 def moe_prefill(

@@ -6,6 +6,7 @@ import dataclasses
 import mlx.core as mx
 import pytest
 from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from mlx_moe_fix.kernels import Activation, ExpertLinear, MoEExperts, moe_decode, moe_decode_reference, moe_prefill, moe_prefill_reference
 
@@ -158,6 +159,26 @@ def test_cuda_prefill_kernel_matches_ref(cuda_device, case):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel
 
     check_kernel(moe_prefill_kernel, cuda_unsupported_reason(case.experts, case.dtype), moe_prefill_reference, case)
+
+
+@CASES
+@given(tokens=st.integers(1, 300), top_k=st.integers(1, 8), width=st.sampled_from([32, 96, 512, 2048]),
+       dtype=st.sampled_from([mx.bfloat16, mx.float16]), float32_weights=st.booleans(), seed=st.integers(0, 2**16))
+def test_cuda_prefill_combine_kernel_matches_ref(cuda_device, tokens, top_k, width, dtype, float32_weights, seed):
+    # The grouped prefill's last launch on its own: the down GEMM's rows in pair order weighed and
+    # summed per token as reference.combine does, within the dtype's tolerance (the kernel sums
+    # in fp32; MLX's bf16 / fp16 sum rounds after each addition).
+    from mlx_moe_fix.kernels.moe_prefill import combine_kernel
+    from mlx_moe_fix.kernels.reference import combine
+
+    key = mx.random.key(seed)
+    rows = mx.random.normal((tokens * top_k, width), key=key).astype(dtype)
+    weights = mx.softmax(mx.random.normal((1, tokens, top_k), key=mx.random.split(key)[0]), axis=-1)
+    weights = weights if float32_weights else weights.astype(dtype)
+    out = combine_kernel(rows, weights)
+    expected = combine(rows.reshape(1, tokens, top_k, width), weights)
+    assert out.shape == expected.shape == (1, tokens, width) and out.dtype == dtype
+    assert_close(out, expected, dtype)
 
 
 # Kernel corners the GPU's hypothesis shapes do not reach: every tile height (16 / 32 / 64 rows

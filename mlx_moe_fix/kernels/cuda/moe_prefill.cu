@@ -3,8 +3,10 @@
 // belongs to one expert (`tile_expert`, -1 for tiles past the last run). Tensor cores through
 // mma.sync (bf16 / fp16 in, fp32 accumulate), the weights dequantised in registers.
 //
-// Sections are split on "//// <name>" lines (`header`, `grouped`, `route`). Template constants:
+// Sections are split on "//// <name>" lines (`header`, `grouped`, `route`, `combine`). Template
+// constants:
 //   T (bf16 or fp16), S (scales, biases and additive bias type), SC (per-expert scale type),
+//   WT (routing weight type; `combine` only),
 //   BITS 4 or 8, GROUP 32/64/128, BM 16/32/64 (tile height),
 //   PAIRS_IN:  A rows are x rows gathered per pair (pair / top_k); else the padded rows of `a`
 //   ACTIVATE:  epilogue applies the activation and writes padded rows; else it writes the
@@ -348,3 +350,36 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   }
 }
 
+
+//// combine
+// The routing-weighted sum over each token's TOP_K rows of the down GEMM (rows in pair order),
+// as the decode kernel's combining down launch computes it: each weight and each product
+// rounded to T as the reference's combine rounds them, the products summed in fp32 (MLX's sum
+// in T rounds after each addition: within T's tolerance, not bit for bit). One launch reading
+// each row once, where the reference's multiply and sum over k took 8-12x the bytes' time
+// (docs/benchmarks.md, tenth session).
+// inputs: rows [tokens * TOP_K, OUT_DIM], weights [tokens * TOP_K] (WT), sizes = tokens, TOP_K, OUT_DIM
+// outputs: out [tokens, OUT_DIM]
+// One thread per 8 consecutive outputs (16-byte loads and stores; OUT_DIM is a multiple of 32).
+{
+  const int tokens = sizes[0], top_k = sizes[1], width = sizes[2];
+  const int chunks = width / 8;
+  const long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (index >= static_cast<long long>(tokens) * chunks) return;
+  const long long token = index / chunks;
+  const int column = static_cast<int>(index % chunks) * 8;
+  float total[8] = {};
+  for (int k = 0; k < top_k; ++k) {
+    const long long pair = token * top_k + k;
+    const float weight = moe_common::rnd<T>(static_cast<float>(weights[pair]));
+    const uint4 packed = *reinterpret_cast<const uint4*>(rows + pair * width + column);
+    const T* values = reinterpret_cast<const T*>(&packed);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) total[i] += moe_common::rnd<T>(static_cast<float>(values[i]) * weight);
+  }
+  uint4 packed;
+  T* values = reinterpret_cast<T*>(&packed);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) values[i] = static_cast<T>(total[i]);
+  *reinterpret_cast<uint4*>(out + token * width + column) = packed;
+}
