@@ -32,11 +32,13 @@ def _version(distribution: str):
         return None
 
 
-def compiled_state() -> dict:
-    why_not = compiled.why_not_compiled()
+def compiled_state(phase: str) -> dict:
+    why_not = compiled.why_not_compiled(phase)
     if why_not is None:
-        return {"on": True, "reason": f"a patched block's calls of at most {compiled.MAX_TOKENS} tokens are traced "
-                "once per layer and shape and replayed"}
+        calls = (f"calls of at most {compiled.DECODE_TOKENS} tokens" if phase == "decode"
+                 else f"calls of more than {compiled.DECODE_TOKENS} tokens")
+        return {"on": True, "reason": f"a patched block's {calls} are traced at the second call of a shape, once per "
+                "layer and shape, and replayed from the third on"}
     return {"on": False, "reason": why_not}
 
 
@@ -56,7 +58,8 @@ def status() -> dict:
         "backend": current_backend(),
         "versions": {name: _version(name) for name in _DISTRIBUTIONS},
         "ops": {name: {"path": impl.path, "reason": impl.reason} for name, impl in implementations.items()},
-        "compiled_decode_steps": compiled_state(),
+        "compiled_decode_steps": compiled_state("decode"),
+        "compiled_prefill_shapes": compiled_state("prefill"),
         "targets": [
             dict(zip(("target", "state", "reason"), (t.name, *target_state(t)))) for t in TARGETS
         ],

@@ -36,8 +36,9 @@ def show_status(as_json: bool) -> int:
     print("versions: " + ", ".join(f"{k} {v}" for k, v in status["versions"].items()))
     print()
     print(markdown_table(["op", "runs", "why"], [[k, v["path"], v["reason"]] for k, v in status["ops"].items()]))
-    steps = status["compiled_decode_steps"]
-    print(f"compiled decode steps: {'on' if steps['on'] else 'off'} ({steps['reason']})")
+    for name in ("compiled_decode_steps", "compiled_prefill_shapes"):
+        steps = status[name]
+        print(f"{name.replace('_', ' ')}: {'on' if steps['on'] else 'off'} ({steps['reason']})")
     print()
     print(markdown_table(["target", "state", "why"], [[t["target"], t["state"], t["reason"]] for t in status["targets"]]))
     print()

@@ -339,6 +339,35 @@ def test_a_routed_block_takes_the_fused_op_only_through_the_patched_experts_call
     assert not mx.array_equal(intercepted, mx.zeros(x.shape)).item()
 
 
+def test_status_says_whether_prefill_shapes_are_compiled_and_why(monkeypatch):
+    from mlx_moe_fix import env
+    from mlx_moe_fix.patches import compiled
+
+    def shapes():
+        env.refresh()
+        state = mlx_moe_fix.status()["compiled_prefill_shapes"]
+        # the per-call check and the reported reason must agree
+        assert compiled.eligible("prefill") == state["on"] == (compiled.why_not_compiled("prefill") is None)
+        return state
+
+    monkeypatch.setattr(compiled, "BACKENDS", (mlx_moe_fix.current_backend(),))
+    assert shapes() == {"on": False, "reason": "off unless MLX_MOE_FIX_COMPILED_PREFILL=1 (not yet run on a GPU)"}
+    monkeypatch.setenv("MLX_MOE_FIX_COMPILED_PREFILL", "1")
+    assert shapes()["on"] is True and "more than 32 tokens" in shapes()["reason"]
+    with mlx_moe_fix.patched(prefill=False):
+        assert shapes() == {"on": False, "reason": "prefill disabled by apply(prefill=False)"}
+        assert compiled.eligible("decode"), "the phases are switched apart"
+    monkeypatch.setenv("MLX_MOE_FIX_CUDA_PREFILL", "0")
+    assert "MLX_MOE_FIX_CUDA_PREFILL=0" in shapes()["reason"]
+    monkeypatch.setenv("MLX_MOE_FIX_COMPILED_PREFILL", "0")
+    assert shapes() == {"on": False, "reason": "off unless MLX_MOE_FIX_COMPILED_PREFILL=1 (not yet run on a GPU)"}
+    monkeypatch.setenv("MLX_MOE_FIX_COMPILED_PREFILL", "1")
+    monkeypatch.delenv("MLX_MOE_FIX_CUDA_PREFILL")
+    assert shapes()["on"] is True
+    monkeypatch.delenv("MLX_MOE_FIX_COMPILED_PREFILL")
+    assert not shapes()["on"]
+
+
 def test_status_says_whether_decode_steps_are_compiled_and_why(monkeypatch):
     from mlx_moe_fix import env
     from mlx_moe_fix.patches import compiled
@@ -351,7 +380,7 @@ def test_status_says_whether_decode_steps_are_compiled_and_why(monkeypatch):
         return state
 
     monkeypatch.setattr(compiled, "BACKENDS", ("nowhere",))
-    assert steps() == {"on": False, "reason": f"{mlx_moe_fix.current_backend()}: only the CUDA kernels' decode steps are compiled"}
+    assert steps() == {"on": False, "reason": f"{mlx_moe_fix.current_backend()}: only the CUDA kernels' calls are compiled"}
     monkeypatch.setattr(compiled, "BACKENDS", (mlx_moe_fix.current_backend(),))
     assert steps()["on"] is True
     with mlx_moe_fix.patched(decode=False):

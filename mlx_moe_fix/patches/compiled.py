@@ -1,16 +1,24 @@
-"""Decode steps of a patched MoE block as one compiled MLX graph per layer and shape.
+"""Calls of a patched MoE block at a shape it has seen before, as one compiled MLX graph per
+layer and shape.
 
-At batch-1 decode a MoE block's GPU work is a few launches of tens of microseconds, while
-building its graph in Python (the wrapper, describe / plan, the kernels' argument binding and
-MLX's assembly of each cuda_kernel call) costs more host time than the GPU spends on it
-(docs/decode-attribution.md). `mx.compile` traces the patched call once per layer and shape; later
-steps replay the recorded graph in C++, with the layer's current weights as inputs.
+Building a MoE block's graph in Python (the wrapper, describe / plan, the kernels' argument
+binding and MLX's assembly of each cuda_kernel call) costs more host time than the GPU spends on
+it at batch-1 decode, and at a 512-token prefill about as much as the whole of the dense MLP's
+time (docs/decode-attribution.md; docs/benchmarks.md, tenth session). `mx.compile` traces the
+patched call once per layer and shape; later calls replay the recorded graph in C++, with the
+layer's current weights as inputs.
 
-Only decode-sized calls (at most MAX_TOKENS tokens: a prefill's shapes vary with the prompt) on
-CUDA with the decode kernel switched on take this path, and MLX_MOE_FIX_COMPILED_DECODE=0 turns
-it off. A trace is keyed by everything the patched call decides on besides the weights: the
-arguments' shapes and dtypes, the switches and phases, the identity of the layer's children and
-its scalar attributes; the weights themselves are the compiled graph's inputs.
+The first call of a shape is built in Python, the second traced, the later ones replayed. Decode
+steps (at most DECODE_TOKENS tokens) repeat their shapes at every token; longer calls repeat
+theirs where a long prompt is prefilled in chunks (mlx-lm's 2048 tokens) or a prompt length
+comes back. A prompt length seen once costs its key only, and each layer keeps at most MAX_KEYS
+keys (the oldest untraced go first). Only on CUDA, with the phase's kernel switched on, and
+per phase where its switch is on: MLX_MOE_FIX_COMPILED_DECODE (on unless 0) and
+MLX_MOE_FIX_COMPILED_PREFILL (off unless 1: its tests have run on the CPU's references only, not
+yet on a GPU). A
+trace is keyed by everything the patched call decides on besides the weights: the arguments'
+shapes and dtypes, the switches and phases, the identity of the layer's children and its scalar
+attributes; the weights themselves are the compiled graph's inputs.
 """
 
 from __future__ import annotations
@@ -25,14 +33,19 @@ from collections import Counter
 import mlx.core as mx
 
 from .. import trace
-from ..env import flag, snapshot
+from ..env import SWITCHES, flag, snapshot
 from ..kernels import current_backend
 from ..kernels.moe_decode import CUDA_KERNEL_SWITCH as DECODE_SWITCH
+from ..kernels.moe_prefill import CUDA_KERNEL_SWITCH as PREFILL_SWITCH
 from . import options
 
 SWITCH = "MLX_MOE_FIX_COMPILED_DECODE"
-MAX_TOKENS = 32
+PREFILL_COMPILE_SWITCH = "MLX_MOE_FIX_COMPILED_PREFILL"
+DECODE_TOKENS = 32
+MAX_KEYS = 32
 BACKENDS = ("cuda",)
+# phase: (its compile switch, its CUDA kernel's switch, its index in options.enabled())
+PHASES = {"decode": (SWITCH, DECODE_SWITCH, 1), "prefill": (PREFILL_COMPILE_SWITCH, PREFILL_SWITCH, 0)}
 
 _ATTRIBUTE = "_mlx_moe_fix_compiled_steps"
 _state = threading.local()
@@ -64,12 +77,18 @@ def _signature(value):
 _SCALARS = (bool, int, float, str)
 
 
+def phase_of(args: tuple):
+    """"decode" or "prefill" by the tokens in the call's first argument, or None where it is not
+    an array of tokens."""
+    first = args[0] if args else None
+    if not isinstance(first, mx.array) or first.ndim == 0:
+        return None
+    return "decode" if first.size <= DECODE_TOKENS * first.shape[-1] else "prefill"
+
+
 def _step_key(instance, args: tuple, kwargs: dict):
     """The trace key of this call, or None where it must run uncompiled. (Per decode step and
     layer: written for speed.)"""
-    first = args[0] if args else None
-    if not isinstance(first, mx.array) or first.ndim == 0 or first.size > MAX_TOKENS * first.shape[-1]:
-        return None
     try:
         arguments = tuple(map(_signature, args))
         if kwargs:
@@ -95,37 +114,46 @@ def suspended():
         _suspensions[0] -= 1
 
 
-def why_not_compiled():
-    """Why decode steps are not compiled here and now, or None where they are."""
-    if not flag(SWITCH):
-        return f"switched off ({SWITCH}=0)"
+def why_not_compiled(phase: str = "decode"):
+    """Why calls of `phase` are not compiled here and now, or None where they are."""
+    switch, kernel_switch, enabled_index = PHASES[phase]
+    if not flag(switch):
+        return f"switched off ({switch}=0)" if SWITCHES[switch] else f"off unless {switch}=1 (not yet run on a GPU)"
     if _suspensions[0]:
         return "suspended while layer calls are intercepted (zoo.intercepting)"
     backend = current_backend()
     if backend not in BACKENDS:
-        return f"{backend}: only the CUDA kernels' decode steps are compiled"
-    if not flag(DECODE_SWITCH):
-        return f"the CUDA decode kernel is switched off ({DECODE_SWITCH}=0)"
-    if not options.enabled()[1]:
-        return "decode disabled by apply(decode=False)"
+        return f"{backend}: only the CUDA kernels' calls are compiled"
+    if not flag(kernel_switch):
+        return f"the CUDA {phase} kernel is switched off ({kernel_switch}=0)"
+    if not options.enabled()[enabled_index]:
+        return f"{phase} disabled by apply({phase}=False)"
     return None
 
 
-def eligible() -> bool:
-    """Asked at every call: where steps are compiled, why_not_compiled() builds no reason."""
-    return why_not_compiled() is None
+def eligible(phase: str = "decode") -> bool:
+    """Asked at every call: where calls are compiled, why_not_compiled() builds no reason."""
+    return why_not_compiled(phase) is None
 
 
-def compiled_at_decode(wrapper):
-    """The wrapt wrapper `wrapper(wrapped, instance, args, kwargs)`, with decode-sized calls
-    compiled (see the module's docstring) from the second call of a key on; patched calls nested
-    in it run as they are."""
+def _make_room(steps: dict) -> None:
+    """At most MAX_KEYS keys on a layer: prompt lengths seen once would pile up. The oldest key
+    not traced goes first, else the oldest."""
+    while len(steps) >= MAX_KEYS:
+        del steps[next((key for key, step in steps.items() if not isinstance(step, _Step)), next(iter(steps)))]
+
+
+def compiled_per_shape(wrapper):
+    """The wrapt wrapper `wrapper(wrapped, instance, args, kwargs)`, with its calls compiled (see
+    the module's docstring) from the second call of a key on; patched calls nested in it run as
+    they are."""
 
     @functools.wraps(wrapper)
     def compiled_wrapper(wrapped, instance, args, kwargs):
-        if nested() or not eligible():
+        if nested():
             return wrapper(wrapped, instance, args, kwargs)
-        key = _step_key(instance, args, kwargs)
+        phase = phase_of(args)
+        key = None if phase is None or not eligible(phase) else _step_key(instance, args, kwargs)
         if key is None:
             return wrapper(wrapped, instance, args, kwargs)
         steps = instance.__dict__.get(_ATTRIBUTE)
@@ -136,6 +164,7 @@ def compiled_at_decode(wrapper):
         if step is None:
             # The first call of a key is built in Python: upstream code may fill a cache by
             # evaluating an array (InklingSwitchGLU.scales_trivial), which a trace cannot do.
+            _make_room(steps)
             steps[key] = _TRACE_NEXT
             with _outer_call():
                 return wrapper(wrapped, instance, args, kwargs)

@@ -8,7 +8,7 @@ import sys
 from ..kernels import current_backend, moe_router
 from ..kernels.blocks import inkling_block
 from . import switch_layers
-from .compiled import compiled_at_decode
+from .compiled import compiled_per_shape
 from . import moe_blocks
 from .moe_blocks import routing
 from .switch_layers import GLU_PROJECTIONS, bind, choose, describe
@@ -18,7 +18,7 @@ SWITCH_LAYERS = "mlx_vlm.models.switch_layers"
 INKLING = "mlx_vlm.models.inkling.language"
 
 
-@compiled_at_decode
+@compiled_per_shape
 def switch_glu(wrapped, instance, args, kwargs):
     """SwitchGLU.__call__(x, indices, weights=None, shared=None, residual=None)"""
     x, indices, weights, shared, residual = bind(
@@ -55,7 +55,7 @@ def inkling_sparse_moe(wrapped, instance, args, kwargs):
     return compiled_inkling_block(wrapped, instance, args, kwargs)
 
 
-@compiled_at_decode
+@compiled_per_shape
 def compiled_inkling_block(wrapped, instance, args, kwargs):
     (x,) = bind(args, kwargs, ("x",))
     experts = instance.switch_mlp

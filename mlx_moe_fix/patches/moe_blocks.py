@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from ..kernels import Routing, moe_router
-from .compiled import compiled_at_decode
+from .compiled import compiled_per_shape
 from .switch_layers import bind, routed_experts_call
 
 
@@ -24,7 +24,7 @@ routing = functools.lru_cache(maxsize=None)(Routing)
 def unsharded_compiled(wrapper):
     """`wrapper` with decode steps compiled (patches/compiled.py), except in a block with a
     sharding group: upstream's sharded block sums over its group after the experts."""
-    compiled = compiled_at_decode(wrapper)
+    compiled = compiled_per_shape(wrapper)
 
     def unsharded(wrapped, instance, args, kwargs):
         if getattr(instance, "sharding_group", None) is not None:

@@ -12,7 +12,7 @@ from .. import trace
 from ..kernels import PREFILL_MIN_PAIRS, ExpertLinear, MoEExperts, Plan, Routing, combine, plan, routed_plan
 from . import options
 from .activations import recognise
-from .compiled import compiled_at_decode
+from .compiled import compiled_per_shape
 
 GLU_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 MLP_PROJECTIONS = ("fc1", "fc2")
@@ -122,7 +122,7 @@ def expert_block_wrapper(layer_kind: str, projection_names: tuple, expert_scales
             return combine(wrapped(*args, **kwargs), weights)
         return chosen.function(x, indices, experts, weights)
 
-    return compiled_at_decode(wrapper)
+    return compiled_per_shape(wrapper)
 
 
 switch_glu = expert_block_wrapper("SwitchGLU", GLU_PROJECTIONS)

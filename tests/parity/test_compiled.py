@@ -1,6 +1,7 @@
-"""Compiled decode steps (patches/compiled.py): the same tokens, logits and path counts as the
-steps built in Python, new weights followed, and no layer kept alive. On the CPU the compiled
-path is allowed for the test (it runs the references there); on a GPU it is the real one."""
+"""Compiled calls (patches/compiled.py), decode steps and prefills at a repeated shape: the same
+tokens, logits and path counts as the calls built in Python, new weights followed, no layer kept
+alive, the keys a layer keeps bounded. On the CPU the compiled path is allowed for the test (it
+runs the references there); on a GPU it is the real one."""
 
 import gc
 import os
@@ -134,9 +135,62 @@ def test_a_call_mlx_cannot_trace_stays_built_in_python(compiled_steps):
         return wrapped(*args, **kwargs)
 
     compiled_steps(True)
-    call = compiled.compiled_at_decode(counted)
+    call = compiled.compiled_per_shape(counted)
     layer, x = Evaluating(), mx.ones((1, 4))
     outputs = [call(layer.__call__, layer, (x,), {}) for _ in range(3)]
     assert all(mx.array_equal(out, x * 4).item() for out in outputs)
     assert list(layer.__dict__[STEPS].values()) == [compiled._BUILT_IN_PYTHON]
     assert list(mlx_moe_fix.path_counts().values()) == [3], "the failed trace's call must count once"
+
+
+def prefill_logits(model, family: str, length: int):
+    """The logits of a `length`-token prompt prefilled in one call into a fresh cache, and the
+    path counts of that call."""
+    mlx_moe_fix.reset_path_counts()
+    logits = zoo.logits_of(model(mx.array([zoo.prompt_for(family, length)]), cache=zoo.make_cache(model)))
+    mx.eval(logits)
+    return logits, mlx_moe_fix.path_counts()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v4", "inkling"])
+def test_prefill_at_a_repeated_shape_replays_what_python_builds(compiled_steps, family, monkeypatch):
+    """A prompt length that comes back (as a long prompt's 2048-token chunks do): its first call
+    built in Python, its second traced, its third replayed, each with the logits and path counts
+    of a call built in Python."""
+    model = zoo.build(family, 4, dtype=mx.bfloat16)
+    length = compiled.DECODE_TOKENS + 8
+    monkeypatch.setenv(compiled.PREFILL_COMPILE_SWITCH, "1")
+    with mlx_moe_fix.patched():
+        compiled_steps(True)  # (refreshes the switches)
+        calls = [prefill_logits(model, family, length) for _ in range(3)]
+        assert steps_of(model) > 0, "no prefill call was compiled"
+        monkeypatch.setenv(compiled.PREFILL_COMPILE_SWITCH, "0")
+        env.refresh()
+        steps_before = steps_of(model)
+        built = prefill_logits(model, family, length)
+        assert steps_of(model) == steps_before
+    for logits, counts in calls:
+        assert mx.array_equal(logits, built[0]).item()
+        assert counts == built[1], "path counts differ: a replayed call must count as the call it replays"
+
+
+def test_a_layer_keeps_at_most_max_keys_dropping_untraced_ones_first(compiled_steps, monkeypatch):
+    """Prompt lengths seen once leave a key each; past MAX_KEYS the oldest untraced key goes, and
+    a traced one stays."""
+    import mlx.nn as nn
+
+    class Doubling(nn.Module):
+        def __call__(self, x):
+            return x * 2
+
+    monkeypatch.setenv(compiled.PREFILL_COMPILE_SWITCH, "1")
+    compiled_steps(True)  # (refreshes the switches)
+    monkeypatch.setattr(compiled, "MAX_KEYS", 3)
+    call = compiled.compiled_per_shape(lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs))
+    layer = Doubling()
+    for rows in (1, 1, 1, 40, 50, 60, 70):  # (1, 4) traced at its second call; the others seen once
+        x = mx.ones((rows, 4))
+        assert mx.array_equal(call(layer.__call__, layer, (x,), {}), x * 2).item()
+    steps = layer.__dict__[STEPS]
+    assert [key[0][0][0] for key in steps] == [(1, 4), (60, 4), (70, 4)]
+    assert isinstance(steps[next(iter(steps))], compiled._Step)
