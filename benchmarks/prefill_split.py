@@ -1,5 +1,5 @@
 """Where a patched SwitchGLU prefill's time goes on CUDA: routing, the two grouped GEMMs, the
-combine; with the first launch of the GEMM variants (their NVRTC compile), each stage's first
+combine (the kernel, and the MLX ops it replaced); with the first launch of the GEMM variants (their NVRTC compile), each stage's first
 call at this shape (MLX JIT-compiles some of its own kernels per shape) and stock's sorted
 SwitchGLU for comparison.
 
@@ -19,7 +19,7 @@ import time
 import mlx.core as mx
 
 import mlx_moe_fix
-from mlx_moe_fix.kernels.moe_prefill import _grouped, grid_tiles, route_kernel, route_reference, tile_height
+from mlx_moe_fix.kernels.moe_prefill import _grouped, combine_kernel, grid_tiles, route_kernel, route_reference, tile_height
 from mlx_moe_fix.kernels.reference import combine
 
 from .kernels import random_routing
@@ -83,26 +83,33 @@ def main(argv=None):
     compile_seconds += seconds
 
     def combined():
+        return combine_kernel(projected, weights)
+
+    def combined_reference():
         return combine(projected.reshape(*indices.shape, args.hidden), weights)
 
-    def patched_layer():
+    def stock_layer():
         return (layer(x, indices) * weights[..., None]).sum(axis=-2)
 
+    def patched_layer():  # weights= as the patched MoE blocks pass them: the combine is the op's
+        return layer(x, indices, weights=weights)
+
     stages = [("route kernel", routing, 0), ("route with MLX ops (reference)", routing_reference, 0), ("gate+up GEMM + SwiGLU", gate_up, 2 * 2 * pairs * args.hidden * args.ffn),
-              ("down GEMM", down_proj, 2 * pairs * args.hidden * args.ffn), ("combine", combined, 0)]
+              ("down GEMM", down_proj, 2 * pairs * args.hidden * args.ffn), ("combine kernel", combined, 0),
+              ("combine with MLX ops (reference)", combined_reference, 0)]
     rows = []
     for name, fn, flops in stages:
         cold, _ = first_call(fn)
         seconds = bench(repeated(fn, args.launches), warmup=3, reps=args.reps).median / args.launches
         rows.append([name, fmt(cold * 1e3), fmt(seconds * 1e6), fmt(flops / seconds / 1e12) if flops else "-"])
     total_flops = 3 * 2 * pairs * args.hidden * args.ffn
-    layers = [("patched SwitchGLU + combine", lambda: mlx_moe_fix.apply())]
+    layers = [("patched SwitchGLU + combine", mlx_moe_fix.apply, patched_layer)]
     if not args.no_stock:
-        layers.insert(0, ("stock SwitchGLU (sorted) + combine", mlx_moe_fix.revert))
-    for name, switch in layers:
+        layers.insert(0, ("stock SwitchGLU (sorted) + combine", mlx_moe_fix.revert, stock_layer))
+    for name, switch, fn in layers:
         switch()
-        cold, _ = first_call(patched_layer)
-        seconds = bench(repeated(patched_layer, args.launches), warmup=3, reps=args.reps).median / args.launches
+        cold, _ = first_call(fn)
+        seconds = bench(repeated(fn, args.launches), warmup=3, reps=args.reps).median / args.launches
         rows.append([name, fmt(cold * 1e3), fmt(seconds * 1e6), fmt(total_flops / seconds / 1e12)])
     mlx_moe_fix.revert()
 

@@ -178,3 +178,16 @@ def test_single_stream_smoke_prints_every_variant_per_caller(model, variants, ca
     rows = [line for line in out.splitlines() if line.startswith(("| stock", "| patched", "| dense"))]
     assert len(rows) == variants * callers and all(len(line.split("|")) == 6 for line in rows), out
     assert all(line.split("|")[-2].strip() == "1.000" for line in rows if line.startswith("| dense")), out
+
+
+def test_prefill_forward_smoke_times_every_variant(tmp_path):
+    path = str(tmp_path / "forward.json")
+    out = run_module("benchmarks.prefill_forward", "--smoke", "--json", path)
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    assert [row[1] for row in rows] == ["MoE, patched", "MoE, patched, prefill compiled per shape", "MoE, stock",
+                                        "dense equivalent", "MoE, patched, without MoE blocks",
+                                        "dense equivalent, without MLPs"]
+    assert all(float(row[4]) > 0 for row in rows) and rows[3][5] == "1.000"
+    # the CPU runs the references, whose calls are not compiled: the variant says so
+    assert "prefill compiled per shape, in its variant: off (cpu: only the CUDA kernels' calls are compiled)" in out

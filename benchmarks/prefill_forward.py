@@ -1,0 +1,120 @@
+"""A prefill's time for the whole model: one forward of a full-size MoE model and of its dense
+equivalent at each prompt length (no cache, as a prompt's first chunk), host graph building timed
+apart from evaluation, whole and with the MoE block / MLP left out (each returning its input).
+(benchmarks/prefill_split.py times one layer's stages.)
+
+    python3 -m benchmarks.prefill_forward                            # qwen3_moe, 512 and 2048 tokens
+    python3 -m benchmarks.prefill_forward --model mixtral --prompts 512
+    python3 -m benchmarks.prefill_forward --smoke                    # tiny configs, CPU
+
+Variants, in one process: the MoE model patched, its calls built in Python; patched with its
+prefill calls compiled per shape (MLX_MOE_FIX_COMPILED_PREFILL=1: the timed calls are the third
+and later of their shape, replayed; patches/compiled.py); stock (prompts up to
+--stock-max-prompt); the dense equivalent (benchmarks.models); both models without their MoE
+block / MLP. Each: the median of --reps forwards after two at the same shape (MLX compiles its
+kernels per shape; the compiled variant traces at its second call). Build: the Python call that
+makes the lazy graph; eval: mx.eval of the logits. A model's total less its variant's without
+MoE block / MLP is the blocks' share of the forward.
+"""
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_moe_fix
+from mlx_moe_fix.patches.compiled import PREFILL_COMPILE_SWITCH
+
+from . import models
+from .decode_attribution import identity, mlp_classes, moe_block_classes, replaced_calls
+from .decode_split import switched
+from .timing import markdown_table, write_json
+
+
+def forward_split(model, prompt: mx.array, reps: int) -> tuple:
+    """Median (build ms, eval ms) of a forward over `prompt`, after two at the same shape."""
+    runs = []
+    for i in range(2 + reps):
+        start = time.perf_counter()
+        logits = model(prompt)
+        built = time.perf_counter()
+        mx.eval(logits)
+        if i >= 2:
+            runs.append(((built - start) * 1e3, (time.perf_counter() - built) * 1e3))
+        del logits
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def variants(moe, dense, stock_allowed: bool) -> dict:
+    """label: (model, a context manager factory that sets the variant up)."""
+    out = {
+        "MoE, patched": (moe, mlx_moe_fix.patched),
+        "MoE, patched, prefill compiled per shape": (moe, lambda: _compiled_prefill()),
+    }
+    if stock_allowed:
+        out["MoE, stock"] = (moe, contextlib.nullcontext)
+    out["dense equivalent"] = (dense, contextlib.nullcontext)
+    out["MoE, patched, without MoE blocks"] = (moe, lambda: _without(mlx_moe_fix.patched(), moe_block_classes(moe)))
+    out["dense equivalent, without MLPs"] = (dense, lambda: _without(contextlib.nullcontext(), mlp_classes(dense)))
+    return out
+
+
+_compiled_state = {}
+
+
+@contextlib.contextmanager
+def _compiled_prefill():
+    with switched(PREFILL_COMPILE_SWITCH, "1"), mlx_moe_fix.patched():
+        _compiled_state.update(mlx_moe_fix.status()["compiled_prefill_shapes"])
+        yield
+
+
+@contextlib.contextmanager
+def _without(mode, classes):
+    with mode, replaced_calls(classes, identity):
+        yield
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=models.MOE_MODELS, default="qwen3_moe")
+    parser.add_argument("--prompts", default="512,2048", help="prompt lengths, comma-separated")
+    parser.add_argument("--stock-max-prompt", type=int, default=512, help="longest prompt stock is timed at")
+    parser.add_argument("--deepseek-layers", type=int, default=4, help="layers of deepseek_v3, inkling, deepseek_v4")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--smoke", action="store_true", help="tiny configs (CPU)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.reps = "40", 1
+
+    specs = models.model_specs(args.smoke, args.deepseek_layers)
+    spec = specs[args.model]
+    moe, dense = models.build_model(spec), models.build_model(specs[spec.dense])
+    rng = np.random.default_rng(0)
+    mlx_moe_fix.revert()
+    rows = []
+    for length in (int(n) for n in args.prompts.split(",")):
+        prompt = mx.array(rng.integers(0, spec.config["vocab_size"], (1, length)))
+        measured = {}
+        for label, (model, setup) in variants(moe, dense, length <= args.stock_max_prompt).items():
+            with setup():
+                measured[label] = forward_split(model, prompt, args.reps)
+        dense_total = sum(measured["dense equivalent"])
+        for label, (build, evaluate) in measured.items():
+            rows.append([length, label, f"{build:.2f}", f"{evaluate:.2f}", f"{build + evaluate:.2f}",
+                         f"{dense_total / (build + evaluate):.3f}"])
+    print(f"{args.model} and {spec.dense}: one forward (no cache), ms, median of {args.reps}; "
+          f"MLX {mx.__version__}, {mx.default_device()}")
+    print(markdown_table(["tokens", "variant", "build", "eval", "total", "dense total / total"], rows))
+    print(f"prefill compiled per shape, in its variant: {'on' if _compiled_state['on'] else 'off'} "
+          f"({_compiled_state['reason']})")
+    if args.json:
+        write_json(args.json, {"model": args.model, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
