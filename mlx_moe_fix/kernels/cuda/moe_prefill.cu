@@ -356,13 +356,13 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 // as the decode kernel's combining down launch computes it: each weight and each product
 // rounded to T as the reference's combine rounds them, the products summed in fp32 (MLX's sum
 // in T rounds after each addition: within T's tolerance, not bit for bit). One launch reading
-// each row once, where the reference's multiply and sum over k took 8-12x the bytes' time
-// (docs/benchmarks.md, tenth session).
+// each row once, where the reference's multiply and sum over k took 7-13x the time of its bytes
+// at HBM bandwidth (docs/benchmarks.md, tenth session).
 // inputs: rows [tokens * TOP_K, OUT_DIM], weights [tokens * TOP_K] (WT), sizes = tokens, TOP_K, OUT_DIM
 // outputs: out [tokens, OUT_DIM]
 // One thread per 8 consecutive outputs (16-byte loads and stores; OUT_DIM is a multiple of 32),
-// its rows loaded IN_FLIGHT at a time before any is summed: with one load in flight per thread
-// the launch read its rows at ~0.9 TB/s (Qwen3's 512-token prefill, docs/benchmarks.md).
+// its rows loaded IN_FLIGHT at a time before any is summed (one load in flight per thread was
+// latency bound).
 {
   constexpr int IN_FLIGHT = 4;
   const int tokens = sizes[0], top_k = sizes[1], width = sizes[2];
