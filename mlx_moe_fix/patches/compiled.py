@@ -15,10 +15,9 @@ comes back. A prompt length seen once costs its key only, and each layer keeps a
 keys (the oldest untraced go first). Only on CUDA, with the phase's kernel switched on, and
 per phase where its switch is on: MLX_MOE_FIX_COMPILED_DECODE (on unless 0) and
 MLX_MOE_FIX_COMPILED_PREFILL (off unless 1: its tests have run on the CPU's references only, not
-yet on a GPU). A
-trace is keyed by everything the patched call decides on besides the weights: the arguments'
-shapes and dtypes, the switches and phases, the identity of the layer's children and its scalar
-attributes; the weights themselves are the compiled graph's inputs.
+yet on a GPU). A trace is keyed by everything the patched call decides on besides the weights:
+the arguments' shapes and dtypes, the switches and phases, the identity of the layer's children
+and its scalar attributes; the weights themselves are the compiled graph's inputs.
 """
 
 from __future__ import annotations
