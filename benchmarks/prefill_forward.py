@@ -11,10 +11,13 @@ Variants, in one process: the MoE model patched, its calls built in Python; patc
 prefill calls compiled per shape (MLX_MOE_FIX_COMPILED_PREFILL=1: the timed calls are the third
 and later of their shape, replayed; patches/compiled.py); stock (prompts up to
 --stock-max-prompt); the dense equivalent (benchmarks.models); both models without their MoE
-block / MLP. Each: the median of --reps forwards after two at the same shape (MLX compiles its
-kernels per shape; the compiled variant traces at its second call). Build: the Python call that
-makes the lazy graph; eval: mx.eval of the logits. A model's total less its variant's without
-MoE block / MLP is the blocks' share of the forward.
+block / MLP. Every variant runs once per round, --reps forwards, and the rounds repeat, so that
+each ratio to the dense equivalent is taken between runs seconds apart (this host's speed drifts;
+docs/benchmarks.md, tenth session); the first round starts each variant with two untimed forwards
+at the same shape (MLX compiles its kernels per shape; the compiled variant traces at its second
+call). Build: the Python call that makes the lazy graph; eval: mx.eval of the logits; both the
+median over rounds of each round's median. A model's total less its variant's without MoE block /
+MLP is the blocks' share of the forward.
 """
 
 import argparse
@@ -34,15 +37,15 @@ from .decode_split import switched
 from .timing import markdown_table, write_json
 
 
-def forward_split(model, prompt: mx.array, reps: int) -> tuple:
-    """Median (build ms, eval ms) of a forward over `prompt`, after two at the same shape."""
+def forward_split(model, prompt: mx.array, reps: int, warm_ups: int) -> tuple:
+    """Median (build ms, eval ms) of `reps` forwards over `prompt`, after `warm_ups` untimed."""
     runs = []
-    for i in range(2 + reps):
+    for i in range(warm_ups + reps):
         start = time.perf_counter()
         logits = model(prompt)
         built = time.perf_counter()
         mx.eval(logits)
-        if i >= 2:
+        if i >= warm_ups:
             runs.append(((built - start) * 1e3, (time.perf_counter() - built) * 1e3))
         del logits
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
@@ -84,12 +87,13 @@ def main(argv=None):
     parser.add_argument("--prompts", default="512,2048", help="prompt lengths, comma-separated")
     parser.add_argument("--stock-max-prompt", type=int, default=512, help="longest prompt stock is timed at")
     parser.add_argument("--deepseek-layers", type=int, default=4, help="layers of deepseek_v3, inkling, deepseek_v4")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5, help="forwards per variant and round")
+    parser.add_argument("--rounds", type=int, default=3, help="every variant once per round (the host's speed drifts)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--smoke", action="store_true", help="tiny configs (CPU)")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.prompts, args.reps = "40", 1
+        args.prompts, args.reps, args.rounds = "40", 1, 2
 
     specs = models.model_specs(args.smoke, args.deepseek_layers)
     spec = specs[args.model]
@@ -99,17 +103,22 @@ def main(argv=None):
     rows = []
     for length in (int(n) for n in args.prompts.split(",")):
         prompt = mx.array(rng.integers(0, spec.config["vocab_size"], (1, length)))
-        measured = {}
-        for label, (model, setup) in variants(moe, dense, length <= args.stock_max_prompt).items():
-            with setup():
-                measured[label] = forward_split(model, prompt, args.reps)
-        dense_total = sum(measured["dense equivalent"])
-        for label, (build, evaluate) in measured.items():
+        chosen = variants(moe, dense, length <= args.stock_max_prompt)
+        rounds = {label: [] for label in chosen}  # label: [(build, eval) per round]
+        for round_index in range(args.rounds):
+            for label, (model, setup) in chosen.items():
+                with setup():
+                    rounds[label].append(forward_split(model, prompt, args.reps, 2 if round_index == 0 else 0))
+        dense_totals = [sum(run) for run in rounds["dense equivalent"]]
+        for label, runs in rounds.items():
+            ratios = [d / sum(run) for d, run in zip(dense_totals, runs)]
+            build, evaluate = (statistics.median(run[i] for run in runs) for i in (0, 1))
             rows.append([length, label, f"{build:.2f}", f"{evaluate:.2f}", f"{build + evaluate:.2f}",
-                         f"{dense_total / (build + evaluate):.3f}"])
-    print(f"{args.model} and {spec.dense}: one forward (no cache), ms, median of {args.reps}; "
-          f"MLX {mx.__version__}, {mx.default_device()}")
-    print(markdown_table(["tokens", "variant", "build", "eval", "total", "dense total / total"], rows))
+                         " / ".join(f"{q:.3f}" for q in ratios), f"{statistics.median(ratios):.3f}"])
+    print(f"{args.model} and {spec.dense}: one forward (no cache), ms, medians over {args.rounds} rounds of "
+          f"{args.reps} forwards per variant; MLX {mx.__version__}, {mx.default_device()}")
+    print(markdown_table(["tokens", "variant", "build", "eval", "total", "dense total / total, per round", "median"],
+                         rows))
     print(f"prefill compiled per shape, in its variant: {'on' if _compiled_state['on'] else 'off'} "
           f"({_compiled_state['reason']})")
     if args.json:
