@@ -41,7 +41,9 @@ from . import options
 SWITCH = "MLX_MOE_FIX_COMPILED_DECODE"
 PREFILL_COMPILE_SWITCH = "MLX_MOE_FIX_COMPILED_PREFILL"
 DECODE_TOKENS = 32
-MAX_KEYS = 32
+# Keys a layer keeps: mlx-lm's BatchGenerator decodes up to 32 sequences by default, each batch
+# size a key of its own, with room left for prompt lengths.
+MAX_KEYS = 64
 BACKENDS = ("cuda",)
 # phase: (its compile switch, its CUDA kernel's switch, its index in options.enabled())
 PHASES = {"decode": (SWITCH, DECODE_SWITCH, 1), "prefill": (PREFILL_COMPILE_SWITCH, PREFILL_SWITCH, 0)}
