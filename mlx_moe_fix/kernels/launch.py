@@ -88,6 +88,13 @@ def float_array(*values: float) -> mx.array:
     return mx.array(values, dtype=mx.float32)
 
 
+def per_pair(weights: mx.array, indices: mx.array) -> mx.array:
+    """Routing `weights` with one value per (token, expert) pair of `indices`, as the kernels read
+    them: the references broadcast weights of fewer leading dimensions against the pairs, and so
+    does this (a shape that cannot broadcast raises, as there)."""
+    return weights if weights.shape == indices.shape else mx.broadcast_to(weights, indices.shape)
+
+
 def kernel_dims(in_dim, out_dim, top_k, activation=None, has_bias=False, has_scale=False) -> mx.array:
     """The `dims` input of the kernels: IN_DIM, OUT_DIM, TOP_K, ACT, HAS_LIMIT, HAS_BIAS, HAS_SCALE."""
     act = ACTIVATION_CODES[activation.kind] if activation is not None else 0

@@ -17,7 +17,7 @@ import mlx.core as mx
 from .backend import Implementation, choose, current_backend
 from .experts import ExpertLinear, MoEExperts
 from .launch import (absent, bias_template, cuda_kernel_object, kernel_dims, kernel_params, metal_kernel_object,
-                     quantized_experts_reason)
+                     per_pair, quantized_experts_reason)
 from .reference import combine, expert_chain
 
 WARPS_PER_BLOCK = 8
@@ -160,7 +160,7 @@ def moe_decode_kernel(
     out_dims = experts.output_dims
     if weights is None:
         return down(rows, flat_indices, absent())[0].reshape(*indices.shape, out_dims)
-    return down(rows, flat_indices, weights.reshape(-1))[0].reshape(*x.shape[:-1], out_dims)
+    return down(rows, flat_indices, per_pair(weights, indices).reshape(-1))[0].reshape(*x.shape[:-1], out_dims)
 
 
 def moe_decode(

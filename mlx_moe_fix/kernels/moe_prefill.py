@@ -24,7 +24,8 @@ import mlx.core as mx
 
 from .backend import Implementation, choose
 from .experts import MoEExperts
-from .launch import ACTIVATION_CODES, absent, bias_template, cuda_kernel_object, int_array, kernel_dims, kernel_params, quantized_experts_reason
+from .launch import (ACTIVATION_CODES, absent, bias_template, cuda_kernel_object, int_array, kernel_dims, kernel_params,
+                     per_pair, quantized_experts_reason)
 from .reference import combine, expert_chain
 
 # Tile heights (BM in cuda/moe_prefill.cu) and the mean rows per expert from which each pays
@@ -219,7 +220,7 @@ def moe_prefill_kernel(
                        pairs_in=False, activate=False)
     if weights is None:
         return out.reshape(*indices.shape, experts.output_dims)
-    return combine_kernel(out, weights)
+    return combine_kernel(out, per_pair(weights, indices))
 
 
 def moe_prefill(

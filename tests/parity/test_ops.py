@@ -181,6 +181,31 @@ def test_cuda_prefill_combine_kernel_matches_ref(cuda_device, tokens, top_k, wid
     assert_close(out, expected, dtype)
 
 
+def test_weights_per_pair_broadcast_as_the_references_broadcast_them():
+    from mlx_moe_fix.kernels.launch import per_pair
+
+    indices = mx.zeros((2, 3, 4), dtype=mx.uint32)
+    weights = mx.arange(4, dtype=mx.float32).reshape(1, 1, 4)
+    assert mx.array_equal(per_pair(weights, indices), mx.broadcast_to(weights, (2, 3, 4))).item()
+    same = mx.ones((2, 3, 4))
+    assert per_pair(same, indices) is same
+    with pytest.raises(ValueError):
+        per_pair(mx.ones((2, 5, 4)), indices)
+
+
+@pytest.mark.parametrize("kernel, tokens", [("moe_prefill", 40), ("moe_decode", 3)])
+def test_cuda_kernels_take_weights_of_fewer_leading_dimensions(cuda_device, kernel, tokens):
+    # One set of routing weights per batch row, broadcast over its tokens as the references
+    # broadcast it: the kernels read one weight per pair, never past the array.
+    import importlib
+
+    module = importlib.import_module(f"mlx_moe_fix.kernels.{kernel}")
+    case = make_case(mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 256, 256, 8, 2, 2, tokens, with_weights=True)
+    case = dataclasses.replace(case, weights=case.weights[:, :1])
+    reference = getattr(module, f"{kernel}_reference")
+    check(getattr(module, f"{kernel}_kernel"), case, float32_oracle(reference, case))
+
+
 # Kernel corners the GPU's hypothesis shapes do not reach: every tile height (16 / 32 / 64 rows
 # from 0 / 8 / 32 mean rows per expert), several K steps per projection, ragged and empty experts.
 # (quantization, glu, kind, tokens, routing, bias, tile height the kernel must pick)
