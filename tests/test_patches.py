@@ -351,7 +351,7 @@ def test_status_says_whether_prefill_shapes_are_compiled_and_why(monkeypatch):
         return state
 
     monkeypatch.setattr(compiled, "BACKENDS", (mlx_moe_fix.current_backend(),))
-    assert shapes() == {"on": False, "reason": "off unless MLX_MOE_FIX_COMPILED_PREFILL=1 (not yet run on a GPU)"}
+    assert shapes() == {"on": False, "reason": "off unless MLX_MOE_FIX_COMPILED_PREFILL=1: not yet run on a GPU"}
     monkeypatch.setenv("MLX_MOE_FIX_COMPILED_PREFILL", "1")
     assert shapes()["on"] is True and "more than 32 tokens" in shapes()["reason"]
     with mlx_moe_fix.patched(prefill=False):
@@ -360,7 +360,7 @@ def test_status_says_whether_prefill_shapes_are_compiled_and_why(monkeypatch):
     monkeypatch.setenv("MLX_MOE_FIX_CUDA_PREFILL", "0")
     assert "MLX_MOE_FIX_CUDA_PREFILL=0" in shapes()["reason"]
     monkeypatch.setenv("MLX_MOE_FIX_COMPILED_PREFILL", "0")
-    assert shapes() == {"on": False, "reason": "off unless MLX_MOE_FIX_COMPILED_PREFILL=1 (not yet run on a GPU)"}
+    assert shapes() == {"on": False, "reason": "off unless MLX_MOE_FIX_COMPILED_PREFILL=1: not yet run on a GPU"}
     monkeypatch.setenv("MLX_MOE_FIX_COMPILED_PREFILL", "1")
     monkeypatch.delenv("MLX_MOE_FIX_CUDA_PREFILL")
     assert shapes()["on"] is True

@@ -119,7 +119,7 @@ def why_not_compiled(phase: str = "decode"):
     """Why calls of `phase` are not compiled here and now, or None where they are."""
     switch, kernel_switch, enabled_index = PHASES[phase]
     if not flag(switch):
-        return f"switched off ({switch}=0)" if SWITCHES[switch] else f"off unless {switch}=1 (not yet run on a GPU)"
+        return f"switched off ({switch}=0)" if SWITCHES[switch] else f"off unless {switch}=1: not yet run on a GPU"
     if _suspensions[0]:
         return "suspended while layer calls are intercepted (zoo.intercepting)"
     backend = current_backend()
