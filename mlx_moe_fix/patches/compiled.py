@@ -133,8 +133,11 @@ def why_not_compiled(phase: str = "decode"):
 
 
 def eligible(phase: str = "decode") -> bool:
-    """Asked at every call: where calls are compiled, why_not_compiled() builds no reason."""
-    return why_not_compiled(phase) is None
+    """why_not_compiled(phase) is None, without building its reasons (asked at every call, also
+    where calls are not compiled: the CPU and Metal)."""
+    switch, kernel_switch, enabled_index = PHASES[phase]
+    return (not _suspensions[0] and flag(switch) and flag(kernel_switch) and options.enabled()[enabled_index]
+            and current_backend() in BACKENDS)
 
 
 def _make_room(steps: dict) -> None:
