@@ -71,10 +71,15 @@ def routed_plan(x: mx.array, logits: mx.array, routing: Routing, experts: MoEExp
     if not decode or x.shape[:-1] != logits.shape[:-1]:
         return None
     pairs = (x.size // x.shape[-1]) * routing.top_k
-    if pairs >= min(PREFILL_MIN_PAIRS, GROUPED_MIN_PAIRS_PER_EXPERT * experts.num_experts):
+    if pairs >= PREFILL_MIN_PAIRS or _grouped_sized(pairs, experts):
         return None
     return experts.memo(("routed plan", x.shape, x.dtype, logits.shape, logits.dtype, routing, current_backend(), snapshot()),
                         lambda: _routed_plan(x, logits, routing, experts))
+
+
+def _grouped_sized(pairs: int, experts: MoEExperts) -> bool:
+    """Enough pairs for a decode call to take the grouped kernel (each routed expert read once)."""
+    return pairs >= GROUPED_MIN_PAIRS_PER_EXPERT * experts.num_experts
 
 
 def _routed_plan(x, logits, routing: Routing, experts: MoEExperts) -> Optional[Plan]:
@@ -93,7 +98,7 @@ def _plan(x, indices, experts: MoEExperts, prefill: bool, decode: bool, token_by
         reason = f"{phase} disabled by apply({phase}=False)"
     if reason is not None:
         return Plan(phase, "stock", reason, None)
-    grouped = not token_by_token and phase == "decode" and indices.size >= GROUPED_MIN_PAIRS_PER_EXPERT * experts.num_experts
+    grouped = not token_by_token and phase == "decode" and _grouped_sized(indices.size, experts)
     return experts.memo(
         ("plan", phase, grouped, token_by_token, x.dtype, switches),
         lambda: _supported_plan(phase, experts, x.dtype, grouped, token_by_token),
