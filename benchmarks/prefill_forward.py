@@ -65,13 +65,9 @@ def variants(moe, dense, stock_allowed: bool) -> dict:
     return out
 
 
-_compiled_state = {}
-
-
 @contextlib.contextmanager
 def _compiled_prefill():
     with switched(PREFILL_COMPILE_SWITCH, "1"), mlx_moe_fix.patched():
-        _compiled_state.update(mlx_moe_fix.status()["compiled_prefill_shapes"])
         yield
 
 
@@ -119,8 +115,9 @@ def main(argv=None):
           f"{args.reps} forwards per variant; MLX {mx.__version__}, {mx.default_device()}")
     print(markdown_table(["tokens", "variant", "build", "eval", "total", "dense total / total, per round", "median"],
                          rows))
-    print(f"prefill compiled per shape, in its variant: {'on' if _compiled_state['on'] else 'off'} "
-          f"({_compiled_state['reason']})")
+    with _compiled_prefill():
+        state = mlx_moe_fix.status()["compiled_prefill_shapes"]
+    print(f"prefill compiled per shape, in its variant: {'on' if state['on'] else 'off'} ({state['reason']})")
     if args.json:
         write_json(args.json, {"model": args.model, "rows": rows})
 
