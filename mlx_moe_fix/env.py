@@ -12,8 +12,7 @@ import os
 SWITCHES = {"MLX_MOE_FIX_DISABLE": False, "MLX_MOE_FIX_TRACE": False, "MLX_MOE_FIX_CUDA_DECODE": True,
             "MLX_MOE_FIX_CUDA_PREFILL": True, "MLX_MOE_FIX_CUDA_ROUTER": True,
             "MLX_MOE_FIX_CUDA_ROUTED_DECODE": True, "MLX_MOE_FIX_COMPILED_DECODE": True,
-            # off until compiled prefill calls have run on a GPU (patches/compiled.py)
-            "MLX_MOE_FIX_COMPILED_PREFILL": False,
+            "MLX_MOE_FIX_COMPILED_PREFILL": True,
             # off until the Metal decode kernel has run on Apple hardware (kernels/metal/)
             "MLX_MOE_FIX_METAL_DECODE": False}
 _values: dict = {}

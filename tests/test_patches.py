@@ -351,8 +351,6 @@ def test_status_says_whether_prefill_shapes_are_compiled_and_why(monkeypatch):
         return state
 
     monkeypatch.setattr(compiled, "BACKENDS", (mlx_moe_fix.current_backend(),))
-    assert shapes() == {"on": False, "reason": "off unless MLX_MOE_FIX_COMPILED_PREFILL=1: not yet run on a GPU"}
-    monkeypatch.setenv("MLX_MOE_FIX_COMPILED_PREFILL", "1")
     assert shapes()["on"] is True and "more than 32 tokens" in shapes()["reason"]
     with mlx_moe_fix.patched(prefill=False):
         assert shapes() == {"on": False, "reason": "prefill disabled by apply(prefill=False)"}
@@ -360,12 +358,11 @@ def test_status_says_whether_prefill_shapes_are_compiled_and_why(monkeypatch):
     monkeypatch.setenv("MLX_MOE_FIX_CUDA_PREFILL", "0")
     assert "MLX_MOE_FIX_CUDA_PREFILL=0" in shapes()["reason"]
     monkeypatch.setenv("MLX_MOE_FIX_COMPILED_PREFILL", "0")
-    assert shapes() == {"on": False, "reason": "off unless MLX_MOE_FIX_COMPILED_PREFILL=1: not yet run on a GPU"}
-    monkeypatch.setenv("MLX_MOE_FIX_COMPILED_PREFILL", "1")
+    assert shapes() == {"on": False, "reason": "switched off (MLX_MOE_FIX_COMPILED_PREFILL=0)"}
     monkeypatch.delenv("MLX_MOE_FIX_CUDA_PREFILL")
-    assert shapes()["on"] is True
-    monkeypatch.delenv("MLX_MOE_FIX_COMPILED_PREFILL")
     assert not shapes()["on"]
+    monkeypatch.delenv("MLX_MOE_FIX_COMPILED_PREFILL")
+    assert shapes()["on"] is True
 
 
 def test_status_says_whether_decode_steps_are_compiled_and_why(monkeypatch):

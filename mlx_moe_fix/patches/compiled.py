@@ -13,9 +13,8 @@ steps (at most DECODE_TOKENS tokens) repeat their shapes at every token; longer 
 theirs where a long prompt is prefilled in chunks (mlx-lm's 2048 tokens) or a prompt length
 comes back. A prompt length seen once costs its key only, and each layer keeps at most MAX_KEYS
 keys (the oldest untraced go first). Only on CUDA, with the phase's kernel switched on, and
-per phase where its switch is on: MLX_MOE_FIX_COMPILED_DECODE (on unless 0) and
-MLX_MOE_FIX_COMPILED_PREFILL (off unless 1: its tests have run on the CPU's references only, not
-yet on a GPU). A trace is keyed by everything the patched call decides on besides the weights:
+per phase where its switch is on: MLX_MOE_FIX_COMPILED_DECODE and MLX_MOE_FIX_COMPILED_PREFILL
+(each on unless 0). A trace is keyed by everything the patched call decides on besides the weights:
 the arguments' shapes and dtypes, the switches and phases, the identity of the layer's children
 and its scalar attributes; the weights themselves are the compiled graph's inputs.
 """
@@ -32,7 +31,7 @@ from collections import Counter
 import mlx.core as mx
 
 from .. import trace
-from ..env import SWITCHES, flag, snapshot
+from ..env import flag, snapshot
 from ..kernels import current_backend
 from ..kernels.moe_decode import CUDA_KERNEL_SWITCH as DECODE_SWITCH
 from ..kernels.moe_prefill import CUDA_KERNEL_SWITCH as PREFILL_SWITCH
@@ -119,7 +118,7 @@ def why_not_compiled(phase: str = "decode"):
     """Why calls of `phase` are not compiled here and now, or None where they are."""
     switch, kernel_switch, enabled_index = PHASES[phase]
     if not flag(switch):
-        return f"switched off ({switch}=0)" if SWITCHES[switch] else f"off unless {switch}=1: not yet run on a GPU"
+        return f"switched off ({switch}=0)"
     if _suspensions[0]:
         return "suspended while layer calls are intercepted (zoo.intercepting)"
     backend = current_backend()
