@@ -7,15 +7,17 @@ apart from evaluation, whole and with the MoE block / MLP left out (each returni
     python3 -m benchmarks.prefill_forward --model mixtral --prompts 512
     python3 -m benchmarks.prefill_forward --smoke                    # tiny configs, CPU
 
-Variants, in one process: the MoE model patched, its calls built in Python; patched with its
-prefill calls compiled per shape (MLX_MOE_FIX_COMPILED_PREFILL=1: the timed calls are the third
-and later of their shape, replayed; patches/compiled.py); stock (prompts up to
+Variants, in one process: the MoE model patched, its prefill calls compiled per shape (the
+default: the timed calls are the third and later of their shape, replayed; patches/compiled.py);
+patched with every call built in Python (MLX_MOE_FIX_COMPILED_PREFILL=0, as a prompt length's
+first call is); stock (prompts up to
 --stock-max-prompt); the dense equivalent (benchmarks.models); both models without their MoE
 block / MLP. Every variant runs once per round, --reps forwards, and the rounds repeat, so that
 each ratio to the dense equivalent is taken between runs seconds apart (this host's speed drifts;
 docs/benchmarks.md, tenth session); the first round starts each variant with two untimed forwards
 at the same shape (MLX compiles its kernels per shape; the compiled variant traces at its second
-call). Build: the Python call that makes the lazy graph; eval: mx.eval of the logits; both the
+call). The build of a new length's first three calls (L + 1 tokens: built, traced, replayed) is
+printed last. Build: the Python call that makes the lazy graph; eval: mx.eval of the logits; both the
 median over rounds of each round's median. A model's total less its variant's without MoE block /
 MLP is the blocks' share of the forward.
 """
@@ -54,8 +56,8 @@ def forward_split(model, prompt: mx.array, reps: int, warm_ups: int) -> tuple:
 def variants(moe, dense, stock_allowed: bool) -> dict:
     """label: (model, a context manager factory that sets the variant up)."""
     out = {
-        "MoE, patched": (moe, mlx_moe_fix.patched),
-        "MoE, patched, prefill compiled per shape": (moe, lambda: _compiled_prefill()),
+        "MoE, patched (prefill compiled per shape)": (moe, mlx_moe_fix.patched),
+        "MoE, patched, built in Python": (moe, lambda: _built_in_python()),
     }
     if stock_allowed:
         out["MoE, stock"] = (moe, contextlib.nullcontext)
@@ -66,9 +68,21 @@ def variants(moe, dense, stock_allowed: bool) -> dict:
 
 
 @contextlib.contextmanager
-def _compiled_prefill():
-    with switched(PREFILL_COMPILE_SWITCH, "1"), mlx_moe_fix.patched():
+def _built_in_python():
+    with switched(PREFILL_COMPILE_SWITCH, "0"), mlx_moe_fix.patched():
         yield
+
+
+def first_calls(model, prompt: mx.array, calls: int = 3) -> list:
+    """Build ms of the first `calls` forwards at the shape of `prompt`, each evaluated."""
+    builds = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        logits = model(prompt)
+        builds.append((time.perf_counter() - start) * 1e3)
+        mx.eval(logits)
+        del logits
+    return builds
 
 
 @contextlib.contextmanager
@@ -96,7 +110,7 @@ def main(argv=None):
     moe, dense = models.build_model(spec), models.build_model(specs[spec.dense])
     rng = np.random.default_rng(0)
     mlx_moe_fix.revert()
-    rows = []
+    rows, first_builds = [], []
     for length in (int(n) for n in args.prompts.split(",")):
         prompt = mx.array(rng.integers(0, spec.config["vocab_size"], (1, length)))
         chosen = variants(moe, dense, length <= args.stock_max_prompt)
@@ -111,15 +125,20 @@ def main(argv=None):
             build, evaluate = (statistics.median(run[i] for run in runs) for i in (0, 1))
             rows.append([length, label, f"{build:.2f}", f"{evaluate:.2f}", f"{build + evaluate:.2f}",
                          " / ".join(f"{q:.3f}" for q in ratios), f"{statistics.median(ratios):.3f}"])
+        new_length = mx.array(rng.integers(0, spec.config["vocab_size"], (1, length + 1)))
+        with mlx_moe_fix.patched():
+            first_builds.append([length + 1] + [f"{ms:.2f}" for ms in first_calls(moe, new_length)])
     print(f"{args.model} and {spec.dense}: one forward (no cache), ms, medians over {args.rounds} rounds of "
           f"{args.reps} forwards per variant; MLX {mx.__version__}, {mx.default_device()}")
     print(markdown_table(["tokens", "variant", "build", "eval", "total", "dense total / total, per round", "median"],
                          rows))
-    with _compiled_prefill():
+    print(f"\n{args.model} patched, build ms of a new prompt length's first calls:")
+    print(markdown_table(["tokens", "1st (built in Python)", "2nd (traced)", "3rd (replayed)"], first_builds))
+    with mlx_moe_fix.patched():
         state = mlx_moe_fix.status()["compiled_prefill_shapes"]
-    print(f"prefill compiled per shape, in its variant: {'on' if state['on'] else 'off'} ({state['reason']})")
+    print(f"prefill compiled per shape, patched: {'on' if state['on'] else 'off'} ({state['reason']})")
     if args.json:
-        write_json(args.json, {"model": args.model, "rows": rows})
+        write_json(args.json, {"model": args.model, "rows": rows, "first_builds": first_builds})
 
 
 if __name__ == "__main__":
