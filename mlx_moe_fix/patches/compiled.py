@@ -74,7 +74,8 @@ def _signature(value):
     raise TypeError
 
 
-_SCALARS = (bool, int, float, str)
+# Exactly these types (a set lookup per attribute is cheaper than isinstance): bool, int, float, str.
+_SCALAR_TYPES = frozenset((bool, int, float, str))
 
 
 def phase_of(args: tuple):
@@ -89,14 +90,17 @@ def phase_of(args: tuple):
 def _step_key(instance, args: tuple, kwargs: dict):
     """The trace key of this call, or None where it must run uncompiled. (Per decode step and
     layer: written for speed.)"""
-    try:
-        arguments = tuple(map(_signature, args))
-        if kwargs:
-            arguments += tuple((k, _signature(v)) for k, v in sorted(kwargs.items()))
-    except TypeError:
-        return None  # an argument compile cannot take (neither an array nor None)
+    if not kwargs and len(args) == 1 and type(args[0]) is mx.array:  # a block's call: x alone
+        arguments = ((args[0].shape, args[0].dtype),)
+    else:
+        try:
+            arguments = tuple(map(_signature, args))
+            if kwargs:
+                arguments += tuple((k, _signature(v)) for k, v in sorted(kwargs.items()))
+        except TypeError:
+            return None  # an argument compile cannot take (neither an array nor None)
     children = tuple(map(id, instance.values()))
-    scalars = tuple([v for v in vars(instance).values() if isinstance(v, _SCALARS)])
+    scalars = tuple([v for v in vars(instance).values() if type(v) in _SCALAR_TYPES])
     return arguments, children, scalars, snapshot(), options.enabled()
 
 
