@@ -103,6 +103,8 @@ def test_routed_decode_kernel_compiles(tmp_path, t):
     variants = [("routed_gate_up", t, {"BITS": bits, "GROUP": group, "WARPS": 8, "RPW": 4, "HAS_BIAS": bits == 8,
                                        "GATED": gated, "SOFTMAX_FIRST": first, "NORMALIZE": first, "LAST_K": first})
                 for bits, group in ((4, 64), (8, 32)) for gated in (True, False) for first in (True, False)]
+    variants += [("routed_down", t, {"BITS": bits, "GROUP": group, "WARPS": 8, "RPW": 4, "HAS_BIAS": bits == 8})
+                 for bits, group in ((4, 64), (8, 32))]
     compile_ok(tmp_path, translation_unit(ROUTED, "moe_routed_decode.cu", variants))
 
 

@@ -5,7 +5,8 @@ Reference: `moe_router_reference`, then `moe_decode_reference` with the weights 
 computes unfused). CUDA kernel (`cuda/moe_routed_decode.cu`): moe_decode's gate+up launch with
 moe_router's routing done inside it, then moe_decode's combining down launch: two launches where
 the unfused block makes three (docs/decode-attribution.md: at batch 1 a launch costs more host
-and GPU time than the routing's arithmetic). It routes with moe_router's device code, so its
+and GPU time than the routing's arithmetic). The experts and weights pass between the two in the
+hidden output's tail, so that each launch has one output and the down launch no routing inputs. It routes with moe_router's device code, so its
 experts and weights are the router kernel's, bit for bit. MLX_MOE_FIX_CUDA_ROUTED_DECODE=0 turns
 it off (the block then routes and runs its experts in separate launches).
 """
@@ -29,8 +30,9 @@ from .moe_router import cuda_unsupported_reason as router_unsupported_reason
 
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTED_DECODE"
 # The kernel's parameters, in the order of its `inputs` / outputs.
-INPUTS = {"routed_gate_up": ["x", "logits", "sizes", *DECODE_INPUTS["gate_up"][2:]]}
-OUTPUTS = {"routed_gate_up": ["hidden", "indices", "weights"]}
+INPUTS = {"routed_gate_up": ["x", "logits", *DECODE_INPUTS["gate_up"][2:]],
+          "routed_down": ["hidden", *DECODE_INPUTS["down"][3:]]}
+OUTPUTS = {"routed_gate_up": ["hidden"], "routed_down": ["out"]}
 # Two blocks of the decode kernel's WARPS_PER_BLOCK warps per SM, as its unrouted gate+up runs
 # (128 registers): the routing's 2 more would leave room for one (nvcc --resource-usage for
 # sm_90a: 130 registers unbounded, 124 and no spills bounded; tests/test_cuda_sources.py).
@@ -50,17 +52,21 @@ def _launches(experts: MoEExperts, routing: Routing, tokens: int, dtype) -> tupl
     def plan():
         pairs = tokens * routing.top_k
         gate_up = gate_up_launch(experts, routing.top_k, pairs, dtype, "cuda")
-        kernel = cuda_kernel_object("moe_routed_decode.cu", "routed_gate_up", tuple(INPUTS["routed_gate_up"]),
-                                    tuple(OUTPUTS["routed_gate_up"]), 0, LAUNCH_BOUNDS)
-        routed = gate_up._replace(
-            kernel=kernel,
-            fixed_inputs=[int_array(tokens, experts.num_experts, routing.top_k), *gate_up.fixed_inputs],
+        down = decode_launches(experts, routing.top_k, pairs, dtype, dtype, "cuda")[1]
+        *weights, dims, params = gate_up.fixed_inputs
+        (rows, hidden_dims), itemsize = gate_up.output_shapes[0], dtype.size
+        routed_gate_up = gate_up._replace(
+            kernel=cuda_kernel_object("moe_routed_decode.cu", "routed_gate_up", tuple(INPUTS["routed_gate_up"]),
+                                      tuple(OUTPUTS["routed_gate_up"]), 0, LAUNCH_BOUNDS),
+            fixed_inputs=[*weights, int_array(*dims.tolist(), experts.num_experts), params],
             template=gate_up.template + [("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
                                          ("NORMALIZE", routing.normalize), ("LAST_K", routing.kind != "topk_softmax")],
-            output_shapes=[*gate_up.output_shapes, (pairs,), (pairs,)],
-            output_dtypes=[*gate_up.output_dtypes, mx.uint32, dtype],
+            # each pair's row, then its expert (uint32) and weight (dtype): RoutingTail in the source
+            output_shapes=[(rows * hidden_dims + pairs * (4 + itemsize) // itemsize,)],
         )
-        return routed, decode_launches(experts, routing.top_k, pairs, dtype, dtype, "cuda")[1]
+        routed_down = down._replace(kernel=cuda_kernel_object("moe_routed_decode.cu", "routed_down",
+                                                              tuple(INPUTS["routed_down"]), tuple(OUTPUTS["routed_down"]), 0))
+        return routed_gate_up, routed_down
 
     return experts.memo(("routed decode launches", routing, tokens, dtype), plan)
 
@@ -69,8 +75,8 @@ def moe_routed_decode_kernel(x: mx.array, logits: mx.array, routing: Routing, ex
     """The CUDA implementation; same contract as moe_routed_decode_reference."""
     tokens = x.reshape(-1, x.shape[-1])
     gate_up, down = _launches(experts, routing, tokens.shape[0], x.dtype)
-    hidden, indices, weights = gate_up(tokens, logits.reshape(tokens.shape[0], -1))
-    return down(hidden, indices, weights)[0].reshape(*x.shape[:-1], experts.output_dims)
+    (hidden,) = gate_up(tokens, logits.reshape(tokens.shape[0], -1))
+    return down(hidden)[0].reshape(*x.shape[:-1], experts.output_dims)
 
 
 def moe_routed_decode(x: mx.array, logits: mx.array, routing: Routing, experts: MoEExperts) -> mx.array:

@@ -173,39 +173,16 @@ __device__ __forceinline__ void gate_up_rows(
   }
 }
 
-}  // namespace moe_decode
-
-//// gate_up
-// inputs: x [N, IN_DIM], indices [N * TOP_K], gate_w / up_w [E, OUT_DIM, IN_DIM * BITS / 32],
-//         gate_s, gate_b, up_s, up_b [E, OUT_DIM, IN_DIM / GROUP], gate_bias, up_bias [E, OUT_DIM],
-//         gate_scale [E], dims, params;  output: hidden [N * TOP_K, OUT_DIM]
-// One block per (pair, WARPS x RPW output rows).
-{
-  using namespace moe_decode;
-  const Dims d(dims);
-  const int pair = blockIdx.y;
-  const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
-  if (first_row >= d.out_dim) return;
-  gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, T, S>(
-      hidden, pair, indices[pair], first_row, x + (size_t)(pair / d.top_k) * d.in_dim,
-      {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
-}
-
-//// down
-// inputs: hidden [rows, IN_DIM] (one row per pair, or per token when !INPUT_PER_PAIR),
-//         indices [N * TOP_K], w [E, OUT_DIM, IN_DIM * BITS / 32], s, b [E, OUT_DIM, IN_DIM / GROUP],
-//         bias [E, OUT_DIM], out_scale [E], weights [N * TOP_K], dims
-// output: out [N, OUT_DIM] (COMBINE: the routing-weighted sum over TOP_K) or [N * TOP_K, OUT_DIM]
-// One block per (pair, WARPS x RPW output rows), or with COMBINE per (token, output rows): its
-// warps split over the token's pairs (warp % PAIR_SLOTS, PAIR_SLOTS = min(TOP_K, WARPS)) and
-// over rows (warp / PAIR_SLOTS, RPW rows each), so a block covers WARPS / PAIR_SLOTS x RPW rows
-// and the grid has as many blocks as without the combine; the pairs' partial sums meet in shared
-// memory and are added in pair order.
-{
-  using namespace moe_decode;
-  static_assert(bias_signature_matches<HAS_BIAS, S, decltype(bias)>, "HAS_BIAS disagrees with the bias input");
+// A block's share of the down GEMV: its RPW-row slots of OUT_DIM, for one pair (blockIdx.y), or
+// with COMBINE for one token's TOP_K pairs (blockIdx.y = token), the pairs' rows weighted by
+// `weights` and summed; see the `down` section for the block's layout.
+template <int BITS, int GROUP, int WARPS, int RPW, bool INPUT_PER_PAIR, bool COMBINE, bool HAS_BIAS, typename T, typename S,
+          typename B, typename SC, typename WT>
+__device__ __forceinline__ void down_rows(
+    T* out, const T* hidden, const uint32_t* indices, const WT* weights, QuantizedRows<S> matrices_of_all,
+    const B* bias, const SC* out_scale, const Dims& d) {
+  static_assert(bias_signature_matches<HAS_BIAS, S, const B*>, "HAS_BIAS disagrees with the bias input");
   __shared__ float partial[WARPS * RPW];  // COMBINE: each warp's sums, [WARPS][RPW]
-  const Dims d(dims);
   const int first_pair = COMBINE ? blockIdx.y * d.top_k : blockIdx.y;
   const int pairs = COMBINE ? d.top_k : 1;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -221,8 +198,9 @@ __device__ __forceinline__ void gate_up_rows(
     const int pair = first_pair + j;
     const size_t expert = indices[pair];
     const size_t rows_before = expert * d.out_dim;
-    const QuantizedRows<S> matrices[1] = {
-        {w + rows_before * (d.in_dim * BITS / 32), s + rows_before * (d.in_dim / GROUP), b + rows_before * (d.in_dim / GROUP)}};
+    const QuantizedRows<S> matrices[1] = {{matrices_of_all.w + rows_before * (d.in_dim * BITS / 32),
+                                           matrices_of_all.s + rows_before * (d.in_dim / GROUP),
+                                           matrices_of_all.b + rows_before * (d.in_dim / GROUP)}};
     const T* activations = hidden + (size_t)(INPUT_PER_PAIR ? pair : pair / d.top_k) * d.in_dim;
     float dots[RPW];
     rows_dot<BITS, GROUP, 1, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
@@ -254,4 +232,38 @@ __device__ __forceinline__ void gate_up_rows(
   for (int r = 0; r < RPW; ++r) {
     if (active && lane == r && first_row + r < d.out_dim) out[(size_t)blockIdx.y * d.out_dim + first_row + r] = static_cast<T>(total[r]);
   }
+}
+
+}  // namespace moe_decode
+
+//// gate_up
+// inputs: x [N, IN_DIM], indices [N * TOP_K], gate_w / up_w [E, OUT_DIM, IN_DIM * BITS / 32],
+//         gate_s, gate_b, up_s, up_b [E, OUT_DIM, IN_DIM / GROUP], gate_bias, up_bias [E, OUT_DIM],
+//         gate_scale [E], dims, params;  output: hidden [N * TOP_K, OUT_DIM]
+// One block per (pair, WARPS x RPW output rows).
+{
+  using namespace moe_decode;
+  const Dims d(dims);
+  const int pair = blockIdx.y;
+  const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
+  if (first_row >= d.out_dim) return;
+  gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, T, S>(
+      hidden, pair, indices[pair], first_row, x + (size_t)(pair / d.top_k) * d.in_dim,
+      {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
+}
+
+//// down
+// inputs: hidden [rows, IN_DIM] (one row per pair, or per token when !INPUT_PER_PAIR),
+//         indices [N * TOP_K], weights [N * TOP_K], w [E, OUT_DIM, IN_DIM * BITS / 32],
+//         s, b [E, OUT_DIM, IN_DIM / GROUP], bias [E, OUT_DIM], out_scale [E], dims
+// output: out [N, OUT_DIM] (COMBINE: the routing-weighted sum over TOP_K) or [N * TOP_K, OUT_DIM]
+// One block per (pair, WARPS x RPW output rows), or with COMBINE per (token, output rows): its
+// warps split over the token's pairs (warp % PAIR_SLOTS, PAIR_SLOTS = min(TOP_K, WARPS)) and
+// over rows (warp / PAIR_SLOTS, RPW rows each), so a block covers WARPS / PAIR_SLOTS x RPW rows
+// and the grid has as many blocks as without the combine; the pairs' partial sums meet in shared
+// memory and are added in pair order.
+{
+  using namespace moe_decode;
+  down_rows<BITS, GROUP, WARPS, RPW, INPUT_PER_PAIR, COMBINE, HAS_BIAS, T, S>(
+      out, hidden, indices, weights, {w, s, b}, bias, out_scale, Dims(dims));
 }
