@@ -73,6 +73,7 @@ def test_decode_kernels_compile(tmp_path, t):
         base = {"BITS": bits, "GROUP": group, "WARPS": 8, "HAS_BIAS": bits == 8, "RPW": 4 if bits == 4 else 1}
         variants += [("gate_up", t, {**base, "GATED": gated}) for gated in (True, False)]
         variants += [("down", t, {**base, "INPUT_PER_PAIR": p, "COMBINE": c}) for p in (True, False) for c in (True, False)]
+        variants.append(("routed_down", t, base))
     compile_ok(tmp_path, translation_unit(DECODE, "moe_decode.cu", variants))
 
 
@@ -103,8 +104,6 @@ def test_routed_decode_kernel_compiles(tmp_path, t):
     variants = [("routed_gate_up", t, {"BITS": bits, "GROUP": group, "WARPS": 8, "RPW": 4, "HAS_BIAS": bits == 8,
                                        "GATED": gated, "SOFTMAX_FIRST": first, "NORMALIZE": first, "LAST_K": first})
                 for bits, group in ((4, 64), (8, 32)) for gated in (True, False) for first in (True, False)]
-    variants += [("routed_down", t, {"BITS": bits, "GROUP": group, "WARPS": 8, "RPW": 4, "HAS_BIAS": bits == 8})
-                 for bits, group in ((4, 64), (8, 32))]
     compile_ok(tmp_path, translation_unit(ROUTED, "moe_routed_decode.cu", variants))
 
 

@@ -68,9 +68,14 @@ def translation_unit(module, filename, variants):
     return text
 
 
+# Sections only CUDA needs: the launch after moe_routed_decode's gate+up, which has no Metal kernel.
+CUDA_ONLY = {"moe_decode": {"routed_down"}}
+
+
 def test_metal_sources_have_the_cuda_sources_sections():
     for filename in ("moe_decode",):
-        assert sections("metal", f"{filename}.metal").keys() == sections("cuda", f"{filename}.cu").keys()
+        cuda = sections("cuda", f"{filename}.cu").keys() - CUDA_ONLY[filename]
+        assert sections("metal", f"{filename}.metal").keys() == cuda
 
 
 @pytest.mark.skipif(CXX is None, reason="no g++ / clang++ on this machine: Metal sources not type-checked")

@@ -42,8 +42,10 @@ INPUTS = {
     "gate_up": ["x", "indices", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
                 "gate_bias", "up_bias", "gate_scale", "dims", "params"],
     "down": ["hidden", "indices", "weights", "w", "s", "b", "bias", "out_scale", "dims"],
+    # CUDA only: down after moe_routed_decode's gate+up, the experts and weights in its output
+    "routed_down": ["hidden", "w", "s", "b", "bias", "out_scale", "dims"],
 }
-OUTPUTS = {"gate_up": ["hidden"], "down": ["out"]}
+OUTPUTS = {"gate_up": ["hidden"], "down": ["out"], "routed_down": ["out"]}
 
 def gpu_kernel(stage: str, backend: str):
     """The kernel object of one stage ("gate_up" or "down") on `backend` ("cuda" or "metal"), or

@@ -6,7 +6,8 @@ computes unfused). CUDA kernel (`cuda/moe_routed_decode.cu`): moe_decode's gate+
 moe_router's routing done inside it, then moe_decode's combining down launch: two launches where
 the unfused block makes three (docs/decode-attribution.md: at batch 1 a launch costs more host
 and GPU time than the routing's arithmetic). The experts and weights pass between the two in the
-hidden output's tail, so that each launch has one output and the down launch no routing inputs. It routes with moe_router's device code, so its
+hidden output's tail (RoutingTail in cuda/moe_decode.cu), so that each launch has one output and
+the down launch (moe_decode.cu's routed_down) no routing inputs. It routes with moe_router's device code, so its
 experts and weights are the router kernel's, bit for bit. MLX_MOE_FIX_CUDA_ROUTED_DECODE=0 turns
 it off (the block then routes and runs its experts in separate launches).
 """
@@ -23,6 +24,7 @@ from .experts import MoEExperts
 from .launch import cuda_kernel_object, int_array
 from .moe_decode import decode_launches, gate_up_launch, moe_decode_implementation, moe_decode_reference
 from .moe_decode import INPUTS as DECODE_INPUTS
+from .moe_decode import OUTPUTS as DECODE_OUTPUTS
 from .moe_decode import WARPS_PER_BLOCK
 from .moe_router import CUDA_KERNEL_SWITCH as ROUTER_SWITCH
 from .moe_router import Routing, moe_router_reference
@@ -30,9 +32,8 @@ from .moe_router import cuda_unsupported_reason as router_unsupported_reason
 
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTED_DECODE"
 # The kernel's parameters, in the order of its `inputs` / outputs.
-INPUTS = {"routed_gate_up": ["x", "logits", *DECODE_INPUTS["gate_up"][2:]],
-          "routed_down": ["hidden", *DECODE_INPUTS["down"][3:]]}
-OUTPUTS = {"routed_gate_up": ["hidden"], "routed_down": ["out"]}
+INPUTS = {"routed_gate_up": ["x", "logits", *DECODE_INPUTS["gate_up"][2:]]}
+OUTPUTS = {"routed_gate_up": ["hidden"]}
 # Two blocks of the decode kernel's WARPS_PER_BLOCK warps per SM, as its unrouted gate+up runs
 # (128 registers): the routing's 2 more would leave room for one (nvcc --resource-usage for
 # sm_90a: 130 registers unbounded, 124 and no spills bounded; tests/test_cuda_sources.py).
@@ -64,8 +65,8 @@ def _launches(experts: MoEExperts, routing: Routing, tokens: int, dtype) -> tupl
             # each pair's row, then its expert (uint32) and weight (dtype): RoutingTail in the source
             output_shapes=[(rows * hidden_dims + pairs * (4 + itemsize) // itemsize,)],
         )
-        routed_down = down._replace(kernel=cuda_kernel_object("moe_routed_decode.cu", "routed_down",
-                                                              tuple(INPUTS["routed_down"]), tuple(OUTPUTS["routed_down"]), 0))
+        routed_down = down._replace(kernel=cuda_kernel_object("moe_decode.cu", "routed_down", tuple(DECODE_INPUTS["routed_down"]),
+                                                              tuple(DECODE_OUTPUTS["routed_down"]), 0))
         return routed_gate_up, routed_down
 
     return experts.memo(("routed decode launches", routing, tokens, dtype), plan)

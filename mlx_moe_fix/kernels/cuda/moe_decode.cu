@@ -234,6 +234,20 @@ __device__ __forceinline__ void down_rows(
   }
 }
 
+// Where routed_gate_up (moe_routed_decode.cu) keeps each pair's expert (uint32) and routing
+// weight (T): in its hidden output, after the pairs' OUT_DIM-wide rows (16-byte aligned, as
+// OUT_DIM is a multiple of the group size). Not outputs of their own: MLX's host cost per kernel
+// call grows with its outputs times its inputs (docs/benchmarks.md, tenth session, section 2),
+// and a decode step pays it per layer.
+template <typename T>
+struct RoutingTail {
+  uint32_t* indices;
+  T* weights;
+  __device__ RoutingTail(const T* hidden, int pairs, int out_dim)
+      : indices(reinterpret_cast<uint32_t*>(const_cast<T*>(hidden) + (size_t)pairs * out_dim)),
+        weights(reinterpret_cast<T*>(indices + pairs)) {}
+};
+
 }  // namespace moe_decode
 
 //// gate_up
@@ -266,4 +280,19 @@ __device__ __forceinline__ void down_rows(
   using namespace moe_decode;
   down_rows<BITS, GROUP, WARPS, RPW, INPUT_PER_PAIR, COMBINE, HAS_BIAS, T, S>(
       out, hidden, indices, weights, {w, s, b}, bias, out_scale, Dims(dims));
+}
+
+//// routed_down
+// The combining down launch (COMBINE, INPUT_PER_PAIR) after moe_routed_decode.cu's
+// routed_gate_up, each pair's expert and weight read from its output's RoutingTail.
+// inputs: hidden (routed_gate_up's output; IN_DIM = its OUT_DIM), w, s, b, bias, out_scale, dims
+// output: out [N, OUT_DIM]. A section of this file, not of moe_routed_decode.cu, so that its
+// source leaves out the router's device code: MLX hashes a kernel's whole source at every
+// evaluation (sources.py).
+{
+  using namespace moe_decode;
+  const Dims d(dims);
+  const RoutingTail<T> tail(hidden, gridDim.y * d.top_k, d.in_dim);
+  down_rows<BITS, GROUP, WARPS, RPW, true, true, HAS_BIAS, T, S>(
+      out, hidden, tail.indices, static_cast<const T*>(tail.weights), {w, s, b}, bias, out_scale, d);
 }

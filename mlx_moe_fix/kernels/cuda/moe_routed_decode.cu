@@ -2,34 +2,15 @@
 // moe_decode.cu that also routes. Each warp ranks its token's router logits with moe_router.cu's
 // device code (the whole row is one 16-byte load per lane, so every warp routing for itself costs
 // less than the launch it saves), takes its pair's expert and goes on as moe_decode's gate_up;
-// the blocks of row 0 write each pair's expert and routing weight, which the combining down
-// launch reads. A decode step's MoE block is then three launches: router matmul, this, down.
+// the blocks of row 0 write each pair's expert and routing weight into the hidden output's tail
+// (moe_decode.cu's RoutingTail), which its routed_down launch reads. A decode step's MoE block is
+// then three launches: router matmul, this, routed_down.
 //
-// The experts and weights travel in the hidden output's tail, not as outputs of their own: MLX's
-// host cost per kernel call grows with its outputs times its inputs (docs/benchmarks.md, tenth
-// session, section 2), and a decode step pays it per layer.
-//
-// Template constants: moe_decode.cu's gate_up / down ones (T is also the logits' and the
+// Template constants: moe_decode.cu's gate_up ones (T is also the logits' and the
 // weights' type) and moe_router.cu's topk ones (SOFTMAX_FIRST, NORMALIZE, LAST_K). Run-time
 // values: moe_decode's dims with the number of experts after them (dims[7]), and params.
 
 //// uses moe_router.cu moe_decode.cu
-
-//// header
-namespace moe_routed_decode {
-
-// Where the hidden output's tail keeps each pair's expert (uint32) and routing weight (T): after
-// the pairs' OUT_DIM-wide rows (16-byte aligned, as OUT_DIM is a multiple of the group size).
-template <typename T>
-struct RoutingTail {
-  uint32_t* indices;
-  T* weights;
-  __device__ RoutingTail(const T* hidden, int pairs, int out_dim)
-      : indices(reinterpret_cast<uint32_t*>(const_cast<T*>(hidden) + (size_t)pairs * out_dim)),
-        weights(reinterpret_cast<T*>(indices + pairs)) {}
-};
-
-}  // namespace moe_routed_decode
 
 //// routed_gate_up
 // inputs: x [N, IN_DIM], logits [N, E], then moe_decode's gate_up inputs from gate_w on (dims
@@ -50,23 +31,11 @@ struct RoutingTail {
   const int expert = __shfl_sync(0xffffffffu, index, round);
   const float routing_weight = __shfl_sync(0xffffffffu, weight, round);
   if (first_row == 0 && threadIdx.x == 0) {
-    const moe_routed_decode::RoutingTail<T> tail(hidden, gridDim.y, d.out_dim);
+    const RoutingTail<T> tail(hidden, gridDim.y, d.out_dim);
     tail.indices[pair] = static_cast<uint32_t>(expert);
     tail.weights[pair] = static_cast<T>(routing_weight);
   }
   gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, T, S>(
       hidden, pair, expert, first_row, x + (size_t)token * d.in_dim,
       {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
-}
-
-//// routed_down
-// moe_decode's combining down launch (COMBINE, INPUT_PER_PAIR) reading each pair's expert and
-// weight from routed_gate_up's tail. inputs: hidden (routed_gate_up's output; IN_DIM = its
-// OUT_DIM), then moe_decode's down inputs from w on;  output: out [N, OUT_DIM].
-{
-  using namespace moe_decode;
-  const Dims d(dims);
-  const moe_routed_decode::RoutingTail<T> tail(hidden, gridDim.y * d.top_k, d.in_dim);
-  down_rows<BITS, GROUP, WARPS, RPW, true, true, HAS_BIAS, T, S>(
-      out, hidden, tail.indices, static_cast<const T*>(tail.weights), {w, s, b}, bias, out_scale, d);
 }
