@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mlx_moe_fix.kernels.sources import sections
+from mlx_moe_fix.kernels.sources import cuda_kernel_source
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine: CUDA sources not compiled")
@@ -45,25 +45,34 @@ def signature(name, inputs, outputs, t, has_bias):
 
 
 def translation_unit(module, filename, variants):
-    source = sections("cuda", filename)
-    text = "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n" + source["header"]
-    for i, (stage, t, constants) in enumerate(variants):
+    """One file of kernels of one stage, with the header and body cuda_kernel gets for it."""
+    (stage,) = {variant[0] for variant in variants}
+    header, body = cuda_kernel_source(filename, stage)
+    text = "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n" + header
+    for i, (_, t, constants) in enumerate(variants):
         lines = [f"  using T = {t}; using S = {t}; using SC = float; using WT = {t};"]
         lines += [f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};" for k, v in constants.items()]
         text += f"\n{signature(f'k{i}', module.INPUTS[stage], module.OUTPUTS[stage], t, constants.get('HAS_BIAS'))} {{\n"
         text += "\n".join(lines)
-        text += f"\n{source[stage]}\n}}\n"
+        text += f"\n{body}\n}}\n"
     return text
 
 
-def compile_ok(tmp_path, text):
-    path = tmp_path / "kernels.cu"
-    path.write_text(text)
-    done = subprocess.run(
-        [NVCC, "-std=c++17", "-arch=sm_90", "-c", "-o", str(tmp_path / "kernels.o"), str(path)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+def translation_units(module, filename, variants):
+    """A translation_unit per stage: each stage's header keeps only the declarations it reaches."""
+    stages = dict.fromkeys(variant[0] for variant in variants)
+    return [translation_unit(module, filename, [v for v in variants if v[0] == stage]) for stage in stages]
+
+
+def compile_ok(tmp_path, texts):
+    for i, text in enumerate(texts):
+        path = tmp_path / f"kernels{i}.cu"
+        path.write_text(text)
+        done = subprocess.run(
+            [NVCC, "-std=c++17", "-arch=sm_90", "-c", "-o", str(tmp_path / f"kernels{i}.o"), str(path)],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
 
 
 @pytest.mark.parametrize("t", ["__nv_bfloat16", "__half", "float"])
@@ -74,7 +83,7 @@ def test_decode_kernels_compile(tmp_path, t):
         variants += [("gate_up", t, {**base, "GATED": gated}) for gated in (True, False)]
         variants += [("down", t, {**base, "INPUT_PER_PAIR": p, "COMBINE": c}) for p in (True, False) for c in (True, False)]
         variants.append(("routed_down", t, base))
-    compile_ok(tmp_path, translation_unit(DECODE, "moe_decode.cu", variants))
+    compile_ok(tmp_path, translation_units(DECODE, "moe_decode.cu", variants))
 
 
 @pytest.mark.parametrize("t", ["__nv_bfloat16", "__half"])
@@ -88,7 +97,7 @@ def test_prefill_kernel_compiles(tmp_path, t):
     ]
     variants.append(("route", t, {"TILE": 128, "MAX_EXPERTS": PREFILL.ROUTE_MAX_EXPERTS}))
     variants.append(("combine", t, {}))
-    compile_ok(tmp_path, translation_unit(PREFILL, "moe_prefill.cu", variants))
+    compile_ok(tmp_path, translation_units(PREFILL, "moe_prefill.cu", variants))
 
 
 @pytest.mark.parametrize("t", ["__nv_bfloat16", "__half", "float"])
@@ -96,7 +105,7 @@ def test_router_kernel_compiles(tmp_path, t):
     variants = [("topk", t, {"SOFTMAX_FIRST": first, "NORMALIZE": first and normalize, "LAST_K": last_k})
                 for first in (True, False) for normalize in (True, False) for last_k in (True, False)]
     variants.append(("sigmoid_topk", t, {}))
-    compile_ok(tmp_path, translation_unit(ROUTER, "moe_router.cu", variants))
+    compile_ok(tmp_path, translation_units(ROUTER, "moe_router.cu", variants))
 
 
 @pytest.mark.parametrize("t", ["__nv_bfloat16", "__half", "float"])
@@ -104,7 +113,7 @@ def test_routed_decode_kernel_compiles(tmp_path, t):
     variants = [("routed_gate_up", t, {"BITS": bits, "GROUP": group, "WARPS": 8, "RPW": 4, "HAS_BIAS": bits == 8,
                                        "GATED": gated, "SOFTMAX_FIRST": first, "NORMALIZE": first, "LAST_K": first})
                 for bits, group in ((4, 64), (8, 32)) for gated in (True, False) for first in (True, False)]
-    compile_ok(tmp_path, translation_unit(ROUTED, "moe_routed_decode.cu", variants))
+    compile_ok(tmp_path, translation_units(ROUTED, "moe_routed_decode.cu", variants))
 
 
 def resource_usage(tmp_path, text) -> str:
@@ -116,10 +125,10 @@ def resource_usage(tmp_path, text) -> str:
     return done.stdout + done.stderr
 
 
-def with_launch_bounds(text, filename, bounds):
+def with_launch_bounds(text, filename, stage, bounds):
     from mlx_moe_fix.kernels.launch import launch_bounds
 
-    header = sections("cuda", filename)["header"]
+    header = cuda_kernel_source(filename, stage)[0]
     return text.replace(header, header + launch_bounds(*bounds))
 
 
@@ -135,7 +144,7 @@ def test_routed_decode_kernel_fits_its_launch_bounds_without_spilling(tmp_path, 
     plain = resource_usage(tmp_path, translation_unit(DECODE, "moe_decode.cu", [("gate_up", "__nv_bfloat16", constants)]))
     routed_text = translation_unit(ROUTED, "moe_routed_decode.cu", [
         ("routed_gate_up", "__nv_bfloat16", {**constants, "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True})])
-    routed = resource_usage(tmp_path, with_launch_bounds(routed_text, "moe_routed_decode.cu", ROUTED.LAUNCH_BOUNDS))
+    routed = resource_usage(tmp_path, with_launch_bounds(routed_text, "moe_routed_decode.cu", "routed_gate_up", ROUTED.LAUNCH_BOUNDS))
     assert registers(plain) <= 65536 // (threads * blocks), plain
     assert registers(routed) <= 65536 // (threads * blocks) and "0 bytes spill stores" in routed, routed
 
@@ -162,5 +171,5 @@ def test_one_matrix_prefill_gemm_fits_its_launch_bounds_without_spilling(tmp_pat
     constants = {"BITS": 4, "GROUP": 64, "BM": 64, "PAIRS_IN": False, "ACTIVATE": False, "GATED": False, "ACT": 0,
                  "LIMITED": False, "HAS_BIAS": False, "OUT_BITS": 0}
     text = translation_unit(PREFILL, "moe_prefill.cu", [("grouped", "__nv_bfloat16", constants)])
-    usage = resource_usage(tmp_path, with_launch_bounds(text, "moe_prefill.cu", PREFILL.launch_bounds_for(64, gated=False)))
+    usage = resource_usage(tmp_path, with_launch_bounds(text, "moe_prefill.cu", "grouped", PREFILL.launch_bounds_for(64, gated=False)))
     assert registers(usage) <= 65536 // (128 * PREFILL.ONE_MATRIX_MIN_BLOCKS) and "0 bytes spill stores" in usage, usage

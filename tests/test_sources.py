@@ -39,3 +39,32 @@ def test_a_source_that_uses_others_gets_their_headers_after_the_common_helpers_o
         own = sections("cuda", used)["header"][len(common):]
         assert routed.count(own) == 1, used
     assert routed.index("namespace moe_router {") < routed.index("namespace moe_decode {")
+
+
+def test_a_cuda_kernel_gets_only_the_declarations_its_body_reaches():
+    from mlx_moe_fix.kernels.sources import cuda_kernel_source
+
+    down, body = cuda_kernel_source("moe_decode.cu", "routed_down")
+    assert "down_rows" in body and "down_rows" in down and "RoutingTail" in down
+    assert "gate_up_rows" not in down and "activate" not in down
+    routed, _ = cuda_kernel_source("moe_routed_decode.cu", "routed_gate_up")
+    assert {"route_token", "stock_position", "gate_up_rows", "activate"} <= set(re.findall(r"\w+", routed))
+    assert "mlx_logsumexp" not in routed and "down_rows" not in routed  # Inkling's routing, the down launch's
+    for header in (down, routed):
+        assert header.count("{") == header.count("}")
+        assert len(header) < 0.75 * len(sections("cuda", "moe_routed_decode.cu" if header is routed else "moe_decode.cu")["header"])
+
+
+def test_declarations_keep_what_they_cannot_name_and_blanks_that_matter():
+    from mlx_moe_fix.kernels.sources import _declarations, _tight
+
+    source = ("namespace n {\n\ntemplate <int A,\n          int B>\n__device__ int f() { return A; }\n"
+              "static_assert(sizeof(int) == 4);\n__device__ int operator+(X a, X b) {\n  return 0;\n}\n}  // namespace n\n")
+    declarations = _declarations(source)
+    # a line that starts no declaration stays with the one before; the operator's name is not
+    # read, so it is kept, as the namespace's own lines are
+    assert [name for name, _ in declarations] == [None, "f", None, None]
+    assert declarations[1][1].startswith("template <int A,\nint B>\n__device__") and "static_assert" in declarations[1][1]
+    assert declarations[2][1].startswith("__device__ int operator+") and declarations[3][1] == "}\n"
+    assert _tight("x = a - -b + f( c );\n") == "x=a- -b+f(c);\n"
+    assert _tight("#pragma unroll\n") == "#pragma unroll\n"

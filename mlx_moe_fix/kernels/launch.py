@@ -8,7 +8,7 @@ import hashlib
 import mlx.core as mx
 
 from .experts import MoEExperts
-from .sources import sections
+from .sources import cuda_kernel_source, sections
 
 # Activation kinds as the kernels' run-time `dims[3]` (see cuda/*.cu).
 ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "gelu_fast": 4}
@@ -17,8 +17,11 @@ ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "
 def _kernel_name(backend: str, filename: str, section: str, suffix: str = "") -> str:
     """A kernel's name with its source's digest: MLX keeps compiled kernels under their names (on
     disk, for CUDA: MLX_PTX_CACHE_DIR), so an edited source must not find its old build there."""
-    source = sections(backend, filename)
-    digest = hashlib.sha1((source["header"] + source[section]).encode()).hexdigest()[:12]
+    if backend == "cuda":
+        header, body = cuda_kernel_source(filename, section)
+    else:
+        header, body = sections(backend, filename)["header"], sections(backend, filename)[section]
+    digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
     return f"mlx_moe_fix_{filename.split('.')[0]}_{section}{suffix}_{digest}"
 
 
@@ -40,14 +43,14 @@ def cuda_kernel_object(filename: str, section: str, input_names: tuple, output_n
     variant."""
     if not mx.cuda.is_available():
         return None
-    source = sections("cuda", filename)
+    header, body = cuda_kernel_source(filename, section)
     suffix = f"_smem{shared_bytes}" + (f"_lb{bounds[0]}x{bounds[1]}" if bounds else "")
     return mx.fast.cuda_kernel(
         name=_kernel_name("cuda", filename, section, suffix),
         input_names=list(input_names),
         output_names=list(output_names),
-        source=source[section],
-        header=source["header"] + (launch_bounds(*bounds) if bounds else ""),
+        source=body,
+        header=header + (launch_bounds(*bounds) if bounds else ""),
         shared_memory=shared_bytes,
     )
 

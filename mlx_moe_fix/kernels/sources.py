@@ -6,7 +6,9 @@ then the headers of the sources it names on a `//// uses <file> ...` line (witho
 
 Sections come without comments, indentation or blank lines: MLX copies a kernel's whole source
 into every call's primitive and hashes it at every evaluation (mlx/backend/cuda/custom_kernel.cpp),
-host time that a decode step pays twice per layer."""
+host time that a decode step pays twice per layer: on the H200's host ~0.3 µs per KB and launch
+(docs/benchmarks.md, eleventh session). So a CUDA kernel gets `cuda_kernel_source`: of its file's
+header, only the declarations its body reaches, with no blanks beside punctuation."""
 
 from __future__ import annotations
 
@@ -23,6 +25,80 @@ def sections(backend: str, filename: str) -> dict:
     used = "".join(_own_sections(backend, name).get("header", "") for name in named.pop("uses", "").split())
     named["header"] = _folder(backend).joinpath(COMMON[backend]).read_text() + used + named.get("header", "")
     return {name: compact(body) for name, body in named.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_kernel_source(filename: str, section: str) -> tuple:
+    """(header, body) of the CUDA kernel `section` of cuda/`filename`, as compiled: the header is
+    sections()'s less the namespace-level declarations that the body does not reach, directly or
+    through the declarations kept (a declaration starts on a line at column 0, the sources' style;
+    one whose name this cannot read is kept, so a misread keeps too much, never too little)."""
+    named = _own_sections("cuda", filename)
+    used = "".join(_own_sections("cuda", name).get("header", "") for name in named.pop("uses", "").split())
+    declarations = _declarations(_folder("cuda").joinpath(COMMON["cuda"]).read_text() + used + named.get("header", ""))
+    reached = set(re.findall(r"\w+", compact(named[section])))
+    kept = [name is None for name, _ in declarations]
+    grew = True
+    while grew:
+        grew = False
+        for i, (name, text) in enumerate(declarations):
+            if not kept[i] and name in reached:
+                kept[i] = grew = True
+                reached |= set(re.findall(r"\w+", text))
+    return "".join(_tight(text) for (_, text), keep in zip(declarations, kept) if keep), _tight(compact(named[section]))
+
+
+# A line that starts a declaration at namespace level (the sources' style: column 0), where the
+# item before it has ended.
+_DECLARATION_START = re.compile(r"^(template\b|__device__\b|struct\b|constexpr\b|inline\b|using\b|#(?!pragma))")
+_NAMED = (
+    re.compile(r"^(?:template\s*<[^{;]*?>\s*)?struct\s+(\w+)"),
+    re.compile(r"^(?:template\s*<[^{;]*?>\s*)?(?:inline\s+)?constexpr\s[^=(]*?(\w+)\s*="),
+    re.compile(r"^(?:template\s*<[^{;]*?>\s*)?__device__[^(]*?(\w+)\s*\("),
+)
+
+
+def _declarations(source: str) -> list:
+    """[(name or None, compacted text)] of the items of `source` at namespace level, in order: each
+    declaration (from its template lines on, up to the `}` or `;` that ends it), and each namespace's opening and closing
+    line as items of their own (no name: always kept)."""
+    items, lines, braces = [], [], []  # braces: for each open brace, whether a namespace opened it
+    for raw in source.splitlines():
+        line = compact(raw).strip()
+        if not line:
+            continue
+        at_namespace_level = all(braces)
+        opens_namespace = line.startswith("namespace")
+        closes_namespace = at_namespace_level and bool(braces) and line.startswith("}")
+        finished = not lines or lines[-1].endswith(("}", ";")) or lines[-1].startswith("#")  # not a template line
+        if at_namespace_level and (opens_namespace or closes_namespace or (_DECLARATION_START.match(raw) and finished)):
+            items.append(lines)
+            lines = []
+        lines.append(line)
+        for char in line:
+            if char == "{":
+                braces.append(opens_namespace)
+            elif char == "}":
+                braces.pop()
+        if opens_namespace or closes_namespace:
+            items.append(lines)
+            lines = []
+    items.append(lines)
+    out = []
+    for item in filter(None, items):
+        flat = " ".join(item)
+        name = next((m.group(1) for m in (pattern.match(flat) for pattern in _NAMED) if m), None)
+        out.append((name, "".join(line + "\n" for line in item)))
+    return out
+
+
+def _tight(text: str) -> str:
+    """`text` without blanks between a word character and punctuation (either order), outside
+    preprocessor lines: C++ reads it the same (blanks between two words or two punctuation marks,
+    as in `a - -b`, stay)."""
+    return "".join(line + "\n" if line.startswith("#") else
+                   re.sub(r"(?<=[^\w\s]) +(?=\w)|(?<=\w) +(?=[^\w\s])", "", line) + "\n"
+                   for line in text.splitlines())
 
 
 def _folder(backend: str):
