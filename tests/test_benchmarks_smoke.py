@@ -195,3 +195,21 @@ def test_prefill_forward_smoke_times_every_variant(tmp_path):
     assert first_calls[0] == 41 and len(first_calls) == 4 and all(float(ms) > 0 for ms in first_calls[1:])
     # the CPU runs the references, whose calls are not compiled: the benchmark says so
     assert "prefill compiled per shape, patched: off (cpu: only the CUDA kernels' calls are compiled)" in out
+
+
+def test_kernel_source_cost_weighs_each_kernel_as_compiled():
+    # The timing needs CUDA; the sizes it prints are the sources' as cuda_kernel gets them.
+    from benchmarks.kernel_source_cost import KERNELS, source_sizes
+    from mlx_moe_fix.kernels.sources import sections
+
+    rows = source_sizes()
+    assert [row[0] for row in rows] == [f"{f} {s}" for f, s in KERNELS]
+    assert all(float(compiled) < float(whole) for _, compiled, whole in rows)
+    for filename, section in KERNELS:  # every section of the CUDA files that a launcher uses is listed
+        assert section in sections("cuda", filename)
+    import mlx.core as mx
+
+    if not mx.cuda.is_available():
+        done = subprocess.run([sys.executable, "-m", "benchmarks.kernel_source_cost"], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode != 0 and "run it on a CUDA GPU" in done.stderr
