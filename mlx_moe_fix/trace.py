@@ -59,8 +59,8 @@ def replay(records: Counter) -> None:
 def _fold_replayed() -> None:
     by_id = {id(records): records for records in _replayed}
     for key, times in Counter(map(id, _replayed)).items():
-        for record, calls in by_id[key].items():
-            _counts[record] += calls * times
+        for path, calls in by_id[key].items():
+            _counts[path] += calls * times
     _replayed.clear()
 
 

@@ -393,3 +393,26 @@ def test_status_says_whether_decode_steps_are_compiled_and_why(monkeypatch):
         assert steps()["reason"] == "suspended while layer calls are intercepted (zoo.intercepting)"
     monkeypatch.undo()
     env.refresh()
+
+
+def test_replayed_path_records_count_as_calls_past_the_fold_and_with_restore():
+    from collections import Counter
+
+    from mlx_moe_fix import trace
+
+    decode = trace.PathRecord("SwitchGLU", "decode", "kernel", "fused")
+    prefill = trace.PathRecord("SwitchGLU", "prefill", "kernel", "grouped")
+    two_decode, one_prefill = Counter({decode: 2}), Counter({prefill: 1})
+    trace.reset_path_counts()
+    replays = trace._FOLD_REPLAYED_AT + 10  # folded once on the way, the rest when read
+    for _ in range(replays):
+        trace.replay(two_decode)
+    trace.replay(one_prefill)
+    before = trace.path_counts()
+    assert before == {decode: 2 * replays, prefill: 1}
+    trace.replay(two_decode)
+    trace.restore(before)  # drops the replay not yet counted too
+    assert trace.path_counts() == before
+    trace.replay(one_prefill)
+    trace.reset_path_counts()
+    assert trace.path_counts() == {}

@@ -20,7 +20,8 @@ def _kernel_name(backend: str, filename: str, section: str, suffix: str = "") ->
     if backend == "cuda":
         header, body = cuda_kernel_source(filename, section)
     else:
-        header, body = sections(backend, filename)["header"], sections(backend, filename)[section]
+        source = sections(backend, filename)
+        header, body = source["header"], source[section]
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
     return f"mlx_moe_fix_{filename.split('.')[0]}_{section}{suffix}_{digest}"
 

@@ -21,10 +21,16 @@ COMMON = {"cuda": "common.cuh", "metal": "common.metal"}
 
 @functools.lru_cache(maxsize=None)
 def sections(backend: str, filename: str) -> dict:
+    return {name: compact(body) for name, body in _with_full_header(backend, filename).items()}
+
+
+def _with_full_header(backend: str, filename: str) -> dict:
+    """The file's sections as written, `header` being the common helpers, then the headers of the
+    files it uses, then its own."""
     named = _own_sections(backend, filename)
     used = "".join(_own_sections(backend, name).get("header", "") for name in named.pop("uses", "").split())
     named["header"] = _folder(backend).joinpath(COMMON[backend]).read_text() + used + named.get("header", "")
-    return {name: compact(body) for name, body in named.items()}
+    return named
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,9 +39,8 @@ def cuda_kernel_source(filename: str, section: str) -> tuple:
     sections()'s less the namespace-level declarations that the body does not reach, directly or
     through the declarations kept (a declaration starts on a line at column 0, the sources' style;
     one whose name this cannot read is kept, so a misread keeps too much, never too little)."""
-    named = _own_sections("cuda", filename)
-    used = "".join(_own_sections("cuda", name).get("header", "") for name in named.pop("uses", "").split())
-    declarations = _declarations(_folder("cuda").joinpath(COMMON["cuda"]).read_text() + used + named.get("header", ""))
+    named = _with_full_header("cuda", filename)
+    declarations = _declarations(named["header"])
     reached = set(re.findall(r"\w+", compact(named[section])))
     kept = [name is None for name, _ in declarations]
     grew = True
@@ -59,9 +64,9 @@ _NAMED = (
 
 
 def _declarations(source: str) -> list:
-    """[(name or None, compacted text)] of the items of `source` at namespace level, in order: each
-    declaration (from its template lines on, up to the `}` or `;` that ends it), and each namespace's opening and closing
-    line as items of their own (no name: always kept)."""
+    """[(name or None, compacted text)] of the items of `source` at namespace level, in order:
+    each declaration (from its template lines on, up to the `}` or `;` that ends it), and each
+    namespace's opening and closing line as items of their own (no name: always kept)."""
     items, lines, braces = [], [], []  # braces: for each open brace, whether a namespace opened it
     for raw in source.splitlines():
         line = compact(raw).strip()
