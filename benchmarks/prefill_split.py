@@ -19,7 +19,7 @@ import time
 import mlx.core as mx
 
 import mlx_moe_fix
-from mlx_moe_fix.kernels.moe_prefill import _grouped, combine_kernel, grid_tiles, route_kernel, route_reference, tile_height
+from mlx_moe_fix.kernels.moe_prefill import combine_kernel, grouped, grid_tiles, route_kernel, route_reference, tile_height
 from mlx_moe_fix.kernels.reference import combine
 
 from .kernels import random_routing
@@ -54,7 +54,6 @@ def main(argv=None):
     weights = mx.softmax(mx.random.normal(indices.shape), axis=-1).astype(mx.bfloat16)
     mx.eval(x, indices, weights)
     experts = experts_of(layer)
-    gate, up, down = experts.projections
     pairs = indices.size
     tile = tile_height(pairs, args.experts)
     flat = indices.reshape(-1)
@@ -71,13 +70,13 @@ def main(argv=None):
     plan = (row_pair, tile_expert, tiles, tile)
 
     def gate_up():
-        return _grouped(x, plan, pairs, args.top_k, (gate, up), experts.activation, None, pairs_in=True, activate=True)
+        return grouped(x, plan, pairs, args.top_k, experts, "first")
 
     seconds, hidden = first_call(gate_up)
     compile_seconds += seconds
 
     def down_proj():
-        return _grouped(hidden, plan, pairs, args.top_k, (down,), None, None, pairs_in=False, activate=False)
+        return grouped(hidden, plan, pairs, args.top_k, experts, "last")
 
     seconds, projected = first_call(down_proj)
     compile_seconds += seconds

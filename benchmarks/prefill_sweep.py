@@ -36,16 +36,15 @@ def time_tile(x, indices, experts, tile, reps, launches):
     row_pair, tile_expert, tiles = prefill.route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile)
     mx.eval(row_pair, tile_expert)
     plan = (row_pair, tile_expert, tiles, tile)
-    gate, up, down = experts.projections
 
     def gate_up():
-        return prefill._grouped(x, plan, pairs, top_k, (gate, up), experts.activation, None, pairs_in=True, activate=True)
+        return prefill.grouped(x, plan, pairs, top_k, experts, "first")
 
     hidden = gate_up()
     mx.eval(hidden)
 
     def down_proj():
-        return prefill._grouped(hidden, plan, pairs, top_k, (down,), None, None, pairs_in=False, activate=False)
+        return prefill.grouped(hidden, plan, pairs, top_k, experts, "last")
 
     out = down_proj()
     mx.eval(out)

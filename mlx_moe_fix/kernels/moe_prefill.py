@@ -18,7 +18,7 @@ follows the mean rows per expert (`tile_height`).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -166,31 +166,69 @@ def cuda_unsupported_reason(experts: MoEExperts, dtype) -> Optional[str]:
     return reason
 
 
-def _grouped(a, routing, pairs: int, top_k: int, matrices: tuple, activation, scale, *, pairs_in: bool,
-             activate: bool) -> mx.array:
-    """One grouped GEMM launch. matrices: (gate, up), or the one projection. pairs_in: A rows are
-    `a`'s token rows gathered per pair, else `a` is in padded expert order. activate: write the
-    activation in padded rows, else the projection per pair."""
-    row_pair, tile_expert, tiles, tile = routing
+# The grouped GEMM launches of a layer: "first" (gate+up, or an MLP's first projection, with the
+# activation, written into expert-sorted padded rows), "last" (the last projection on those rows,
+# written back per pair), "only" (a lone projection on the token rows, per pair).
+GROUPED_STAGES = ("first", "last", "only")
+
+
+class GroupedLaunch(NamedTuple):
+    """What one layer's grouped GEMM launch keeps across calls: all but the per-call inputs
+    (activation rows and routing), the grid's tile count and the output's rows."""
+
+    kernel: object
+    fixed_inputs: list
+    template: list
+    threadgroup: tuple
+    grid_x: int
+    out_dims: int
+    activate: bool
+
+
+def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtype) -> GroupedLaunch:
+    projections = experts.projections
+    if stage == "first":
+        matrices, activation, scale = projections[:2] if len(projections) == 3 else projections[:1], experts.activation, experts.gate_scale
+    elif stage == "last":
+        matrices, activation, scale = projections[-1:], None, experts.out_scale
+    else:
+        matrices, activation, scale = projections, None, None
+    pairs_in, activate = stage != "last", stage == "first"
     first, second = matrices[0], matrices[-1]
     gated = len(matrices) == 2
-    return cuda_kernel("grouped", shared_bytes(tile, gated, first.bits), launch_bounds_for(tile, gated))(
-        inputs=[a, row_pair, tile_expert, first.weight, first.scales, first.biases,
-                second.weight, second.scales, second.biases,
-                first.bias if first.bias is not None else absent(),
-                second.bias if second.bias is not None else absent(),
-                scale if scale is not None else absent(),
-                kernel_dims(first.input_dims, first.output_dims, top_k, activation, first.bias is not None,
-                            scale is not None),
-                kernel_params(activation)],
-        template=[("T", a.dtype), ("S", first.scales.dtype), ("SC", scale.dtype if scale is not None else mx.float32),
-                  ("BITS", first.bits), ("GROUP", first.group_size), ("BM", tile),
-                  ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated),
-                  ("ACT", ACTIVATION_CODES[activation.kind] if activation is not None else 0),
-                  ("LIMITED", activation is not None and activation.limit is not None), bias_template(first)],
-        grid=(-(-first.output_dims // BLOCK_N) * threads(tile), tiles, 1),
-        threadgroup=(threads(tile), 1, 1),
-        output_shapes=[(tiles * tile if activate else pairs, first.output_dims)],
+    return GroupedLaunch(
+        cuda_kernel("grouped", shared_bytes(tile, gated, first.bits), launch_bounds_for(tile, gated)),
+        [first.weight, first.scales, first.biases, second.weight, second.scales, second.biases,
+         first.bias if first.bias is not None else absent(),
+         second.bias if second.bias is not None else absent(),
+         scale if scale is not None else absent(),
+         kernel_dims(first.input_dims, first.output_dims, top_k, activation, first.bias is not None, scale is not None),
+         kernel_params(activation)],
+        [("T", dtype), ("S", first.scales.dtype), ("SC", scale.dtype if scale is not None else mx.float32),
+         ("BITS", first.bits), ("GROUP", first.group_size), ("BM", tile),
+         ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated),
+         ("ACT", ACTIVATION_CODES[activation.kind] if activation is not None else 0),
+         ("LIMITED", activation is not None and activation.limit is not None), bias_template(first)],
+        (threads(tile), 1, 1),
+        -(-first.output_dims // BLOCK_N) * threads(tile),
+        first.output_dims,
+        activate,
+    )
+
+
+def grouped(a: mx.array, routing: tuple, pairs: int, top_k: int, experts: MoEExperts, stage: str) -> mx.array:
+    """One grouped GEMM launch of `experts`' `stage` (GROUPED_STAGES) on rows `a`, with `routing`
+    = (row_pair, tile_expert, tiles, tile). Its arguments but the per-call ones are built once per
+    layer, tile height and dtype (a prefill call's host time is MLX's and this package's Python,
+    docs/benchmarks.md, tenth session)."""
+    row_pair, tile_expert, tiles, tile = routing
+    launch = experts.memo(("grouped", stage, tile, top_k, a.dtype), lambda: _grouped_launch(experts, stage, tile, top_k, a.dtype))
+    return launch.kernel(
+        inputs=[a, row_pair, tile_expert, *launch.fixed_inputs],
+        template=launch.template,
+        grid=(launch.grid_x, tiles, 1),
+        threadgroup=launch.threadgroup,
+        output_shapes=[(tiles * tile if launch.activate else pairs, launch.out_dims)],
         output_dtypes=[a.dtype],
     )[0]
 
@@ -209,15 +247,10 @@ def moe_prefill_kernel(
         return moe_prefill_reference(x, indices, experts, weights)
     tokens = x.reshape(-1, x.shape[-1])
     routing = (*route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile), tile)
-    projections = experts.projections
-    if len(projections) == 1:
-        out = _grouped(tokens, routing, pairs, top_k, projections, None, None, pairs_in=True, activate=False)
+    if len(experts.projections) == 1:
+        out = grouped(tokens, routing, pairs, top_k, experts, "only")
     else:
-        first = projections[:2] if len(projections) == 3 else projections[:1]
-        hidden = _grouped(tokens, routing, pairs, top_k, first, experts.activation, experts.gate_scale,
-                          pairs_in=True, activate=True)
-        out = _grouped(hidden, routing, pairs, top_k, projections[-1:], None, experts.out_scale,
-                       pairs_in=False, activate=False)
+        out = grouped(grouped(tokens, routing, pairs, top_k, experts, "first"), routing, pairs, top_k, experts, "last")
     if weights is None:
         return out.reshape(*indices.shape, experts.output_dims)
     return combine_kernel(out, per_pair(weights, indices))
