@@ -1,0 +1,90 @@
+"""Every CUDA kernel launch the patched prefill path makes, recorded on any machine (no GPU): the
+CUDA path taken and each kernel object replaced by a recorder of its call (kernel, inputs' shapes
+and dtypes and the values of small ones, templates, grid, block, outputs). For refactors of the
+launchers that must not change what the GPU is given: record before and after, compare.
+
+    PYTHONPATH=. python scripts/record_launches.py /tmp/before.json   # (on the old commit)
+    PYTHONPATH=. python scripts/record_launches.py /tmp/after.json
+    cmp /tmp/before.json /tmp/after.json
+
+Cases: each zoo family at 4 and 8 bits (a 40-token prompt through the patched model), and direct
+moe_prefill_kernel calls (SwitchMLP experts, a scaled GLU, a GLU with biases, a lone projection;
+with and without routing weights). Compiled calls are off, so that every call is built."""
+
+import json
+import os
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+os.environ["MLX_MOE_FIX_COMPILED_PREFILL"] = "0"
+os.environ["MLX_MOE_FIX_COMPILED_DECODE"] = "0"
+sys.path.insert(0, "tests")
+
+import mlx_moe_fix  # noqa: E402
+from mlx_moe_fix import zoo  # noqa: E402
+from mlx_moe_fix.kernels import MoEExperts  # noqa: E402
+from parity.cases import make_case  # noqa: E402
+
+calls = []
+
+
+def described(a):
+    if not isinstance(a, mx.array):
+        return repr(a)
+    out = {"shape": list(a.shape), "dtype": str(a.dtype)}
+    if a.size <= 16:
+        out["values"] = np.array(a.astype(mx.float32)).tolist()
+    return out
+
+
+class Recorder:
+    def __init__(self, key):
+        self.key = key
+
+    def __call__(self, *, inputs, template=(), grid, threadgroup, output_shapes, output_dtypes, **rest):
+        calls.append({"kernel": self.key, "inputs": [described(a) for a in inputs],
+                      "template": [(k, str(v)) for k, v in template], "grid": list(grid),
+                      "threadgroup": list(threadgroup), "output_shapes": [list(s) for s in output_shapes],
+                      "output_dtypes": [str(d) for d in output_dtypes], "other": sorted(rest)})
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+
+def recorder(filename, section, input_names, output_names, shared, bounds=()):
+    return Recorder([filename, section, list(input_names), list(output_names), shared, list(bounds)])
+
+
+def main(path):
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_moe_fix"):
+            if hasattr(module, "current_backend"):
+                module.current_backend = lambda: "cuda"
+            if hasattr(module, "cuda_kernel_object"):
+                module.cuda_kernel_object = recorder
+    mlx_moe_fix.apply()
+    recorded = {}
+    for family in zoo.FAMILIES:
+        for bits in (4, 8):
+            model = zoo.build(family, bits, dtype=mx.bfloat16)
+            calls.clear()
+            mx.eval(zoo.logits_of(model(mx.array([zoo.prompt_for(family, 40)]))))
+            recorded[f"{family}-{bits}"] = list(calls)
+    prefill = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
+    for glu, kind, scaled, bias in ((False, "gelu", False, True), (True, "swiglu", True, False), (True, "swiglu_oai", False, True)):
+        for with_weights in (False, True):
+            case = make_case(mx.bfloat16, (4, 64), glu, kind, 7.0, scaled, 128, 256, 8, 2, 1, 48,
+                             with_weights=with_weights, bias=bias)
+            lone = MoEExperts(case.experts.projections[-1:])
+            for label, experts, x in ((f"{glu}-{kind}-{scaled}-{bias}", case.experts, case.x),
+                                      (f"lone-{glu}-{kind}", lone, mx.zeros((1, 48, lone.input_dims), mx.bfloat16))):
+                calls.clear()
+                mx.eval(prefill.moe_prefill_kernel(x, case.indices, experts, case.weights))
+                recorded[f"direct {label}-{with_weights}"] = list(calls)
+    with open(path, "w") as f:
+        json.dump(recorded, f, indent=0, sort_keys=True)
+    print(f"{sum(map(len, recorded.values()))} launches of {len(recorded)} cases written to {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
