@@ -213,3 +213,15 @@ def test_kernel_source_cost_weighs_each_kernel_as_compiled():
         done = subprocess.run([sys.executable, "-m", "benchmarks.kernel_source_cost"], cwd=REPO, capture_output=True,
                               text=True, timeout=60)
         assert done.returncode != 0 and "run it on a CUDA GPU" in done.stderr
+
+
+def test_record_launches_writes_every_case_s_launches(tmp_path):
+    path = tmp_path / "launches.json"
+    done = subprocess.run([sys.executable, "scripts/record_launches.py", str(path)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-4000:]
+    with open(path) as f:
+        recorded = json.load(f)
+    assert len(recorded) == 26 and all(recorded.values())
+    grouped = [call for calls in recorded.values() for call in calls if call["kernel"][1] == "grouped"]
+    assert grouped and all(len(call["inputs"]) == 14 and call["grid"][1] > 0 for call in grouped)
