@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -12,6 +13,30 @@ from .sources import cuda_kernel_source, sections
 
 # Activation kinds as the kernels' run-time `dims[3]` (see cuda/*.cu).
 ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "gelu_fast": 4}
+
+
+class Launch(NamedTuple):
+    """One kernel launch, all but its per-call inputs (activations, indices, routing weights);
+    a call gives its outputs' list. A call may give its own `grid` and `output_shapes`, where
+    they follow the call (the grouped prefill GEMM's tiles and rows)."""
+
+    kernel: object
+    fixed_inputs: list
+    template: list
+    grid: tuple
+    threadgroup: tuple
+    output_shapes: list
+    output_dtypes: list
+
+    def __call__(self, *varying_inputs, grid: Optional[tuple] = None, output_shapes: Optional[list] = None) -> list:
+        return self.kernel(
+            inputs=[*varying_inputs, *self.fixed_inputs],
+            template=self.template,
+            grid=self.grid if grid is None else grid,
+            threadgroup=self.threadgroup,
+            output_shapes=self.output_shapes if output_shapes is None else output_shapes,
+            output_dtypes=self.output_dtypes,
+        )
 
 
 def _kernel_name(backend: str, filename: str, section: str, suffix: str = "") -> str:

@@ -10,14 +10,14 @@ warp, the same launchers; not yet run on Apple hardware, so off unless MLX_MOE_F
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import mlx.core as mx
 
 from .backend import Implementation, choose, current_backend
 from .experts import ExpertLinear, MoEExperts
-from .launch import (absent, bias_template, cuda_kernel_object, kernel_dims, kernel_params, metal_kernel_object,
-                     per_pair, quantized_experts_reason)
+from .launch import (Launch, absent, bias_template, cuda_kernel_object, kernel_dims, kernel_params,
+                     metal_kernel_object, per_pair, quantized_experts_reason)
 from .reference import combine, expert_chain
 
 WARPS_PER_BLOCK = 8
@@ -63,29 +63,6 @@ def _grid(rows: int, blocks_y: int, row_warps: int = WARPS_PER_BLOCK) -> tuple:
     """A block of WARPS_PER_BLOCK warps per `row_warps` x ROWS_PER_WARP rows and per y index."""
     per_block = WARPS_PER_BLOCK * 32
     return (-(-rows // (row_warps * ROWS_PER_WARP)) * per_block, blocks_y, 1), (per_block, 1, 1)
-
-
-class Launch(NamedTuple):
-    """One kernel launch, all but its per-call inputs (activations, indices, routing weights);
-    a call gives its outputs' list."""
-
-    kernel: object
-    fixed_inputs: list
-    template: list
-    grid: tuple
-    threadgroup: tuple
-    output_shapes: list
-    output_dtypes: list
-
-    def __call__(self, *varying_inputs) -> list:
-        return self.kernel(
-            inputs=[*varying_inputs, *self.fixed_inputs],
-            template=self.template,
-            grid=self.grid,
-            threadgroup=self.threadgroup,
-            output_shapes=self.output_shapes,
-            output_dtypes=self.output_dtypes,
-        )
 
 
 def _quant_templates(linear: ExpertLinear, dtype) -> list:

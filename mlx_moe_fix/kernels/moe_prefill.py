@@ -18,14 +18,14 @@ follows the mean rows per expert (`tile_height`).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import mlx.core as mx
 
 from .backend import Implementation, choose
 from .experts import MoEExperts
-from .launch import (ACTIVATION_CODES, absent, bias_template, cuda_kernel_object, int_array, kernel_dims, kernel_params,
-                     per_pair, quantized_experts_reason)
+from .launch import (ACTIVATION_CODES, Launch, absent, bias_template, cuda_kernel_object, int_array, kernel_dims,
+                     kernel_params, per_pair, quantized_experts_reason)
 from .reference import combine, expert_chain
 
 # Tile heights (BM in cuda/moe_prefill.cu) and the mean rows per expert from which each pays
@@ -172,20 +172,8 @@ def cuda_unsupported_reason(experts: MoEExperts, dtype) -> Optional[str]:
 GROUPED_STAGES = ("first", "last", "only")
 
 
-class GroupedLaunch(NamedTuple):
-    """What one layer's grouped GEMM launch keeps across calls: all but the per-call inputs
-    (activation rows and routing), the grid's tile count and the output's rows."""
-
-    kernel: object
-    fixed_inputs: list
-    template: list
-    threadgroup: tuple
-    grid_x: int
-    out_dims: int
-    activate: bool
-
-
-def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtype) -> GroupedLaunch:
+def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtype) -> Launch:
+    """The launch of `stage` as for one tile: a call gives the grid's tile count and the output's rows."""
     projections = experts.projections
     if stage == "first":
         matrices, activation, scale = projections[:2] if len(projections) == 3 else projections[:1], experts.activation, experts.gate_scale
@@ -196,7 +184,7 @@ def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtyp
     pairs_in, activate = stage != "last", stage == "first"
     first, second = matrices[0], matrices[-1]
     gated = len(matrices) == 2
-    return GroupedLaunch(
+    return Launch(
         cuda_kernel("grouped", shared_bytes(tile, gated, first.bits), launch_bounds_for(tile, gated)),
         [first.weight, first.scales, first.biases, second.weight, second.scales, second.biases,
          first.bias if first.bias is not None else absent(),
@@ -209,10 +197,10 @@ def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtyp
          ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated),
          ("ACT", ACTIVATION_CODES[activation.kind] if activation is not None else 0),
          ("LIMITED", activation is not None and activation.limit is not None), bias_template(first)],
+        (-(-first.output_dims // BLOCK_N) * threads(tile), 1, 1),
         (threads(tile), 1, 1),
-        -(-first.output_dims // BLOCK_N) * threads(tile),
-        first.output_dims,
-        activate,
+        [(tile, first.output_dims)],
+        [dtype],
     )
 
 
@@ -223,14 +211,9 @@ def grouped(a: mx.array, routing: tuple, pairs: int, top_k: int, experts: MoEExp
     docs/benchmarks.md, tenth session)."""
     row_pair, tile_expert, tiles, tile = routing
     launch = experts.memo(("grouped", stage, tile, top_k, a.dtype), lambda: _grouped_launch(experts, stage, tile, top_k, a.dtype))
-    return launch.kernel(
-        inputs=[a, row_pair, tile_expert, *launch.fixed_inputs],
-        template=launch.template,
-        grid=(launch.grid_x, tiles, 1),
-        threadgroup=launch.threadgroup,
-        output_shapes=[(tiles * tile if launch.activate else pairs, launch.out_dims)],
-        output_dtypes=[a.dtype],
-    )[0]
+    rows = tiles * tile if stage == "first" else pairs
+    return launch(a, row_pair, tile_expert, grid=(launch.grid[0], tiles, 1),
+                  output_shapes=[(rows, launch.output_shapes[0][1])])[0]
 
 
 def moe_prefill_kernel(
