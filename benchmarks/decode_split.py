@@ -58,9 +58,9 @@ def per_layer_table(first_column: str, rows, layers: int, layer_bytes: int = 0) 
     return "\n".join(lines)
 
 
-def split(fn, reps):
-    """Median (build seconds, eval seconds) after 3 warm-up runs at the same shapes."""
-    for _ in range(3):
+def split(fn, reps, warm_ups=3):
+    """Median (build seconds, eval seconds) of `reps` runs after `warm_ups` at the same shapes."""
+    for _ in range(warm_ups):
         mx.eval(fn())
     mx.synchronize()
     builds, evals = [], []

@@ -13,13 +13,12 @@ the package's own kernels weigh (cuda_kernel_source: header and body as compiled
 file's whole header)."""
 
 import argparse
-import statistics
-import time
 
 import mlx.core as mx
 
 from mlx_moe_fix.kernels.sources import cuda_kernel_source, sections
 
+from .decode_split import split
 from .timing import markdown_table
 
 # (file, section) of every CUDA kernel the ops launch
@@ -36,17 +35,7 @@ def chain_times(step, x: mx.array, launches: int, reps: int) -> tuple:
             y = step(y)
         return y
 
-    for _ in range(5):
-        mx.eval(chain())
-    builds, evals = [], []
-    for _ in range(reps):
-        start = time.perf_counter()
-        y = chain()
-        built = time.perf_counter()
-        mx.eval(y)
-        builds.append((built - start) / launches * 1e6)
-        evals.append((time.perf_counter() - built) / launches * 1e6)
-    return statistics.median(builds), statistics.median(evals)
+    return tuple(seconds / launches * 1e6 for seconds in split(chain, reps, warm_ups=5))
 
 
 def source_sizes() -> list:

@@ -35,22 +35,13 @@ from mlx_moe_fix.patches.compiled import PREFILL_COMPILE_SWITCH
 
 from . import models
 from .decode_attribution import identity, mlp_classes, moe_block_classes, replaced_calls
-from .decode_split import switched
+from .decode_split import split, switched
 from .timing import markdown_table, write_json
 
 
 def forward_split(model, prompt: mx.array, reps: int, warm_ups: int) -> tuple:
     """Median (build ms, eval ms) of `reps` forwards over `prompt`, after `warm_ups` untimed."""
-    runs = []
-    for i in range(warm_ups + reps):
-        start = time.perf_counter()
-        logits = model(prompt)
-        built = time.perf_counter()
-        mx.eval(logits)
-        if i >= warm_ups:
-            runs.append(((built - start) * 1e3, (time.perf_counter() - built) * 1e3))
-        del logits
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    return tuple(seconds * 1e3 for seconds in split(lambda: model(prompt), reps, warm_ups))
 
 
 def variants(moe, dense, stock_allowed: bool) -> dict:
