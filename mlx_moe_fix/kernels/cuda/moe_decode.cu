@@ -83,29 +83,36 @@ struct QuantizedRows {
 // each of M matrices with one activation row, summed over the warp: out[m * RPW + r]. Each lane
 // takes whole 16-byte vectors; a vector never straddles a quantization group (GROUP >= 32
 // values >= one vector's values). Rows are addressed from the matrices' bases, so that the
-// warp keeps M bases and RPW row offsets live rather than 3 M RPW pointers. A single matrix
-// (the down GEMV) issues the loads of UNROLL vectors per row before using any: its registers
-// allow it at the same occupancy, and the loads in flight per warp are what bound the GEMV.
+// warp keeps M bases and RPW row offsets live rather than 3 M RPW pointers. A lane issues the
+// loads of LOADS_AHEAD packed vectors (UNROLL per row and matrix) and of their groups' scales and
+// biases before using any: what bounds these GEMVs is the loads a warp has in flight, not math.
 template <int BITS, int GROUP, int M, int RPW, typename S, typename T>
 __device__ __forceinline__ void rows_dot(
     float* out, const QuantizedRows<S> (&m)[M], int first_row, int last_row, const T* activations, int in_dim, int lane) {
   constexpr int N = VALUES<BITS>;
-  constexpr int UNROLL = M == 1 ? 2 : 1;
+  constexpr int LOADS_AHEAD = 8;
+  constexpr int UNROLL = M * RPW >= LOADS_AHEAD ? 1 : LOADS_AHEAD / (M * RPW);
   const int vectors = in_dim / N, groups = in_dim / GROUP, words = in_dim * BITS / 32;
+  int rows[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) rows[r] = min(first_row + r, last_row);
   float acc[M * RPW];
 #pragma unroll
   for (int i = 0; i < M * RPW; ++i) acc[i] = 0.f;
   for (int first = lane; first < vectors; first += 32 * UNROLL) {
     uint4 packed[UNROLL][M * RPW];
+    S scale[UNROLL][M * RPW], bias[UNROLL][M * RPW];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int v = min(first + 32 * u, vectors - 1);  // a vector past the row is loaded, not used
+      const int group = v * N / GROUP;
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
-        const int at = min(first_row + r, last_row);
 #pragma unroll
         for (int j = 0; j < M; ++j) {
-          packed[u][j * RPW + r] = *reinterpret_cast<const uint4*>(m[j].w + (size_t)at * words + v * WORDS_PER_VECTOR);
+          packed[u][j * RPW + r] = *reinterpret_cast<const uint4*>(m[j].w + (size_t)rows[r] * words + v * WORDS_PER_VECTOR);
+          scale[u][j * RPW + r] = m[j].s[(size_t)rows[r] * groups + group];
+          bias[u][j * RPW + r] = m[j].b[(size_t)rows[r] * groups + group];
         }
       }
     }
@@ -118,15 +125,9 @@ __device__ __forceinline__ void rows_dot(
       float x_sum = 0.f;
 #pragma unroll
       for (int i = 0; i < N; ++i) x_sum += x[i];
-      const int group = v * N / GROUP;
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        const size_t g = (size_t)min(first_row + r, last_row) * groups + group;
-#pragma unroll
-        for (int j = 0; j < M; ++j) {
-          acc[j * RPW + r] += static_cast<float>(m[j].s[g]) * dot_vector<BITS>(packed[u][j * RPW + r], x) +
-              static_cast<float>(m[j].b[g]) * x_sum;
-        }
+      for (int i = 0; i < M * RPW; ++i) {
+        acc[i] += static_cast<float>(scale[u][i]) * dot_vector<BITS>(packed[u][i], x) + static_cast<float>(bias[u][i]) * x_sum;
       }
     }
   }
