@@ -59,9 +59,11 @@ def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:
     return quantized_experts_reason(experts)
 
 
-def _grid(rows: int, blocks_y: int, row_warps: int = WARPS_PER_BLOCK) -> tuple:
-    """A block of WARPS_PER_BLOCK warps per `row_warps` x ROWS_PER_WARP rows and per y index."""
+def _grid(rows: int, blocks_y: int, row_warps: Optional[int] = None) -> tuple:
+    """A block of WARPS_PER_BLOCK warps per `row_warps` (default WARPS_PER_BLOCK) x
+    ROWS_PER_WARP rows and per y index."""
     per_block = WARPS_PER_BLOCK * 32
+    row_warps = row_warps or WARPS_PER_BLOCK
     return (-(-rows // (row_warps * ROWS_PER_WARP)) * per_block, blocks_y, 1), (per_block, 1, 1)
 
 

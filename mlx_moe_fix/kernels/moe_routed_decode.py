@@ -37,7 +37,8 @@ OUTPUTS = {"routed_gate_up": ["hidden"]}
 # Two blocks of the decode kernel's WARPS_PER_BLOCK warps per SM, as its unrouted gate+up runs
 # (128 registers): the routing's 2 more would leave room for one (nvcc --resource-usage for
 # sm_90a: 130 registers unbounded, 124 and no spills bounded; tests/test_cuda_sources.py).
-LAUNCH_BOUNDS = (WARPS_PER_BLOCK * 32, 2)
+RESIDENT_WARPS = 16
+LAUNCH_BOUNDS = (WARPS_PER_BLOCK * 32, RESIDENT_WARPS // WARPS_PER_BLOCK)
 
 
 def moe_routed_decode_reference(x: mx.array, logits: mx.array, routing: Routing, experts: MoEExperts) -> mx.array:

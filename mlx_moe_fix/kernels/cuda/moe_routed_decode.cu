@@ -1,8 +1,8 @@
 // Fused decode MoE with its routing, for mx.fast.cuda_kernel: the gate+up launch of
-// moe_decode.cu that also routes. Each warp ranks its token's router logits with moe_router.cu's
-// device code (the whole row is one 16-byte load per lane, so every warp routing for itself costs
-// less than the launch it saves), takes its pair's expert and goes on as moe_decode's gate_up;
-// the blocks of row 0 write each pair's expert and routing weight into the hidden output's tail
+// moe_decode.cu that also routes. The first warp of each block ranks its token's router logits with
+// moe_router.cu's device code (the whole row is one 16-byte load per lane: cheaper than the
+// launch it saves), shares its pair's expert through shared memory, and the block goes on as
+// moe_decode's gate_up; the blocks of row 0 write each pair's expert and routing weight into the hidden output's tail
 // (moe_decode.cu's RoutingTail), which its routed_down launch reads. A decode step's MoE block is
 // then three launches: router matmul, this, routed_down.
 //
@@ -18,24 +18,35 @@
 // the RoutingTail (the k of each token in stock's order).
 {
   using namespace moe_decode;
+  __shared__ int block_expert;
+  __shared__ float block_weight;
   const Dims d(dims);
   const int experts = dims[7];
   const int pair = blockIdx.y;
   const int token = pair / d.top_k;
+  // One warp routes for the block (all its warps share the pair): the routing is the same
+  // arithmetic in every block, and this kernel is bound by the instructions it issues.
+  if (threadIdx.x < 32) {
+    int index;
+    float weight;
+    moe_router::route_token<SOFTMAX_FIRST, NORMALIZE, LAST_K>(logits + (size_t)token * experts, experts, d.top_k, index, weight);
+    const int round = moe_router::stock_position<LAST_K>(pair % d.top_k, d.top_k);
+    index = __shfl_sync(0xffffffffu, index, round);
+    weight = __shfl_sync(0xffffffffu, weight, round);
+    if (threadIdx.x == 0) {
+      block_expert = index;
+      block_weight = weight;
+      if (blockIdx.x == 0) {
+        const RoutingTail<T> tail(hidden, gridDim.y, d.out_dim);
+        tail.indices[pair] = static_cast<uint32_t>(index);
+        tail.weights[pair] = static_cast<T>(weight);
+      }
+    }
+  }
+  __syncthreads();
   const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
   if (first_row >= d.out_dim) return;
-  int index;
-  float weight;
-  moe_router::route_token<SOFTMAX_FIRST, NORMALIZE, LAST_K>(logits + (size_t)token * experts, experts, d.top_k, index, weight);
-  const int round = moe_router::stock_position<LAST_K>(pair % d.top_k, d.top_k);
-  const int expert = __shfl_sync(0xffffffffu, index, round);
-  const float routing_weight = __shfl_sync(0xffffffffu, weight, round);
-  if (first_row == 0 && threadIdx.x == 0) {
-    const RoutingTail<T> tail(hidden, gridDim.y, d.out_dim);
-    tail.indices[pair] = static_cast<uint32_t>(expert);
-    tail.weights[pair] = static_cast<T>(routing_weight);
-  }
   gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, T, S>(
-      hidden, pair, expert, first_row, x + (size_t)token * d.in_dim,
+      hidden, pair, block_expert, first_row, x + (size_t)token * d.in_dim,
       {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
 }
