@@ -55,17 +55,41 @@ __device__ __forceinline__ void load_vector(float* x, const T* row, int v) {
   }
 }
 
+// Dequantisation without a shift per value: value i of a packed word is read where it lies,
+// (word & (MASK << BITS * place)) | the bits of 2^23, minus 2^23, which is q * 2^(BITS * place)
+// exactly, against an activation prescaled by 2^-(BITS * place) (exact too), so that each fmaf
+// sees the same product as q * x. Values whose bits reach fp32's exponent (from bit 23) are
+// read from the word shifted right once by HIGH_SHIFT.
 template <int BITS>
-__device__ __forceinline__ float dot_vector(const uint4& packed, const float* x) {
+constexpr int IN_PLACE = BITS == 4 ? 5 : 2;
+template <int BITS>
+constexpr int HIGH_SHIFT = BITS == 4 ? 12 : 16;
+template <int BITS>
+__host__ __device__ constexpr int place(int i) {
+  return i < IN_PLACE<BITS> ? i : i - HIGH_SHIFT<BITS> / BITS;
+}
+
+// x (one vector's activations) times each value's 2^-(BITS * place), in place.
+template <int BITS>
+__device__ __forceinline__ void prescale(float* x) {
+  constexpr int PER_WORD = 32 / BITS;
+#pragma unroll
+  for (int i = 0; i < VALUES<BITS>; ++i) x[i] *= 1.f / static_cast<float>(1u << (BITS * place<BITS>(i % PER_WORD)));
+}
+
+template <int BITS>
+__device__ __forceinline__ float dot_vector(const uint4& packed, const float* prescaled_x) {
   const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
   constexpr int PER_WORD = 32 / BITS;
   constexpr unsigned MASK = (1u << BITS) - 1u;
   float acc = 0.f;
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
+    const unsigned high = words[w] >> HIGH_SHIFT<BITS>;
 #pragma unroll
     for (int i = 0; i < PER_WORD; ++i) {
-      acc = fmaf(small_uint_to_float((words[w] >> (BITS * i)) & MASK), x[w * PER_WORD + i], acc);
+      const unsigned bits = (i < IN_PLACE<BITS> ? words[w] : high) & (MASK << (BITS * place<BITS>(i)));
+      acc = fmaf(__uint_as_float(0x4B000000u | bits) - 8388608.f, prescaled_x[w * PER_WORD + i], acc);
     }
   }
   return acc;
@@ -125,6 +149,7 @@ __device__ __forceinline__ void rows_dot(
       float x_sum = 0.f;
 #pragma unroll
       for (int i = 0; i < N; ++i) x_sum += x[i];
+      prescale<BITS>(x);
 #pragma unroll
       for (int i = 0; i < M * RPW; ++i) {
         acc[i] += static_cast<float>(scale[u][i]) * dot_vector<BITS>(packed[u][i], x) + static_cast<float>(bias[u][i]) * x_sum;

@@ -19,7 +19,6 @@
 {
   using namespace moe_decode;
   __shared__ int block_expert;
-  __shared__ float block_weight;
   const Dims d(dims);
   const int experts = dims[7];
   const int pair = blockIdx.y;
@@ -35,7 +34,6 @@
     weight = __shfl_sync(0xffffffffu, weight, round);
     if (threadIdx.x == 0) {
       block_expert = index;
-      block_weight = weight;
       if (blockIdx.x == 0) {
         const RoutingTail<T> tail(hidden, gridDim.y, d.out_dim);
         tail.indices[pair] = static_cast<uint32_t>(index);
