@@ -20,7 +20,10 @@ from .launch import (Launch, absent, bias_template, cuda_kernel_object, kernel_d
                      metal_kernel_object, per_pair, quantized_experts_reason)
 from .reference import combine, expert_chain
 
-WARPS_PER_BLOCK = 8
+# Small blocks spread a decode GEMV's few warps evenly over the SMs: at Qwen3-30B-A3B's shape the
+# gate+up has 192 blocks of 8 warps for 132 SMs, so half the SMs ran two and set its time; in
+# blocks of 4 the routed gate+up took 15.2 µs where 8 took 16.4 (ncu, docs/benchmarks.md).
+WARPS_PER_BLOCK = 4
 # Output rows per warp (RPW in cuda/moe_decode.cu): a warp loads each activation vector once for
 # all its rows (on the H200, 4 read Mixtral's experts at 1466 GB/s
 # where 1 read them at 1209: docs/benchmarks.md).

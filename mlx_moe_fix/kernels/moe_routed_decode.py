@@ -34,9 +34,9 @@ CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTED_DECODE"
 # The kernel's parameters, in the order of its `inputs` / outputs.
 INPUTS = {"routed_gate_up": ["x", "logits", *DECODE_INPUTS["gate_up"][2:]]}
 OUTPUTS = {"routed_gate_up": ["hidden"]}
-# Two blocks of the decode kernel's WARPS_PER_BLOCK warps per SM, as its unrouted gate+up runs
-# (128 registers): the routing's 2 more would leave room for one (nvcc --resource-usage for
-# sm_90a: 130 registers unbounded, 124 and no spills bounded; tests/test_cuda_sources.py).
+# 16 resident warps per SM (128 registers), as the unrouted gate+up runs: unbounded, the routing
+# would take a few registers more and leave room for fewer blocks (nvcc --resource-usage for
+# sm_90a; tests/test_cuda_sources.py checks the bounded kernel does not spill).
 RESIDENT_WARPS = 16
 LAUNCH_BOUNDS = (WARPS_PER_BLOCK * 32, RESIDENT_WARPS // WARPS_PER_BLOCK)
 
