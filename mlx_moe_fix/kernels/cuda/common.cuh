@@ -32,7 +32,7 @@ __device__ __forceinline__ A warp_sum(A v) {
 
 // An unsigned integer below 2^23 as fp32, exactly: its bits under the exponent of 2^23, minus
 // 2^23. Two full-rate instructions, where a conversion (I2F) runs at a fraction of the FMA rate
-// and bounded the decode GEMVs' dequantisation.
+// (the prefill's dequantisation; the decode GEMVs read values in place, moe_decode.cu).
 __device__ __forceinline__ float small_uint_to_float(unsigned q) {
   return __uint_as_float(0x4B000000u | q) - 8388608.f;
 }

@@ -2,6 +2,9 @@
 // sections, stages, template constants and run-time inputs, one simdgroup where CUDA has one warp.
 // Written to the CUDA kernels' contract and NOT compiled or run on Apple hardware by this
 // project (no Metal machine here); the GPU parity tests are written to run on one unchanged.
+// Its GEMV loop (rows_dot, dot_vector) is the CUDA one before the twelfth session's tuning for
+// the H200's issue rate (loads issued ahead, values dequantised in place against prescaled
+// activations): those were measured on NVIDIA only, and nothing says they pay on Apple GPUs.
 //
 // One simdgroup per (pair or token, output rows), 16-byte loads of packed affine-quantized
 // weights, dequantisation in registers, fp32 accumulation. Template constants and types:
