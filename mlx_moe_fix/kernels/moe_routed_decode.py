@@ -8,8 +8,9 @@ the unfused block makes three (docs/decode-attribution.md: at batch 1 a launch c
 and GPU time than the routing's arithmetic). The experts and weights pass between the two in the
 hidden output's tail (RoutingTail in cuda/moe_decode.cu), so that each launch has one output and
 the down launch (moe_decode.cu's routed_down) no routing inputs. It routes with moe_router's
-device code, so its experts and weights are the router kernel's, bit for bit. MLX_MOE_FIX_CUDA_ROUTED_DECODE=0 turns
-it off (the block then routes and runs its experts in separate launches).
+device code, so its experts and weights are the router kernel's, bit for bit.
+MLX_MOE_FIX_CUDA_ROUTED_DECODE=0 turns it off (the block then routes and runs its experts in
+separate launches).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ weights, and the experts call takes the weights (`weights=`, which only these wr
 that the weighted combine happens inside the expert op (the fused decode does it in its down
 launch); at decode, where one kernel can take both, the routing and the experts are one op
 (`moe_routed_decode`: the routing inside the decode kernel's first launch). The others
-(DeepSeek's): upstream's code as is. Both compile their calls per shape (patches/compiled.py). A block with a sharding group runs upstream's code uncompiled (its
-experts still go through the patched switch layer). No math here."""
+(DeepSeek's): upstream's code as is. Both compile their calls per shape (patches/compiled.py).
+A block with a sharding group runs upstream's code uncompiled (its experts still go through the
+patched switch layer). No math here."""
 
 from __future__ import annotations
 
