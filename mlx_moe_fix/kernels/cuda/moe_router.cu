@@ -117,6 +117,55 @@ __device__ __forceinline__ void top_k_rounds(
   }
 }
 
+// top_k_rounds for values that T of 16 bits holds exactly: each value and its expert as one
+// 32-bit key that orders as ranks_above does (the value's bits made monotone, +0 for -0, over
+// the expert index, or its complement where the lower index wins), so that a round's warp-wide
+// best is one redux.sync instead of five shuffle rounds of two values.
+template <typename T>
+__device__ __forceinline__ unsigned short bits_of(float value) {
+  if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) return __bfloat16_as_ushort(static_cast<T>(value));
+  else return __half_as_ushort(static_cast<T>(value));
+}
+
+template <typename T>
+__device__ __forceinline__ float value_of(unsigned short bits) {
+  if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) return static_cast<float>(__ushort_as_bfloat16(bits));
+  else return static_cast<float>(__ushort_as_half(bits));
+}
+
+template <bool LAST_K, typename T>
+__device__ __forceinline__ unsigned rank_key(float value, int expert) {
+  const unsigned bits = bits_of<T>(value == 0.f ? 0.f : value);
+  const unsigned monotone = bits & 0x8000u ? ~bits & 0xFFFFu : bits | 0x8000u;
+  return monotone << 16 | (LAST_K ? expert : 0xFFFF - expert);
+}
+
+template <bool LAST_K, typename T>
+__device__ __forceinline__ void ranked(unsigned key, float& value, int& expert) {
+  const unsigned monotone = key >> 16;
+  value = value_of<T>(monotone & 0x8000u ? monotone & 0x7FFFu : ~monotone & 0xFFFFu);
+  expert = LAST_K ? key & 0xFFFFu : 0xFFFF - (key & 0xFFFFu);
+}
+
+template <bool LAST_K, int N, typename T>
+__device__ __forceinline__ void top_k_rounds_by_key(
+    const float (&value)[N], int experts, int top_k, float& chosen_value, int& chosen_index) {
+  static_assert(sizeof(T) == 2, "keys hold 16-bit values");
+  const int lane = threadIdx.x % 32;
+  unsigned key[N];  // 0: past the experts or taken (every value's key is above it)
+#pragma unroll
+  for (int i = 0; i < N; ++i) key[i] = lane * N + i < experts ? rank_key<LAST_K, T>(value[i], lane * N + i) : 0u;
+  for (int j = 0; j < top_k; ++j) {
+    unsigned best = 0u;
+#pragma unroll
+    for (int i = 0; i < N; ++i) best = max(best, key[i]);
+    best = __reduce_max_sync(0xffffffffu, best);
+#pragma unroll
+    for (int i = 0; i < N; ++i) key[i] = key[i] == best ? 0u : key[i];
+    if (lane == j) ranked<LAST_K, T>(best, chosen_value, chosen_index);
+  }
+}
+
 // The position in stock's order of the k of the choice made in round `round` (rounds go from
 // the top rank down; stock's order is ascending where it takes the last k); its own inverse.
 template <bool LAST_K>
@@ -145,7 +194,11 @@ __device__ __forceinline__ void route_token(const T* row, int experts, int top_k
   }
   float chosen_value = 0.f;
   index = 0;
-  top_k_rounds<LAST_K>(value, experts, top_k, chosen_value, index);
+  if constexpr (sizeof(T) == 2) {
+    top_k_rounds_by_key<LAST_K, N, T>(value, experts, top_k, chosen_value, index);
+  } else {
+    top_k_rounds<LAST_K>(value, experts, top_k, chosen_value, index);
+  }
   auto holder = [top_k](int position) { return stock_position<LAST_K>(position, top_k); };
   weight = chosen_value;
   if (SOFTMAX_FIRST && NORMALIZE) {
