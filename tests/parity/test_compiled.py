@@ -194,3 +194,40 @@ def test_a_layer_keeps_at_most_max_keys_dropping_untraced_ones_first(compiled_st
     steps = layer.__dict__[STEPS]
     assert [key[0][0][0] for key in steps] == [(1, 4), (60, 4), (70, 4)]
     assert isinstance(steps[next(iter(steps))], compiled._Step)
+
+
+def test_a_layer_takes_its_last_step_only_while_that_steps_key_holds(compiled_steps):
+    """compiled._last_step (the step of a layer's last compiled call, found without building the
+    key) gives way when a child or a scalar attribute of the layer changes: the call then follows
+    the new child or scalar as a call built in Python does."""
+    family = "qwen3_moe"
+    model = zoo.build(family, 4, dtype=mx.bfloat16)
+    other = zoo.build(family, 4, seed=1, dtype=mx.bfloat16)
+    block, other_block = (next(m for _, m in built.named_modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock")
+                          for built in (model, other))
+    hidden = block.gate.scales.shape[-1] * block.gate.group_size
+    x = mx.random.normal((1, 1, hidden), key=mx.random.key(3)).astype(mx.bfloat16)
+
+    def replayed():
+        """Three calls (built, traced, replayed where the key is new) and the last one's output;
+        the layer's last step then stands for its key."""
+        outputs = [block(x) for _ in range(3)]
+        assert compiled._last_step(block, (x,), {}) is not None
+        return outputs[-1]
+
+    with mlx_moe_fix.patched():
+        compiled_steps(True)
+        first = replayed()
+        block.gate = other_block.gate
+        assert compiled._last_step(block, (x,), {}) is None, "a new child must not take the old step"
+        new_gate = replayed()
+        block.norm_topk_prob = not block.norm_topk_prob
+        assert compiled._last_step(block, (x,), {}) is None, "a new scalar must not take the old step"
+        new_scalar = replayed()
+        assert compiled._last_step(block, (x.astype(mx.float32),), {}) is None
+        compiled_steps(False)
+        built_new_scalar = block(x)
+        block.norm_topk_prob = not block.norm_topk_prob
+        built_new_gate = block(x)
+    assert mx.array_equal(new_scalar, built_new_scalar).item()
+    assert mx.array_equal(new_gate, built_new_gate).item() and not mx.array_equal(new_gate, first).item()
