@@ -109,9 +109,10 @@ struct QuantizedRows {
 // values >= one vector's values). Rows are addressed from the matrices' bases, so that the
 // warp keeps M bases and RPW row offsets live rather than 3 M RPW pointers. A lane issues the
 // loads of LOADS_AHEAD packed vectors (UNROLL per row and matrix), whatever M x RPW, with their
-// groups' scales and biases, before using any. (At RPW 4 ncu saw no change from loading the
-// scales beside the weights: these GEMVs are bound by the instructions they issue, hence the
-// in-place dequantisation above.)
+// groups' scales and biases, before using any. (Measured on the H200, none of these was faster:
+// scales loaded apart from the weights, a tensor-core loop with a third of the instructions,
+// the vectors staged through shared memory with the next stage in flight, more warps an SM;
+// docs/decode-attribution.md, sections 14-15.)
 template <int BITS, int GROUP, int M, int RPW, typename S, typename T>
 __device__ __forceinline__ void rows_dot(
     float* out, const QuantizedRows<S> (&m)[M], int first_row, int last_row, const T* activations, int in_dim, int lane) {
