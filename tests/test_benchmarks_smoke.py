@@ -225,3 +225,35 @@ def test_record_launches_writes_every_case_s_launches(tmp_path):
     assert len(recorded) == 26 and all(recorded.values())
     grouped = [call for calls in recorded.values() for call in calls if call["kernel"][1] == "grouped"]
     assert grouped and all(len(call["inputs"]) == 14 and call["grid"][1] > 0 for call in grouped)
+
+
+def test_decode_ncu_runs_each_variant_and_checks_it():
+    out = run_module("benchmarks.decode_ncu", "--smoke", "--variants", "routed,unrouted,routed:rows=2:warps=8:resident=16")
+    checks = [line for line in out.splitlines() if line.startswith("check smoke")]
+    assert [line.split(":")[0] for line in checks] == ["check smoke routed", "check smoke unrouted", "check smoke routed"]
+    assert all(float(line.rsplit(" ", 1)[1]) < 0.05 for line in checks), out
+    from benchmarks.decode_ncu import parse_variant
+
+    assert parse_variant("routed:rows=2:resident=20") == ("routed", {"rows": 2, "resident": 20})
+    with pytest.raises(ValueError, match="unknown setting"):
+        parse_variant("routed:ahead=4")
+
+
+def test_decode_ncu_table_takes_medians_after_each_kernels_first_call():
+    from benchmarks.decode_ncu import table
+
+    header = ('"ID","Kernel Name","Block Size","Grid Size","Metric Name","Metric Unit","Metric Value"\n')
+    name = "custom_kernel_mlx_moe_fix_moe_decode_gate_up_smem0_lb128x4_0123456789ab_bfloat16_t_4_64(const float *)"
+
+    def reading(i, grid, metric, value):
+        return f'"{i}","{name}","(128, 1, 1)","{grid}","{metric}","ns","{value}"\n'
+
+    text = "==PROF== noise\n" + header + "".join(
+        reading(i, "(48, 8, 1)", "gpu__time_duration.sum", f"{t:,}") + reading(i, "(48, 8, 1)", "dram__bytes_read.sum", "14,000,000")
+        for i, t in enumerate((90_000, 14_000, 12_000, 16_000))) + header + reading(9, "(96, 8, 1)", "gpu__time_duration.sum", "5,000")
+    rows = table(text)
+    assert [(label, grid) for label, grid, *_ in rows] == [
+        ("moe_decode_gate_up_lb128x4 0123 bfloat16_t_4_64", "(48, 8, 1)(128, 1, 1)"),
+        ("moe_decode_gate_up_lb128x4 0123 bfloat16_t_4_64", "(96, 8, 1)(128, 1, 1)")]
+    assert rows[0][2] == 14.0 and rows[0][3] == 1.0 and rows[0][6] == 3  # the first call (90 µs) left out
+    assert rows[1][2] == 5.0 and rows[1][6] == 1
