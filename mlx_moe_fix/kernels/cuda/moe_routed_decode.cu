@@ -3,8 +3,8 @@
 // with moe_router.cu's device code (the whole row is one 16-byte load per lane: cheaper than the
 // launch it saves), shares its pair's expert through shared memory, and the block goes on as
 // moe_decode's gate_up; the blocks of row 0 write each pair's expert and routing weight into the
-// hidden output's tail (moe_decode.cu's RoutingTail), which its routed_down launch reads. A decode step's MoE block is
-// then three launches: router matmul, this, routed_down.
+// hidden output's tail (moe_decode.cu's RoutingTail), which its routed_down launch reads. A
+// decode step's MoE block is then three launches: router matmul, this, routed_down.
 //
 // Template constants: moe_decode.cu's gate_up ones (T is also the logits' and the
 // weights' type) and moe_router.cu's topk ones (SOFTMAX_FIRST, NORMALIZE, LAST_K). Run-time
