@@ -69,9 +69,18 @@ def main(argv=None):
     parser.add_argument("--prompt", type=int, default=256, help="tokens before decoding")
     parser.add_argument("--tokens", type=int, default=32, help="tokens timed per run")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", default=";".join(VARIANTS), help="labels of VARIANTS to run, separated by ';' ('dense equivalent' always runs)")
+    parser.add_argument("--callers", default="generate_step,BatchGenerator", help="comma-separated: generate_step, BatchGenerator")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny configs, few tokens (CPU)")
     args = parser.parse_args(argv)
+    chosen = set(args.variants.split(";")) | {"dense equivalent"}
+    unknown = chosen - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
+    chosen_callers = set(args.callers.split(","))
+    if chosen_callers - {"generate_step", "BatchGenerator"}:
+        parser.error(f"unknown callers {sorted(chosen_callers - {'generate_step', 'BatchGenerator'})}")
     if args.smoke:
         args.prompt, args.tokens, args.rounds = 12, 4, 2
 
@@ -81,14 +90,17 @@ def main(argv=None):
     prompt = rng.integers(0, specs[args.model].config["vocab_size"], args.prompt).tolist()
     # models.time_decode times the tokens after the first; a BatchGenerator run, its steps after the first
     settings = types.SimpleNamespace(prefill_step_size=2048, batch_tokens=args.tokens, decode_tokens=args.tokens + 1)
-    batched = args.model not in models.NO_BATCHED_DECODE
+    batched = args.model not in models.NO_BATCHED_DECODE and "BatchGenerator" in chosen_callers
     caches = {dense: models.build_prompt_caches(model, [prompt], settings) for dense, model in built.items()} if batched else {}
 
-    callers = {"generate_step": lambda model, dense: models.time_decode(model, mx.array(prompt), settings)[0]}
+    callers = {}
+    if "generate_step" in chosen_callers:
+        callers["generate_step"] = lambda model, dense: models.time_decode(model, mx.array(prompt), settings)[0]
     if batched:
         callers["BatchGenerator, batch 1"] = lambda model, dense: models.time_batch_decode(model, [prompt], caches[dense], 1, settings)
     # the routing in its own launch only where the routing can be inside (moe_blocks.routed_block)
-    variants = {label: v for label, v in VARIANTS.items() if ROUTED_SWITCH not in v[2] or args.model in ROUTED_BLOCKS}
+    variants = {label: v for label, v in VARIANTS.items()
+                if label in chosen and (ROUTED_SWITCH not in v[2] or args.model in ROUTED_BLOCKS)}
     rates = {(caller, label): [] for caller in callers for label in variants}
     for round_index in range(args.rounds):
         for caller, run in callers.items():

@@ -180,6 +180,13 @@ def test_single_stream_smoke_prints_every_variant_per_caller(model, variants, ca
     assert all(line.split("|")[-2].strip() == "1.000" for line in rows if line.startswith("| dense")), out
 
 
+def test_single_stream_runs_only_the_variants_and_callers_asked_for():
+    out = run_module("benchmarks.single_stream", "--smoke", "--variants", "patched", "--callers", "generate_step")
+    rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
+    assert [line.split("|")[1].strip() for line in rows] == ["patched", "dense equivalent"], out
+    assert "BatchGenerator" not in out
+
+
 def test_prefill_forward_smoke_times_every_variant(tmp_path):
     path = str(tmp_path / "forward.json")
     out = run_module("benchmarks.prefill_forward", "--smoke", "--json", path)
