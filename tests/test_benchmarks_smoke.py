@@ -187,6 +187,19 @@ def test_single_stream_runs_only_the_variants_and_callers_asked_for():
     assert "BatchGenerator" not in out
 
 
+@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v4"])
+def test_decode_timeline_splits_each_variants_token_into_its_host_phases(model):
+    out = run_module("benchmarks.decode_timeline", "--smoke", "--model", model)
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith(("| stock", "| patched", "| dense"))}
+    assert list(rows) == ["stock", "patched", "dense equivalent"], out
+    for build, submit, wait, token, per_layer, tok_s, versus in rows.values():
+        assert float(build) > 0 and float(submit) > 0 and float(wait) >= 0 and float(tok_s) > 0
+        # the token's median is of the tokens' sums, each the sum of its three phases
+        assert float(token) > 0 and abs(float(per_layer) * 2 - float(token)) <= 1  # the smoke models' 2 layers
+    assert rows["dense equivalent"][-1] == "1.000"
+
+
 def test_prefill_forward_smoke_times_every_variant(tmp_path):
     path = str(tmp_path / "forward.json")
     out = run_module("benchmarks.prefill_forward", "--smoke", "--json", path)

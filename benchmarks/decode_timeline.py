@@ -1,0 +1,121 @@
+"""Where a decode token's wall time goes on the host: building its graph in Python, MLX's
+submission of it (mx.async_eval: each primitive's encoding, the CUDA graphs' commits, and any wait
+for earlier work MLX makes there), and waiting for its result.
+
+    python3 -m benchmarks.decode_timeline                           # qwen3_moe, 24 cycles
+    python3 -m benchmarks.decode_timeline --model mixtral --burst 8
+    python3 -m benchmarks.decode_timeline --smoke                   # tiny configs, CPU
+
+The loop is mlx-lm's generate_step's (greedy, log-probabilities computed, on its generation
+stream, token t+1 built and submitted before token t is waited for), written out so that each of
+the three host phases is timed per token. This host's speed drifts by up to 2x over seconds and
+between processes (docs/benchmarks.md), so the variants (the MoE model stock and patched, its
+dense equivalent: benchmarks/models.py) take turns in short bursts of --burst tokens, each model
+with its own cache and its next token pending, for --cycles cycles in one process; a burst ends
+once its last token is computed, so the next starts on an idle GPU. The table gives medians over
+every token but each burst's first (its build had nothing to overlap), µs per token; tok/s is
+per burst, and `/ dense` the median over cycles of a burst's tok/s over the dense burst's of the
+same cycle.
+"""
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+from . import models
+from .timing import log, markdown_table
+
+VARIANTS = {"stock": (False, "stock"), "patched": (False, "patched"), "dense equivalent": (True, "stock")}
+PHASES = ("build", "submit", "wait")
+
+
+class Decoder:
+    """One model's greedy decode with its own cache, its next token pending between bursts."""
+
+    def __init__(self, model, prompt: mx.array):
+        self.model, self.cache = model, make_prompt_cache(model)
+        with mx.stream(generation_stream):
+            model(prompt[None, :-1], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        self.y, self.logprobs = self.step(prompt[-1:])
+        mx.eval(self.y, self.logprobs)
+
+    def step(self, y):
+        with mx.stream(generation_stream):
+            logits = self.model(y[None], cache=self.cache)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return mx.argmax(logprobs, axis=-1), logprobs
+
+    def burst(self, tokens: int) -> list:
+        """[(build, submit, wait) seconds] per token."""
+        phases = []
+        for _ in range(tokens):
+            start = time.perf_counter()
+            next_y, next_logprobs = self.step(self.y)
+            built = time.perf_counter()
+            mx.async_eval(next_y, next_logprobs)
+            submitted = time.perf_counter()
+            self.y.item()
+            phases.append((built - start, submitted - built, time.perf_counter() - submitted))
+            self.y, self.logprobs = next_y, next_logprobs
+        self.y.item()
+        return phases
+
+
+def summary_row(label: str, phases: list, rates: list, dense_rates: list, layers: int) -> list:
+    per_phase = [statistics.median(p[i] for p in phases) * 1e6 for i in range(len(PHASES))]
+    token = statistics.median(sum(p) for p in phases) * 1e6
+    tok_s = statistics.median(rates)
+    versus = statistics.median(r / d for r, d in zip(rates, dense_rates))
+    return [label, *(f"{v:.0f}" for v in per_phase), f"{token:.0f}", f"{token / layers:.1f}",
+            f"{tok_s:.1f}", f"{versus:.3f}"]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=models.MOE_MODELS, default="qwen3_moe")
+    parser.add_argument("--deepseek-layers", type=int, default=4, help="layers of deepseek_v3, inkling, deepseek_v4")
+    parser.add_argument("--prompt", type=int, default=256, help="tokens before decoding")
+    parser.add_argument("--burst", type=int, default=8, help="tokens a variant decodes per turn")
+    parser.add_argument("--cycles", type=int, default=24, help="turns of every variant")
+    parser.add_argument("--smoke", action="store_true", help="tiny configs, few tokens (CPU)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.prompt, args.burst, args.cycles = 12, 3, 2
+    if args.burst < 2:
+        parser.error("--burst must be at least 2 (a burst's first token is left out)")
+
+    specs = models.model_specs(args.smoke, args.deepseek_layers)
+    spec = specs[args.model]
+    built = {dense: models.build_model(specs[spec.dense if dense else args.model]) for dense in (False, True)}
+    layers = spec.config["num_hidden_layers"]
+    prompt = mx.array(np.random.default_rng(0).integers(0, spec.config["vocab_size"], args.prompt).tolist())
+    decoders, phases, rates = {}, {label: [] for label in VARIANTS}, {label: [] for label in VARIANTS}
+    for label, (dense, mode) in VARIANTS.items():
+        models.set_mode(mode)
+        decoders[label] = Decoder(built[dense], prompt)
+        decoders[label].burst(args.burst)  # warm-up at exactly the timed shapes (compiled steps traced)
+    for cycle in range(args.cycles):
+        for label, (dense, mode) in VARIANTS.items():
+            models.set_mode(mode)
+            run = decoders[label].burst(args.burst)
+            phases[label] += run[1:]
+            rates[label].append((args.burst - 1) / sum(map(sum, run[1:])))
+        if (cycle + 1) % 8 == 0 or cycle + 1 == args.cycles:
+            log(f"[timeline] cycle {cycle + 1} of {args.cycles}")
+    models.set_mode("stock")
+
+    print(f"{args.model} ({layers} layers) and its dense equivalent, {args.prompt}-token prompt, "
+          f"{args.cycles} cycles of {args.burst}-token bursts, MLX {mx.__version__}, {mx.default_device()}; "
+          "µs per token, medians")
+    rows = [summary_row(label, phases[label], rates[label], rates["dense equivalent"], layers) for label in VARIANTS]
+    print(markdown_table(["variant", *PHASES, "token", "token / layer", "tok/s", "/ dense"], rows))
+
+
+if __name__ == "__main__":
+    main()
