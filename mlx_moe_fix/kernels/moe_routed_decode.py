@@ -15,6 +15,7 @@ separate launches).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import mlx.core as mx
@@ -49,10 +50,13 @@ def moe_routed_decode_reference(x: mx.array, logits: mx.array, routing: Routing,
     return moe_decode_reference(x, indices, experts, weights)
 
 
-def _launches(experts: MoEExperts, routing: Routing, tokens: int, dtype) -> tuple:
-    """(routed gate+up, combining down) for this call's shape, cached on the experts object."""
+def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype) -> tuple:
+    """(routed gate+up, combining down) for this call's shape, cached on the experts object.
+    The down launch's output has the call's leading shape, so that the call adds no reshape to
+    the graph: at batch 1 every node costs the host a few µs (docs/decode-attribution.md)."""
 
     def plan():
+        tokens = math.prod(leading_shape)
         pairs = tokens * routing.top_k
         gate_up = gate_up_launch(experts, routing.top_k, pairs, dtype, "cuda")
         down = decode_launches(experts, routing.top_k, pairs, dtype, dtype, "cuda")[1]
@@ -68,18 +72,23 @@ def _launches(experts: MoEExperts, routing: Routing, tokens: int, dtype) -> tupl
             output_shapes=[(rows * hidden_dims + pairs * (4 + itemsize) // itemsize,)],
         )
         routed_down = down._replace(kernel=cuda_kernel_object("moe_decode.cu", "routed_down", tuple(DECODE_INPUTS["routed_down"]),
-                                                              tuple(DECODE_OUTPUTS["routed_down"]), 0))
+                                                              tuple(DECODE_OUTPUTS["routed_down"]), 0),
+                                    output_shapes=[(*leading_shape, experts.output_dims)])
         return routed_gate_up, routed_down
 
-    return experts.memo(("routed decode launches", routing, tokens, dtype), plan)
+    return experts.memo(("routed decode launches", routing, leading_shape, dtype), plan)
 
 
 def moe_routed_decode_kernel(x: mx.array, logits: mx.array, routing: Routing, experts: MoEExperts) -> mx.array:
-    """The CUDA implementation; same contract as moe_routed_decode_reference."""
-    tokens = x.reshape(-1, x.shape[-1])
-    gate_up, down = _launches(experts, routing, tokens.shape[0], x.dtype)
-    (hidden,) = gate_up(tokens, logits.reshape(tokens.shape[0], -1))
-    return down(hidden)[0].reshape(*x.shape[:-1], experts.output_dims)
+    """The CUDA implementation; same contract as moe_routed_decode_reference. The kernels read x
+    and the logits as rows of contiguous memory (MLX copies an input that is not), so they take
+    them in the caller's shape."""
+    leading_shape = x.shape[:-1]
+    gate_up, down = _launches(experts, routing, leading_shape, x.dtype)
+    if logits.shape[:-1] != leading_shape:
+        logits = logits.reshape(*leading_shape, -1)
+    (hidden,) = gate_up(x, logits)
+    return down(hidden)[0]
 
 
 def moe_routed_decode(x: mx.array, logits: mx.array, routing: Routing, experts: MoEExperts) -> mx.array:
