@@ -133,18 +133,19 @@ def moe_decode_kernel(
     x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array] = None
 ) -> mx.array:
     """The GPU implementation (CUDA, or Metal where that is the backend); same contract as
-    moe_decode_reference."""
+    moe_decode_reference. The kernels read x, the indices and the weights as contiguous rows (MLX
+    copies an input that is not), so they take them in the caller's shapes and give the output in
+    its shape: no reshape nodes, each of which costs a decode step host time."""
     top_k = indices.shape[-1]
-    tokens = x.reshape(-1, x.shape[-1])
-    flat_indices = indices.reshape(-1).astype(mx.uint32)
+    pair_indices = indices.astype(mx.uint32)  # the same array where the router gave uint32
     gate_up, down = decode_launches(
-        experts, top_k, flat_indices.size, x.dtype, None if weights is None else weights.dtype, current_backend()
+        experts, top_k, indices.size, x.dtype, None if weights is None else weights.dtype, current_backend()
     )
-    rows = tokens if gate_up is None else gate_up(tokens, flat_indices)[0]
+    rows = x if gate_up is None else gate_up(x, pair_indices)[0]
     out_dims = experts.output_dims
     if weights is None:
-        return down(rows, flat_indices, absent())[0].reshape(*indices.shape, out_dims)
-    return down(rows, flat_indices, per_pair(weights, indices).reshape(-1))[0].reshape(*x.shape[:-1], out_dims)
+        return down(rows, pair_indices, absent(), output_shapes=[(*indices.shape, out_dims)])[0]
+    return down(rows, pair_indices, per_pair(weights, indices), output_shapes=[(*x.shape[:-1], out_dims)])[0]
 
 
 def moe_decode(
