@@ -86,6 +86,25 @@ def test_decode_kernels_compile(tmp_path, t):
     compile_ok(tmp_path, translation_units(DECODE, "moe_decode.cu", variants))
 
 
+def test_a_kernel_compiles_with_its_header_included_from_its_file(tmp_path, monkeypatch):
+    """What MLX compiles (launch.cuda_kernel_object): the header as cuda_header_directive's
+    `#include` of the file it wrote."""
+    from mlx_moe_fix.kernels.sources import cuda_header_directive
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cuda_header_directive.cache_clear()
+    try:
+        header, _ = cuda_kernel_source("moe_routed_decode.cu", "routed_gate_up")
+        constants = {"BITS": 4, "GROUP": 64, "WARPS": 4, "HAS_BIAS": False, "RPW": 4, "GATED": True,
+                     "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True}
+        text = translation_unit(ROUTED, "moe_routed_decode.cu", [("routed_gate_up", "__nv_bfloat16", constants)])
+        directive = cuda_header_directive(header)
+        assert directive.startswith("#include") and text.count(header) == 1
+        compile_ok(tmp_path, [text.replace(header, directive)])
+    finally:
+        cuda_header_directive.cache_clear()
+
+
 @pytest.mark.parametrize("t", ["__nv_bfloat16", "__half"])
 def test_prefill_kernel_compiles(tmp_path, t):
     variants = [

@@ -1,5 +1,6 @@
 """The kernel sources as cuda_kernel receives them: sections, and no comments or blank lines."""
 
+import os
 import re
 from importlib import resources
 
@@ -68,3 +69,37 @@ def test_declarations_keep_what_they_cannot_name_and_blanks_that_matter():
     assert declarations[2][1].startswith("__device__ int operator+") and declarations[3][1] == "}\n"
     assert _tight("x = a - -b + f( c );\n") == "x=a- -b+f(c);\n"
     assert _tight("#pragma unroll\n") == "#pragma unroll\n"
+
+
+def _directive(monkeypatch, cache_home, header):
+    from mlx_moe_fix.kernels.sources import cuda_header_directive
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
+    cuda_header_directive.cache_clear()
+    try:
+        return cuda_header_directive(header)
+    finally:
+        cuda_header_directive.cache_clear()
+
+
+def test_a_cuda_header_becomes_an_include_of_a_file_holding_exactly_it(tmp_path, monkeypatch):
+    from mlx_moe_fix.kernels.sources import cuda_kernel_source, header_directory
+
+    header, _ = cuda_kernel_source("moe_routed_decode.cu", "routed_gate_up")
+    directive = _directive(monkeypatch, tmp_path, header)
+    (path,) = re.fullmatch(r'#include "([^"]+)"\n', directive).groups()
+    assert os.path.dirname(path) == str(header_directory()) and header_directory().is_relative_to(tmp_path)
+    assert open(path).read() == header and len(directive) < 200 < len(header)
+    # a file that differs (cut short, edited) is written again before it is used
+    with open(path, "w") as f:
+        f.write(header[:100])
+    assert _directive(monkeypatch, tmp_path, header) == directive and open(path).read() == header
+    assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # no partial file left behind
+
+
+def test_a_cuda_header_stays_inline_where_no_file_can_hold_it(tmp_path, monkeypatch):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    assert _directive(monkeypatch, not_a_directory, "namespace a {}\n") == "namespace a {}\n"
+    quote = tmp_path / 'a"b'
+    assert _directive(monkeypatch, quote, "namespace b {}\n") == "namespace b {}\n"

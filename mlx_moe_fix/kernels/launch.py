@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 
 from .experts import MoEExperts
-from .sources import cuda_kernel_source, sections
+from .sources import cuda_header_directive, cuda_kernel_source, sections
 
 # Activation kinds as the kernels' run-time `dims[3]` (see cuda/*.cu).
 ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "gelu_fast": 4}
@@ -76,7 +76,7 @@ def cuda_kernel_object(filename: str, section: str, input_names: tuple, output_n
         input_names=list(input_names),
         output_names=list(output_names),
         source=body,
-        header=header + (launch_bounds(*bounds) if bounds else ""),
+        header=cuda_header_directive(header) + (launch_bounds(*bounds) if bounds else ""),
         shared_memory=shared_bytes,
     )
 
