@@ -18,6 +18,7 @@ import functools
 import hashlib
 import os
 import re
+import threading
 from importlib import resources
 from pathlib import Path
 
@@ -141,7 +142,9 @@ def cuda_header_directive(header: str) -> str:
     that holds exactly `header` (named by its digest; written, or rewritten where it differs, once
     per process), which NVRTC reads at compile time; or `header` itself where no such file can be
     used (the directory cannot be written, is not the user's own, or its path cannot be quoted in
-    an #include). A decode step's two launches per layer then hash ~15 KB less source."""
+    an #include). A decode step's two launches per layer then hash ~15 KB less source. NVRTC
+    reads the file when MLX compiles a template variant, which may be later in the process: the
+    file must stay (a cache cleaner that deletes it mid-run makes that compile fail)."""
     try:
         directory = header_directory()
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -151,10 +154,10 @@ def cuda_header_directive(header: str) -> str:
         quoted = str(path)
         if not quoted.isascii() or any(c in quoted for c in '"\\\n'):
             return header
-        if not path.is_file() or path.read_text() != header:
-            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-            partial.write_text(header)
+        if not path.is_file() or path.read_text(encoding="utf-8") != header:
+            partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
+            partial.write_text(header, encoding="utf-8")
             os.replace(partial, path)
         return f'#include "{quoted}"\n'
-    except OSError:
+    except (OSError, UnicodeError):
         return header
