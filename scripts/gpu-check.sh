@@ -14,6 +14,7 @@
 #     SHARDS=8 ALL_GPU=1 REFERENCES_TOO=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh
 #         # every GPU test but the greedy ones, kernels on and (at the same time) off
 #     DECODE=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh   # the decode benchmarks
+#     TIMELINE=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh # batch-1 decode / dense, in bursts
 #
 # (the *_ARGS replace the defaults below; see `python3 -m benchmarks.kernels --help` and
 # `python3 -m benchmarks.models --help`). Each part runs under a time limit (TESTS_TIMEOUT,
@@ -117,6 +118,13 @@ if [ -n "${DECODE:-}" ]; then
         python3 -m benchmarks.decode_graph --models qwen3_moe,mixtral &&
         python3 -m benchmarks.decode_attribution ${ATTRIBUTION_ARGS:---models qwen3_moe --decode-tokens 32}"
     statuses+=("decode tables: $out/decode.log")
+fi
+if [ -n "${TIMELINE:-}" ]; then
+    # TIMELINE=1: batch-1 decode of each model against its dense equivalent, the variants taking
+    # turns in bursts (benchmarks/decode_timeline.py); TIMELINE_MODELS, comma-separated.
+    run_part timeline "${TIMELINE_TIMEOUT:-420}" bash -c "for model in \$(echo ${TIMELINE_MODELS:-qwen3_moe,inkling,deepseek_v4} | tr , ' '); do
+        python3 -m benchmarks.decode_timeline --model \$model --deepseek-layers 6 --cycles ${TIMELINE_CYCLES:-12} || exit 1; done"
+    statuses+=("decode timelines: $out/timeline.log")
 fi
 if [ -z "${SKIP_MODELS:-}" ]; then
     # shellcheck disable=SC2086
