@@ -23,7 +23,6 @@ import statistics
 import time
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -78,9 +77,7 @@ def summary_row(label: str, phases: list, rates: list, dense_rates: list, layers
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=models.MOE_MODELS, default="qwen3_moe")
-    parser.add_argument("--deepseek-layers", type=int, default=4, help="layers of deepseek_v3, inkling, deepseek_v4")
-    parser.add_argument("--prompt", type=int, default=256, help="tokens before decoding")
+    models.add_decode_pair_arguments(parser)
     parser.add_argument("--burst", type=int, default=8, help="tokens a variant decodes per turn")
     parser.add_argument("--cycles", type=int, default=24, help="turns of every variant")
     parser.add_argument("--smoke", action="store_true", help="tiny configs, few tokens (CPU)")
@@ -90,11 +87,9 @@ def main(argv=None):
     if args.burst < 2:
         parser.error("--burst must be at least 2 (a burst's first token is left out)")
 
-    specs = models.model_specs(args.smoke, args.deepseek_layers)
-    spec = specs[args.model]
-    built = {dense: models.build_model(specs[spec.dense if dense else args.model]) for dense in (False, True)}
+    spec, built, tokens = models.build_decode_pair(args)
     layers = spec.config["num_hidden_layers"]
-    prompt = mx.array(np.random.default_rng(0).integers(0, spec.config["vocab_size"], args.prompt).tolist())
+    prompt = mx.array(tokens)
     decoders, phases, rates = {}, {label: [] for label in VARIANTS}, {label: [] for label in VARIANTS}
     for label, (dense, mode) in VARIANTS.items():
         models.set_mode(mode)

@@ -475,6 +475,23 @@ def build_model(spec: ModelSpec) -> nn.Module:
     return model
 
 
+def add_decode_pair_arguments(parser) -> None:
+    """--model, --deepseek-layers and --prompt, for build_decode_pair."""
+    parser.add_argument("--model", choices=MOE_MODELS, default="qwen3_moe")
+    parser.add_argument("--deepseek-layers", type=int, default=4, help="layers of deepseek_v3, inkling, deepseek_v4")
+    parser.add_argument("--prompt", type=int, default=256, help="tokens before decoding")
+
+
+def build_decode_pair(args) -> tuple:
+    """(the spec of args.model, {False: that MoE model, True: its dense equivalent}, args.prompt
+    random tokens), for the decode benchmarks that compare the two in one process."""
+    specs = model_specs(args.smoke, args.deepseek_layers)
+    spec = specs[args.model]
+    built = {dense: build_model(specs[spec.dense if dense else args.model]) for dense in (False, True)}
+    prompt = np.random.default_rng(0).integers(0, spec.config["vocab_size"], args.prompt).tolist()
+    return spec, built, prompt
+
+
 def parameter_bytes(model: nn.Module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 

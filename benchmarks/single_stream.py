@@ -27,7 +27,6 @@ import statistics
 import types
 
 import mlx.core as mx
-import numpy as np
 
 import mlx_moe_fix
 from mlx_moe_fix.kernels.moe_routed_decode import CUDA_KERNEL_SWITCH as ROUTED_SWITCH
@@ -47,6 +46,7 @@ VARIANTS = {
 
 
 ROUTED_BLOCKS = ("qwen3_moe", "mixtral", "gpt_oss")
+CALLERS = ("generate_step", "BatchGenerator")
 
 
 def measure(run, variant: tuple) -> float:
@@ -64,13 +64,11 @@ def measure(run, variant: tuple) -> float:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=models.MOE_MODELS, default="qwen3_moe")
-    parser.add_argument("--deepseek-layers", type=int, default=4, help="layers of deepseek_v3, inkling, deepseek_v4")
-    parser.add_argument("--prompt", type=int, default=256, help="tokens before decoding")
+    models.add_decode_pair_arguments(parser)
     parser.add_argument("--tokens", type=int, default=32, help="tokens timed per run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variants", default=";".join(VARIANTS), help="labels of VARIANTS to run, separated by ';' ('dense equivalent' always runs)")
-    parser.add_argument("--callers", default="generate_step,BatchGenerator", help="comma-separated: generate_step, BatchGenerator")
+    parser.add_argument("--callers", default=",".join(CALLERS), help=f"comma-separated: {', '.join(CALLERS)}")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny configs, few tokens (CPU)")
     args = parser.parse_args(argv)
@@ -79,15 +77,12 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
     chosen_callers = set(args.callers.split(","))
-    if chosen_callers - {"generate_step", "BatchGenerator"}:
-        parser.error(f"unknown callers {sorted(chosen_callers - {'generate_step', 'BatchGenerator'})}")
+    if chosen_callers - set(CALLERS):
+        parser.error(f"unknown callers {sorted(chosen_callers - set(CALLERS))}; choose from {list(CALLERS)}")
     if args.smoke:
         args.prompt, args.tokens, args.rounds = 12, 4, 2
 
-    specs = models.model_specs(args.smoke, args.deepseek_layers)
-    built = {dense: models.build_model(specs[specs[args.model].dense if dense else args.model]) for dense in (False, True)}
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, specs[args.model].config["vocab_size"], args.prompt).tolist()
+    _, built, prompt = models.build_decode_pair(args)
     # models.time_decode times the tokens after the first; a BatchGenerator run, its steps after the first
     settings = types.SimpleNamespace(prefill_step_size=2048, batch_tokens=args.tokens, decode_tokens=args.tokens + 1)
     batched = args.model not in models.NO_BATCHED_DECODE and "BatchGenerator" in chosen_callers
