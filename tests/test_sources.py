@@ -69,6 +69,9 @@ def test_declarations_keep_what_they_cannot_name_and_blanks_that_matter():
     assert declarations[2][1].startswith("__device__ int operator+") and declarations[3][1] == "}\n"
     assert _tight("x = a - -b + f( c );\n") == "x=a- -b+f(c);\n"
     assert _tight("#pragma unroll\n") == "#pragma unroll\n"
+    # inline PTX keeps its spacing: `wait_group %0` must not become `wait_group1`
+    assert _tight('asm volatile("wgmma.wait_group.sync.aligned %0, \\"x\\";" :: "n"(N - 1));\n') == \
+        'asm volatile("wgmma.wait_group.sync.aligned %0, \\"x\\";" :: "n"(N-1));\n'
 
 
 def _directive(monkeypatch, cache_home, header):

@@ -103,13 +103,20 @@ def _declarations(source: str) -> list:
     return out
 
 
+_STRING_LITERAL = re.compile(r'("(?:[^"\\]|\\.)*")')
+
+
 def _tight(text: str) -> str:
     """`text` without blanks between a word character and punctuation (either order), outside
-    preprocessor lines: C++ reads it the same (blanks between two words or two punctuation marks,
-    as in `a - -b`, stay)."""
-    return "".join(line + "\n" if line.startswith("#") else
-                   re.sub(r"(?<=[^\w\s]) +(?=\w)|(?<=\w) +(?=[^\w\s])", "", line) + "\n"
-                   for line in text.splitlines())
+    preprocessor lines and string literals: C++ reads it the same (blanks between two words or two
+    punctuation marks, as in `a - -b`, stay), and inline PTX keeps its own spacing (`wait_group %0`
+    would become `wait_group1`)."""
+    def tighten(line: str) -> str:
+        parts = _STRING_LITERAL.split(line)  # odd indices: the literals
+        return "".join(part if i % 2 else re.sub(r"(?<=[^\w\s]) +(?=\w)|(?<=\w) +(?=[^\w\s])", "", part)
+                       for i, part in enumerate(parts))
+
+    return "".join(line + "\n" if line.startswith("#") else tighten(line) + "\n" for line in text.splitlines())
 
 
 def _folder(backend: str):
