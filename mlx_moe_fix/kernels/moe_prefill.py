@@ -22,6 +22,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..env import flag
 from .backend import Implementation, choose
 from .experts import MoEExperts
 from .launch import (ACTIVATION_CODES, Launch, absent, bias_template, cuda_kernel_object, int_array, kernel_dims,
@@ -41,8 +42,17 @@ CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL"
 # The kernel's parameters, in the order of its `inputs`.
 GROUPED_INPUTS = ["a", "row_pair", "tile_expert", "w0", "s0", "b0", "w1", "s1", "b1", "bias0", "bias1", "scale", "dims",
                   "params"]
-INPUTS = {"grouped": GROUPED_INPUTS, "route": ["indices", "sizes"], "combine": ["rows", "weights", "sizes"]}
-OUTPUTS = {"grouped": ["out"], "route": ["row_pair", "tile_expert"], "combine": ["out"]}
+INPUTS = {"grouped": GROUPED_INPUTS, "grouped_wgmma": GROUPED_INPUTS, "route": ["indices", "sizes"],
+          "combine": ["rows", "weights", "sizes"]}
+OUTPUTS = {"grouped": ["out"], "grouped_wgmma": ["out"], "route": ["row_pair", "tile_expert"], "combine": ["out"]}
+# The GEMM kernels: mma.sync, every launch; Hopper's warpgroup MMA (sm_90a), the gated first
+# launch (gate+up) of 4-bit experts, its activation rows in wgmma_k_order (gemm_kernel).
+GEMMS = ("grouped", "grouped_wgmma")
+WGMMA_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL_WGMMA"
+WGMMA_STAGES = 4
+WGMMA_BLOCK_N = 128  # two warpgroups of 64 output columns
+WGMMA_THREADS = 256
+WGMMA_MIN_TILE = 64
 COMBINE_THREADS = 256
 ROUTE_MAX_EXPERTS = 1024  # the route kernel's shared arrays
 ROUTE_THREADS = 1024
@@ -65,15 +75,44 @@ def moe_prefill_reference(
     return combine(y, weights)
 
 
-def shared_bytes(tile: int, gated: bool, bits: int) -> int:
-    """The grouped GEMM's dynamic shared memory: per pipeline stage, A rows and packed weight rows."""
-    weights = (2 if gated else 1) * BLOCK_N * BLOCK_K * bits // 8
+def shared_bytes(tile: int, gated: bool, bits: int, gemm: str = "grouped") -> int:
+    """The grouped GEMM's dynamic shared memory: per pipeline stage, activation rows and packed
+    weight rows."""
+    weights = (2 if gated else 1) * block_n(gemm) * BLOCK_K * bits // 8
+    if gemm == "grouped_wgmma":
+        return WGMMA_STAGES * (tile * BLOCK_K * 2 + weights)
     return PIPELINE_STAGES * (tile * SHARED_ROW * 2 + weights)
 
 
-def threads(tile: int) -> int:
-    """Warps of 64 (or `tile`) rows x 32 columns, four across the block's 128 columns."""
-    return max(tile // 64, 1) * 4 * 32
+def block_n(gemm: str = "grouped") -> int:
+    """Output columns per block (per matrix)."""
+    return WGMMA_BLOCK_N if gemm == "grouped_wgmma" else BLOCK_N
+
+
+def threads(tile: int, gemm: str = "grouped") -> int:
+    """mma.sync: warps of 64 (or `tile`) rows x 32 columns, four across the block's 128 columns;
+    wgmma: two warpgroups of 64 columns."""
+    return WGMMA_THREADS if gemm == "grouped_wgmma" else max(tile // 64, 1) * 4 * 32
+
+
+def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
+    """The GEMM (GEMMS) of `stage` at tile height `tile`: grouped_wgmma for the gated first launch
+    of 4-bit experts at tiles of WGMMA_MIN_TILE rows or more where its switch is on (the default),
+    else grouped. On the H200 (docs/benchmarks.md, fifteenth session) wgmma's gate+up ran at
+    Qwen3's shapes 203 against 185 TFLOP/s (2048 tokens) and 254 against 235 (8192), level at
+    512 tokens and on Mixtral's shapes, and slower on Qwen3's 16-row tiles; its one-matrix variant
+    ran the down GEMM slower than grouped, so it has none."""
+    wgmma = (stage == "first" and len(experts.projections) == 3 and experts.projections[0].bits == 4
+             and tile >= WGMMA_MIN_TILE and flag(WGMMA_SWITCH))
+    return "grouped_wgmma" if wgmma else "grouped"
+
+
+def wgmma_k_order(rows: mx.array) -> mx.array:
+    """`rows` [n, K] (K a multiple of 64) with each 64 columns in the order grouped_wgmma reads
+    them (cuda/moe_prefill.cu): column 32 half + 16 s + 8 h + 2 t + e holds column
+    16 t + 8 half + 4 e + 2 s + h."""
+    n, k = rows.shape
+    return rows.reshape(n, k // 64, 4, 2, 2, 2, 2).transpose(0, 1, 3, 5, 6, 2, 4).reshape(n, k)
 
 
 def cuda_kernel(section: str, shared: int = 0, bounds: tuple = ()):
@@ -90,7 +129,13 @@ def cuda_kernel(section: str, shared: int = 0, bounds: tuple = ()):
 ONE_MATRIX_MIN_BLOCKS = 3
 
 
-def launch_bounds_for(tile: int, gated: bool) -> tuple:
+# grouped_wgmma: two blocks per SM (128 registers a thread; unbounded it takes 140, one block).
+WGMMA_MIN_BLOCKS = 2
+
+
+def launch_bounds_for(tile: int, gated: bool, gemm: str = "grouped") -> tuple:
+    if gemm == "grouped_wgmma":
+        return (WGMMA_THREADS, WGMMA_MIN_BLOCKS)
     return (threads(tile), ONE_MATRIX_MIN_BLOCKS) if not gated and tile == 64 else ()
 
 
@@ -172,7 +217,7 @@ def cuda_unsupported_reason(experts: MoEExperts, dtype) -> Optional[str]:
 GROUPED_STAGES = ("first", "last", "only")
 
 
-def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtype) -> Launch:
+def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtype, gemm: str) -> Launch:
     """The launch of `stage` as for one tile: a call gives the grid's tile count and the output's rows."""
     projections = experts.projections
     if stage == "first":
@@ -185,7 +230,7 @@ def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtyp
     first, second = matrices[0], matrices[-1]
     gated = len(matrices) == 2
     return Launch(
-        cuda_kernel("grouped", shared_bytes(tile, gated, first.bits), launch_bounds_for(tile, gated)),
+        cuda_kernel(gemm, shared_bytes(tile, gated, first.bits, gemm), launch_bounds_for(tile, gated, gemm)),
         [first.weight, first.scales, first.biases, second.weight, second.scales, second.biases,
          first.bias if first.bias is not None else absent(),
          second.bias if second.bias is not None else absent(),
@@ -197,20 +242,23 @@ def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtyp
          ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated),
          ("ACT", ACTIVATION_CODES[activation.kind] if activation is not None else 0),
          ("LIMITED", activation is not None and activation.limit is not None), bias_template(first)],
-        (-(-first.output_dims // BLOCK_N) * threads(tile), 1, 1),
-        (threads(tile), 1, 1),
+        (-(-first.output_dims // block_n(gemm)) * threads(tile, gemm), 1, 1),
+        (threads(tile, gemm), 1, 1),
         [(tile, first.output_dims)],
         [dtype],
     )
 
 
-def grouped(a: mx.array, routing: tuple, pairs: int, top_k: int, experts: MoEExperts, stage: str) -> mx.array:
-    """One grouped GEMM launch of `experts`' `stage` (GROUPED_STAGES) on rows `a`, with `routing`
-    = (row_pair, tile_expert, tiles, tile). Its arguments but the per-call ones are built once per
-    layer, tile height and dtype (a prefill call's host time is MLX's and this package's Python,
-    docs/benchmarks.md, tenth session)."""
+def grouped(a: mx.array, routing: tuple, pairs: int, top_k: int, experts: MoEExperts, stage: str,
+            gemm: str = "grouped") -> mx.array:
+    """One launch of the grouped GEMM `gemm` (GEMMS; see gemm_kernel) for `experts`' `stage`
+    (GROUPED_STAGES) on rows `a` (for grouped_wgmma, in wgmma_k_order), with `routing` =
+    (row_pair, tile_expert, tiles, tile). Its arguments but the per-call ones are built once per
+    layer, tile height, dtype and GEMM (a prefill call's host time is MLX's and this package's
+    Python, docs/benchmarks.md, tenth session)."""
     row_pair, tile_expert, tiles, tile = routing
-    launch = experts.memo(("grouped", stage, tile, top_k, a.dtype), lambda: _grouped_launch(experts, stage, tile, top_k, a.dtype))
+    launch = experts.memo(("grouped", stage, tile, top_k, a.dtype, gemm),
+                          lambda: _grouped_launch(experts, stage, tile, top_k, a.dtype, gemm))
     rows = tiles * tile if stage == "first" else pairs
     return launch(a, row_pair, tile_expert, grid=(launch.grid[0], tiles, 1),
                   output_shapes=[(rows, launch.output_shapes[0][1])])[0]
@@ -233,7 +281,9 @@ def moe_prefill_kernel(
     if len(experts.projections) == 1:
         out = grouped(tokens, routing, pairs, top_k, experts, "only")
     else:
-        out = grouped(grouped(tokens, routing, pairs, top_k, experts, "first"), routing, pairs, top_k, experts, "last")
+        first = gemm_kernel(experts, "first", tile)
+        rows = wgmma_k_order(tokens) if first == "grouped_wgmma" else tokens
+        out = grouped(grouped(rows, routing, pairs, top_k, experts, "first", first), routing, pairs, top_k, experts, "last")
     if weights is None:
         return out.reshape(*indices.shape, experts.output_dims)
     return combine_kernel(out, per_pair(weights, indices))

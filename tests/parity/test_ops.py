@@ -2,6 +2,8 @@
 current backend runs: the kernel on a GPU that has one, else the reference)."""
 
 import dataclasses
+import itertools
+import sys
 
 import mlx.core as mx
 import pytest
@@ -153,11 +155,24 @@ def test_metal_decode_kernel_matches_ref(metal_device, case):
     check_kernel(moe_decode_kernel, cuda_unsupported_reason(case.experts), moe_decode_reference, case)
 
 
+# The prefill kernel's gate+up GEMMs (moe_prefill.GEMMS): mma.sync, and Hopper's wgmma, which
+# production takes at 64-row tiles only: here at every tile height, so that every case reaches it.
+PREFILL_GEMMS = pytest.mark.parametrize("wgmma", ["0", "1"], ids=["grouped", "grouped_wgmma"])
+
+
+def prefill_gemm(switch, monkeypatch, wgmma: str) -> None:
+    module = sys.modules["mlx_moe_fix.kernels.moe_prefill"]  # the package's name is the dispatcher's
+    switch(module.WGMMA_SWITCH, wgmma)
+    monkeypatch.setattr(module, "WGMMA_MIN_TILE", 0)
+
+
+@PREFILL_GEMMS
 @CASES
 @given(case=layer_cases())
-def test_cuda_prefill_kernel_matches_ref(cuda_device, case):
+def test_cuda_prefill_kernel_matches_ref(cuda_device, switch, monkeypatch, wgmma, case):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel
 
+    prefill_gemm(switch, monkeypatch, wgmma)
     check_kernel(moe_prefill_kernel, cuda_unsupported_reason(case.experts, case.dtype), moe_prefill_reference, case)
 
 
@@ -217,11 +232,13 @@ LARGE_PREFILL_CASES = {
 }
 
 
+@PREFILL_GEMMS
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("name", LARGE_PREFILL_CASES)
-def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, name, dtype):
+def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, switch, monkeypatch, wgmma, name, dtype):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel, tile_height
 
+    prefill_gemm(switch, monkeypatch, wgmma)
     quantization, glu, kind, tokens, routing, bias, tile = LARGE_PREFILL_CASES[name]
     case = make_case(dtype, quantization, glu, kind, 0.25, False, 256, 256, 8, 2, 1, tokens,
                      routing=routing, with_weights=True, bias=bias)
@@ -230,3 +247,17 @@ def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, name, dtype
     assert tile_height(case.indices.size, 8) == tile
     check(moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
+
+
+def test_wgmma_k_order_puts_each_physical_column_where_grouped_wgmma_reads_it():
+    # cuda/moe_prefill.cu, wgmma_column: thread t's register pair (e) of k16 step 2 half + s,
+    # second register h, holds physical k 16t + 8 half + 4e + 2s + h, which wgmma reads as
+    # column 32 half + 16 s + 8 h + 2t + e of the k-step; the mapping repeats every 64 columns.
+    from mlx_moe_fix.kernels.moe_prefill import wgmma_k_order
+
+    rows = mx.arange(3 * 192, dtype=mx.int32).reshape(3, 192)
+    permuted = wgmma_k_order(rows)
+    for step in range(3):
+        for t, half, e, s, h in itertools.product(range(4), range(2), range(2), range(2), range(2)):
+            column = step * 64 + 32 * half + 16 * s + 8 * h + 2 * t + e
+            assert permuted[1, column].item() == rows[1, step * 64 + 16 * t + 8 * half + 4 * e + 2 * s + h].item()

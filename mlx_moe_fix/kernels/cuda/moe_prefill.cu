@@ -28,6 +28,7 @@ using namespace moe_common;
 
 constexpr int BK = 64;       // k-step
 constexpr int STAGES = 3;    // cp.async pipeline depth (4 measured no faster on the H200)
+constexpr int WGMMA_STAGES = 4;  // grouped_wgmma's
 constexpr int LDS = BK + 8;  // shared row stride of A (values of T): 144 bytes, so 8 rows' 16-byte reads hit distinct banks
 
 __device__ __forceinline__ unsigned smem_address(const void* p) {
@@ -59,6 +60,105 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<unsigned*>(&v);
   }
+}
+
+// Two small unsigned integers at bits 0 and 16 of `q` (packed values of one group), dequantised
+// as q * scale + bias and packed as two T. In T's two-lane arithmetic where MAGIC + q is exact in
+// T (4-bit in bf16, 4/8-bit in fp16, scales of type T): the integers under MAGIC's exponent, one
+// subtraction, one fused multiply-add; else in fp32, rounded once.
+template <typename T, typename S, int BITS>
+__device__ __forceinline__ unsigned dequant_pair(unsigned q, S scale, S bias) {
+  using T2 = cuda::std::conditional_t<cuda::std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
+  if constexpr ((BITS == 4 || !cuda::std::is_same_v<T, __nv_bfloat16>) && cuda::std::is_same_v<S, T>) {
+    constexpr unsigned MAGIC = cuda::std::is_same_v<T, __nv_bfloat16> ? 0x43004300u : 0x64006400u;
+    const unsigned x = q | MAGIC, magic = MAGIC;
+    T2 v = __hsub2(*reinterpret_cast<const T2*>(&x), *reinterpret_cast<const T2*>(&magic));
+    v = __hfma2(v, T2(scale, scale), T2(bias, bias));
+    return *reinterpret_cast<unsigned*>(&v);
+  } else {
+    const float s = static_cast<float>(scale), b = static_cast<float>(bias);
+    return pack2<T>(fmaf(s, small_uint_to_float(q & 0xFFFFu), b), fmaf(s, small_uint_to_float(q >> 16), b));
+  }
+}
+
+// One output of a grouped GEMM from its fp32 sums (`second`: the up projection's, GATED), rounded
+// where stock rounds: the additive biases, the per-expert scale (of gate, or of the output), the
+// activation (ACTIVATE).
+template <typename T, bool ACTIVATE, bool GATED, int ACT, bool LIMITED, typename B, typename SC>
+__device__ __forceinline__ float finish(float first, float second, const Dims& d, const B* bias0, const B* bias1,
+                                        const SC* scale, const float* params, int expert, int n) {
+  const size_t bias_at = (size_t)expert * d.out_dim + n;
+  first = rnd<T>(first);
+  if (d.has_bias) first = rnd<T>(first + static_cast<float>(bias0[bias_at]));
+  if (!ACTIVATE) return d.has_scale ? rnd<T>(first * rnd<T>(static_cast<float>(scale[expert]))) : first;
+  float up = first, gate = 0.f;
+  if (GATED) {
+    gate = first;
+    up = rnd<T>(second);
+    if (d.has_bias) up = rnd<T>(up + static_cast<float>(bias1[bias_at]));
+    if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(scale[expert])));
+  }
+  return activate<T>(ACT, LIMITED, up, gate, params[0], params[1]);
+}
+
+// Hopper's warpgroup MMA (grouped_wgmma): D[64 x N] += A[64 x 16] B[16 x N], A from registers
+// (each warp 16 rows, mma.sync's m16n8k16 A layout), B from shared memory through a descriptor
+// (K-major, no swizzle: 8 x 16-byte core matrices, `k_stride` bytes to the next 8 k, 128 bytes
+// to the next 8 columns), fp32 accumulators in mma.sync's C layout repeated over N / 8.
+__device__ __forceinline__ unsigned long long wgmma_descriptor(unsigned address, unsigned k_stride) {
+  return (unsigned long long)((address & 0x3FFFF) >> 4) | (unsigned long long)(k_stride >> 4) << 16 |
+         (unsigned long long)(128 >> 4) << 32;
+}
+
+// One wgmma of shape SHAPE on TYPE operands: D_OPERANDS is the asm's "{d...}, {a0..a3}, desc",
+// ACCUMULATE the operand number of `accumulate`, then the accumulators' constraints (MOE_N*).
+#define MOE_WGMMA(SHAPE, TYPE, D_OPERANDS, ACCUMULATE, ...) asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACCUMULATE ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " D_OPERANDS ", p, 1, 1, 0;\n}\n" : __VA_ARGS__ : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(descriptor), "r"(accumulate))
+#define MOE_WGMMA_OF(...) MOE_WGMMA(__VA_ARGS__)  // expands MOE_N* into MOE_WGMMA's arguments
+#define MOE_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define MOE_N16 "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12", "%13", MOE_D8(0)
+#define MOE_N32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20", "%21", MOE_D8(0), MOE_D8(8)
+#define MOE_N64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36", "%37", MOE_D8(0), MOE_D8(8), MOE_D8(16), MOE_D8(24)
+
+template <typename T, int N>
+__device__ __forceinline__ void wgmma(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long descriptor) {
+  static_assert(N == 16 || N == 32 || N == 64, "wgmma widths: 16, 32, 64");
+  constexpr bool BF16 = cuda::std::is_same_v<T, __nv_bfloat16>;
+  const int accumulate = 1;
+  if constexpr (N == 16 && BF16) MOE_WGMMA_OF("m64n16k16", "bf16", MOE_N16);
+  if constexpr (N == 16 && !BF16) MOE_WGMMA_OF("m64n16k16", "f16", MOE_N16);
+  if constexpr (N == 32 && BF16) MOE_WGMMA_OF("m64n32k16", "bf16", MOE_N32);
+  if constexpr (N == 32 && !BF16) MOE_WGMMA_OF("m64n32k16", "f16", MOE_N32);
+  if constexpr (N == 64 && BF16) MOE_WGMMA_OF("m64n64k16", "bf16", MOE_N64);
+  if constexpr (N == 64 && !BF16) MOE_WGMMA_OF("m64n64k16", "f16", MOE_N64);
+}
+
+// Orders this thread's register writes before the warpgroup's next wgmma reads them.
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// Waits until at most N committed groups of this warpgroup's wgmmas are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Tells the compiler that `v` may change here: no write of a wgmma operand moves below the fence
+// before the wgmma, and no read of an accumulator above the wait for the wgmmas that write it.
+template <int N>
+__device__ __forceinline__ void pin(float (&v)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(v[i]));
+}
+
+template <int N>
+__device__ __forceinline__ void pin(unsigned (&v)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(v[i]));
 }
 
 }  // namespace grouped
@@ -93,13 +193,11 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   constexpr int A_CHUNKS = BM * BK / 8 / THREADS;         // 16-byte copies per thread and stage
   constexpr int W_CHUNKS = W_STAGE_BYTES / 16 / THREADS;  // per matrix
   constexpr int WORDS = 16 * BITS / 32;                   // packed words of a row per thread and k-step
-  constexpr bool TWO_LANE = (BITS == 4 || !cuda::std::is_same_v<T, __nv_bfloat16>) && cuda::std::is_same_v<S, T>;
   constexpr unsigned PAIR_MASK = BITS == 4 ? 0x000F000Fu : 0x00FF00FFu;
   static_assert(BM * BK / 8 % THREADS == 0 && W_STAGE_BYTES / 16 % THREADS == 0, "copies split evenly");
   static_assert(GROUP % 16 == 0, "a thread's 16 values of a k-step share one group");
   static_assert(bias_signature_matches<HAS_BIAS, S, decltype(bias0)> &&
                 bias_signature_matches<HAS_BIAS, S, decltype(bias1)>, "HAS_BIAS disagrees with the bias inputs");
-  using T2 = cuda::std::conditional_t<cuda::std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
 
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* sa = reinterpret_cast<T*>(shared_bytes);                                      // [STAGES][BM * LDS]
@@ -174,21 +272,6 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
       }
     }
   };
-  // Dequantises the pair of values `shift` and `shift + 16` bits up in `word`, as one register of two T.
-  auto dequant = [&](unsigned word, int shift, S group_scale, S group_bias) -> unsigned {
-    if constexpr (TWO_LANE) {
-      constexpr unsigned MAGIC = cuda::std::is_same_v<T, __nv_bfloat16> ? 0x43004300u : 0x64006400u;
-      unsigned x = ((word >> shift) & PAIR_MASK) | MAGIC;
-      const unsigned magic = MAGIC;
-      T2 v = __hsub2(*reinterpret_cast<const T2*>(&x), *reinterpret_cast<const T2*>(&magic));
-      v = __hfma2(v, T2(group_scale, group_scale), T2(group_bias, group_bias));
-      return *reinterpret_cast<unsigned*>(&v);
-    } else {
-      const unsigned x = (word >> shift) & PAIR_MASK;
-      const float s = static_cast<float>(group_scale), b = static_cast<float>(group_bias);
-      return pack2<T>(fmaf(s, small_uint_to_float(x & 0xFFFFu), b), fmaf(s, small_uint_to_float(x >> 16), b));
-    }
-  };
 
   float acc[MATRICES][MI][WN / 8][4];
 #pragma unroll
@@ -259,8 +342,8 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
             // 2 half + s, byte pairs (0, 2) and (1, 3)
             const unsigned word = BITS == 4 ? words[0] : words[s % (WORDS / 2)];
             const int shift = BITS == 4 ? 8 * s : 0;
-            const unsigned b_lo = dequant(word, shift, group_scale[m][j], group_bias[m][j]);
-            const unsigned b_hi = dequant(word, shift + BITS, group_scale[m][j], group_bias[m][j]);
+            const unsigned b_lo = dequant_pair<T, S, BITS>(word >> shift & PAIR_MASK, group_scale[m][j], group_bias[m][j]);
+            const unsigned b_hi = dequant_pair<T, S, BITS>(word >> (shift + BITS) & PAIR_MASK, group_scale[m][j], group_bias[m][j]);
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) mma<T>(acc[m][mi][j], af[mi][s], b_lo, b_hi);
           }
@@ -282,25 +365,217 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
         for (int j = 0; j < 2; ++j) {
           const int n = n0 + wn * WN + ni * 8 + 2 * t + j;
           if (n >= d.out_dim) continue;
-          const size_t bias_at = (size_t)expert * d.out_dim + n;
-          float first = rnd<T>(acc[0][mi][ni][half * 2 + j]);
-          if (d.has_bias) first = rnd<T>(first + static_cast<float>(bias0[bias_at]));
-          if (ACTIVATE) {
-            float up = first, gate = 0.f;
-            if (GATED) {
-              gate = first;
-              up = rnd<T>(acc[MATRICES - 1][mi][ni][half * 2 + j]);
-              if (d.has_bias) up = rnd<T>(up + static_cast<float>(bias1[bias_at]));
-              if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(scale[expert])));
-            }
-            out[((size_t)tile * BM + r) * d.out_dim + n] = static_cast<T>(activate<T>(ACT, LIMITED, up, gate, params[0], params[1]));
-          } else {
-            if (d.has_scale) first = rnd<T>(first * rnd<T>(static_cast<float>(scale[expert])));
-            out[(size_t)pair * d.out_dim + n] = static_cast<T>(first);
-          }
+          const float value = finish<T, ACTIVATE, GATED, ACT, LIMITED>(acc[0][mi][ni][half * 2 + j], acc[MATRICES - 1][mi][ni][half * 2 + j],
+                                                                      d, bias0, bias1, scale, params, expert, n);
+          out[(ACTIVATE ? (size_t)tile * BM + r : (size_t)pair) * d.out_dim + n] = static_cast<T>(value);
         }
       }
     }
+  }
+}
+
+//// grouped_wgmma
+// `grouped`'s gate+up launch (GATED, ACTIVATE, PAIRS_IN; same inputs, output and template
+// constants) on Hopper's warpgroup MMA, with the operands swapped: out^T = W x^T. `a`'s columns
+// come permuted within each 64-wide k-step (moe_prefill.wgmma_k_order): the thread with
+// lane % 4 = t dequantises its weight rows at physical k p = 16t + 8 half + 4e + 2s + h (e: the
+// lane of a register pair, h: the pair's second register, k16 step 2 half + s), which wgmma reads
+// as column L = 32 half + 16 s + 8 h + 2t + e of the step; `a` column L holds x column p.
+// Each block computes 128 output rows of each matrix x BM tile rows with two warpgroups of 64:
+// the weights are the register operand A, each thread dequantising its own two rows (g, g + 8 of
+// its warp's 16), so that no dequantised weight passes through shared memory; the tile's BM rows
+// of `a` are the shared operand B (N = BM), copied by cp.async into core matrices, so that each
+// wgmma reads them in place. A 64-row tile holds 64 fp32 accumulators a thread where mma.sync's
+// took 128 (254 registers, spilling). The down launch stays on `grouped`, which ran it faster
+// (docs/benchmarks.md, fifteenth session).
+// Dynamic shared memory: WGMMA_STAGES x (BM x BK values of T + 2 x 128 rows x BK x BITS / 8
+// bytes) (moe_prefill.shared_bytes).
+{
+  using namespace grouped;
+  constexpr int MATRICES = 2, RBN = 128, THREADS = 256;  // two warpgroups of 64 output rows
+  constexpr int W_ROW_BYTES = BK * BITS / 8;
+  constexpr int W_STAGE_BYTES = RBN * W_ROW_BYTES;          // per matrix
+  constexpr int B_STAGE_BYTES = BM * BK * 2;
+  constexpr int B_COPIES = BM * BK / 8;                     // 16-byte copies per stage
+  constexpr int B_PER_THREAD = (B_COPIES + THREADS - 1) / THREADS;
+  constexpr int W_PER_THREAD = W_STAGE_BYTES / 16 / THREADS;
+  static_assert(GATED && ACTIVATE && PAIRS_IN && BITS == 4, "the gate+up launch of 4-bit experts");
+  static_assert(W_STAGE_BYTES / 16 % THREADS == 0, "weight copies split evenly");
+  static_assert(GROUP % 16 == 0, "a thread's 16 values of a k-step share one group");
+  static_assert(bias_signature_matches<HAS_BIAS, S, decltype(bias0)> &&
+                bias_signature_matches<HAS_BIAS, S, decltype(bias1)>, "HAS_BIAS disagrees with the bias inputs");
+
+  extern __shared__ __align__(128) unsigned char shared_bytes[];
+  unsigned char* sb = shared_bytes;                                  // [WGMMA_STAGES][B_STAGE_BYTES]
+  unsigned char* sw = shared_bytes + WGMMA_STAGES * B_STAGE_BYTES;   // [WGMMA_STAGES][MATRICES][W_STAGE_BYTES]
+
+  const Dims d(dims);
+  const int tile = blockIdx.y;
+  const int expert = tile_expert[tile];
+  if (expert < 0) return;
+  const int n0 = blockIdx.x * RBN;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int row = warp / 4 * 64 + warp % 4 * 16 + g;  // this thread's first weight row in the block; the second is row + 8
+  const int k_steps = d.in_dim / BK, groups_per_row = d.in_dim / GROUP;
+  const size_t row_bytes = (size_t)d.in_dim * BITS / 8;
+
+  // B copies: copy c takes tile row (c / 2) % BM, 8-value chunk kb = 2 ((c / 2) / BM) + c % 2 (two
+  // neighbouring lanes read a row's 32-byte sector), into core matrix (kb, row / 8) at shared byte
+  // (kb BM + row) x 16 (a warp's copies land on consecutive 16-byte slots).
+  unsigned b_offset[B_PER_THREAD], b_slot[B_PER_THREAD];
+  unsigned b_present = 0;
+#pragma unroll
+  for (int i = 0; i < B_PER_THREAD; ++i) {
+    const int c = (tid + i * THREADS) % B_COPIES;
+    const int r = c / 2 % BM, kb = c / 2 / BM * 2 + c % 2;
+    const int pair = row_pair[tile * BM + r];
+    b_offset[i] = (pair >= 0 ? pair / d.top_k : 0) * d.in_dim + kb * 8;
+    b_slot[i] = (kb * BM + r) * 16;
+    b_present |= (pair >= 0 && tid + i * THREADS < B_COPIES ? 1u : 0u) << i;
+  }
+  size_t w_offset[W_PER_THREAD];
+  int w_bytes[W_PER_THREAD];
+#pragma unroll
+  for (int i = 0; i < W_PER_THREAD; ++i) {
+    const int c = tid + i * THREADS;
+    const int n = n0 + c / (W_ROW_BYTES / 16);
+    w_offset[i] = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * row_bytes + c % (W_ROW_BYTES / 16) * 16;
+    w_bytes[i] = n < d.out_dim ? 16 : 0;
+  }
+  auto load_stage = [&](int stage, int k0) {
+    const unsigned b_dst = smem_address(sb + stage * B_STAGE_BYTES);
+#pragma unroll
+    for (int i = 0; i < B_PER_THREAD; ++i) {
+      if (B_COPIES % THREADS == 0 || tid + i * THREADS < B_COPIES)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(b_dst + b_slot[i]), "l"(a + b_offset[i] + k0),
+                     "r"((b_present >> i & 1u) * 16));
+    }
+#pragma unroll
+    for (int m = 0; m < MATRICES; ++m) {
+      const unsigned char* w_src = reinterpret_cast<const unsigned char*>(m == 0 ? w0 : w1) + (size_t)k0 * BITS / 8;
+      unsigned char* w_dst = sw + (stage * MATRICES + m) * W_STAGE_BYTES;
+#pragma unroll
+      for (int i = 0; i < W_PER_THREAD; ++i)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(w_dst + (tid + i * THREADS) * 16)),
+                     "l"(w_src + w_offset[i]), "r"(w_bytes[i]));
+    }
+  };
+
+  // Scales and biases of this thread's two rows for the next k-step: loaded as soon as the last
+  // k16 step has dequantised with the current ones, so that their latency overlaps the step's end.
+  S group_scale[MATRICES][2], group_bias[MATRICES][2];
+  auto load_scales = [&](int k0) {
+#pragma unroll
+    for (int m = 0; m < MATRICES; ++m) {
+#pragma unroll
+      for (int h8 = 0; h8 < 2; ++h8) {
+        const int n = n0 + row + 8 * h8;
+        const size_t at = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * groups_per_row + (k0 + 16 * t) / GROUP;
+        group_scale[m][h8] = (m == 0 ? s0 : s1)[at];
+        group_bias[m][h8] = (m == 0 ? b0 : b1)[at];
+      }
+    }
+  };
+
+  float acc[MATRICES][BM / 2];
+#pragma unroll
+  for (int m = 0; m < MATRICES; ++m)
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) acc[m][i] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < WGMMA_STAGES - 1; ++s) {
+    if (s < k_steps) load_stage(s, s * BK);
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+  load_scales(0);
+  for (int step = 0; step < k_steps; ++step) {
+    const int stage = step % WGMMA_STAGES;
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(WGMMA_STAGES - 2));
+    // this thread's cp.async writes, visible to the wgmmas' (async proxy) reads after the barrier
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    wgmma_wait<0>();  // the previous step's last wgmmas, which read the stage refilled below
+    __syncthreads();
+    const int ahead = step + WGMMA_STAGES - 1;
+    if (ahead < k_steps) load_stage(ahead % WGMMA_STAGES, ahead * BK);
+    asm volatile("cp.async.commit_group;\n" ::);
+
+    const unsigned char* w_stage = sw + stage * MATRICES * W_STAGE_BYTES + row * W_ROW_BYTES + t * 8;
+    const unsigned b_stage = smem_address(sb + stage * B_STAGE_BYTES);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // this thread's packed word of each row at physical k 16t + 8 half .. + 7 (a step's words
+      // read per half: all at once cost registers that spilled)
+      unsigned words[MATRICES][2];
+#pragma unroll
+      for (int m = 0; m < MATRICES; ++m)
+#pragma unroll
+        for (int h8 = 0; h8 < 2; ++h8)
+          words[m][h8] = *reinterpret_cast<const unsigned*>(w_stage + m * W_STAGE_BYTES + 8 * h8 * W_ROW_BYTES + half * 4);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {  // k16 step 2 half + s
+        unsigned af[MATRICES][4];  // (row g, h 0), (row g + 8, h 0), (row g, h 1), (row g + 8, h 1)
+#pragma unroll
+        for (int m = 0; m < MATRICES; ++m) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int h8 = 0; h8 < 2; ++h8) {
+              // the pair (e = 0, 1) at physical k 16t + 8 half + 4e + 2s + h: nibbles 2s + h and
+              // 2s + h + 4 of the half's word
+              af[m][2 * h + h8] = dequant_pair<T, S, BITS>(words[m][h8] >> (8 * s + 4 * h) & 0x000F000Fu, group_scale[m][h8],
+                                                           group_bias[m][h8]);
+            }
+          }
+        }
+        if (half == 1 && s == 1 && step + 1 < k_steps) load_scales((step + 1) * BK);
+#pragma unroll
+        for (int m = 0; m < MATRICES; ++m) pin(af[m]), pin(acc[m]);
+        wgmma_fence();
+#pragma unroll
+        for (int m = 0; m < MATRICES; ++m)
+          wgmma<T, BM>(acc[m], af[m], wgmma_descriptor(b_stage + (2 * half + s) * 2 * BM * 16, BM * 16));
+        // one k16 step in flight while the next is dequantised: its registers are free after this
+        wgmma_commit();
+        wgmma_wait<1>();
+      }
+    }
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int m = 0; m < MATRICES; ++m) pin(acc[m]);
+
+  // The block's outputs through shared memory (the pipeline's, free once every warp is here): a
+  // thread's accumulators are 2-byte pieces of BM rows, each output row leaves as 16-byte stores.
+  // acc[m][4j + 2 h8 + e] is block column row + 8 h8 of tile row 8j + 2t + e.
+  constexpr int OUT_STRIDE = RBN + 8;  // values of T: rows 16 bytes apart in the banks
+  static_assert(BM * OUT_STRIDE * 2 <= WGMMA_STAGES * (B_STAGE_BYTES + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
+  T* staged = reinterpret_cast<T*>(shared_bytes);
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int h8 = 0; h8 < 2; ++h8) {
+        const int n = n0 + row + 8 * h8;
+        const float value = finish<T, true, true, ACT, LIMITED>(acc[0][4 * j + 2 * h8 + e], acc[1][4 * j + 2 * h8 + e], d, bias0,
+                                                               bias1, scale, params, expert, n < d.out_dim ? n : 0);
+        staged[(8 * j + 2 * t + e) * OUT_STRIDE + row + 8 * h8] = static_cast<T>(value);
+      }
+    }
+  }
+  __syncthreads();
+  constexpr int CHUNKS = RBN / 8;  // 16-byte pieces of an output row
+#pragma unroll
+  for (int i = 0; i < BM * CHUNKS / THREADS + (BM * CHUNKS % THREADS != 0); ++i) {
+    const int c = tid + i * THREADS;
+    const int r = c / CHUNKS, column = n0 + c % CHUNKS * 8;
+    if (r >= BM || column >= d.out_dim) continue;
+    if (row_pair[tile * BM + r] < 0) continue;
+    *reinterpret_cast<uint4*>(&out[((size_t)tile * BM + r) * d.out_dim + column]) =
+        *reinterpret_cast<const uint4*>(&staged[r * OUT_STRIDE + c % CHUNKS * 8]);
   }
 }
 
