@@ -10,7 +10,7 @@ apart from evaluation, whole and with the MoE block / MLP left out (each returni
 Variants, in one process: the MoE model patched, its prefill calls compiled per shape (the
 default: the timed calls are the third and later of their shape, replayed; patches/compiled.py);
 patched with every call built in Python (MLX_MOE_FIX_COMPILED_PREFILL=0, as a prompt length's
-first call is); stock (prompts up to
+first call is); patched with gate+up on the other GEMM (MLX_MOE_FIX_CUDA_PREFILL_WGMMA flipped); stock (prompts up to
 --stock-max-prompt); the dense equivalent (benchmarks.models); both models without their MoE
 block / MLP. Every variant runs once per round, --reps forwards, and the rounds repeat, so that
 each ratio to the dense equivalent is taken between runs seconds apart (this host's speed drifts;
@@ -31,6 +31,8 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_moe_fix
+from mlx_moe_fix import env
+from mlx_moe_fix.kernels.moe_prefill import WGMMA_SWITCH
 from mlx_moe_fix.patches.compiled import PREFILL_COMPILE_SWITCH
 
 from . import models
@@ -46,9 +48,12 @@ def forward_split(model, prompt: mx.array, reps: int, warm_ups: int) -> tuple:
 
 def variants(moe, dense, stock_allowed: bool) -> dict:
     """label: (model, a context manager factory that sets the variant up)."""
+    other_gemm = "0" if env.flag(WGMMA_SWITCH) else "1"
     out = {
         "MoE, patched (prefill compiled per shape)": (moe, mlx_moe_fix.patched),
         "MoE, patched, built in Python": (moe, lambda: _built_in_python()),
+        # gate+up on the other GEMM (moe_prefill.gemm_kernel)
+        f"MoE, patched, {WGMMA_SWITCH}={other_gemm}": (moe, lambda: _patched_with(WGMMA_SWITCH, other_gemm)),
     }
     if stock_allowed:
         out["MoE, stock"] = (moe, contextlib.nullcontext)
@@ -59,9 +64,13 @@ def variants(moe, dense, stock_allowed: bool) -> dict:
 
 
 @contextlib.contextmanager
-def _built_in_python():
-    with switched(PREFILL_COMPILE_SWITCH, "0"), mlx_moe_fix.patched():
+def _patched_with(switch: str, value: str):
+    with switched(switch, value), mlx_moe_fix.patched():
         yield
+
+
+def _built_in_python():
+    return _patched_with(PREFILL_COMPILE_SWITCH, "0")
 
 
 def first_calls(model, prompt: mx.array, calls: int = 3) -> list:

@@ -2,6 +2,7 @@
 against the output at the rule's tile height (`moe_prefill.tile_height`, which this sweep sets).
 
     python3 -m benchmarks.prefill_sweep          # Qwen3 T=512/2048/8192/16/64, Mixtral T=512/2048/16
+    python3 -m benchmarks.prefill_sweep --gemms grouped,grouped_wgmma   # mma.sync against wgmma
 
 One SwitchGLU layer (4-bit g64, bf16), gate+up and down GEMMs timed alone: each timed call builds
 `--launches` launches of the GEMM into one graph, so that the per-launch time is not dominated by
@@ -30,15 +31,19 @@ CASES = [("qwen3", 512), ("qwen3", 2048), ("qwen3", 8192), ("mixtral", 512), ("m
          ("qwen3", 16), ("qwen3", 64), ("mixtral", 16)]
 
 
-def time_tile(x, indices, experts, tile, reps, launches):
-    """(gate+up timing, down timing, layer output) of the two GEMMs at one tile height."""
+def time_tile(x, indices, experts, tile, reps, launches, gemm="grouped"):
+    """(gate+up timing, down timing, layer output) of the two GEMMs at one tile height, gate+up on
+    `gemm` (moe_prefill.GEMMS; down always on grouped)."""
     pairs, top_k = indices.size, indices.shape[-1]
     row_pair, tile_expert, tiles = prefill.route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile)
     mx.eval(row_pair, tile_expert)
     plan = (row_pair, tile_expert, tiles, tile)
+    if gemm == "grouped_wgmma":
+        x = prefill.wgmma_k_order(x)
+        mx.eval(x)
 
     def gate_up():
-        return prefill.grouped(x, plan, pairs, top_k, experts, "first")
+        return prefill.grouped(x, plan, pairs, top_k, experts, "first", gemm)
 
     hidden = gate_up()
     mx.eval(hidden)
@@ -57,12 +62,14 @@ def main(argv=None):
     parser.add_argument("--launches", type=int, default=8, help="GEMM launches per timed graph")
     parser.add_argument("--cases", default=",".join(f"{s}:{t}" for s, t in CASES), help="shape:tokens,...")
     parser.add_argument("--tiles", default=",".join(map(str, prefill.TILES)), help="tile heights to time")
+    parser.add_argument("--gemms", default="grouped", help=f"gate+up GEMM kernels to time, of {','.join(prefill.GEMMS)}")
     args = parser.parse_args(argv)
     cases = [(shape, int(tokens)) for shape, tokens in (c.split(":") for c in args.cases.split(","))]
     tiles = [int(t) for t in args.tiles.split(",")]
     if not mx.cuda.is_available():
         raise SystemExit("prefill_sweep times the CUDA kernel: run it on a CUDA GPU")
-    columns = ["case", "tile", "rule's tile", "gate+up TF/s", "down TF/s", "weights GB/s", "rel err"]
+    gemms = args.gemms.split(",")
+    columns = ["case", "gate+up GEMM", "tile", "rule's tile", "gate+up TF/s", "down TF/s", "weights GB/s", "rel err"]
     rows = []
     for shape, tokens in cases:
         hidden, ffn, experts_count, top_k = SHAPES[shape]
@@ -75,9 +82,9 @@ def main(argv=None):
         flops = 2 * indices.size * hidden * ffn
         routed = len(set(indices.reshape(-1).tolist()))
         weight_bytes = 3 * routed * hidden * ffn * (4 / 8 + 2 * 2 / 64)
-        for tile in tiles:
-            gate_up, down, out = time_tile(x, indices, experts, tile, args.reps, args.launches)
-            rows.append([f"{shape} T={tokens}", tile, "yes" if tile == rule else "",
+        for gemm, tile in ((gemm, tile) for gemm in gemms for tile in tiles):
+            gate_up, down, out = time_tile(x, indices, experts, tile, args.reps, args.launches, gemm)
+            rows.append([f"{shape} T={tokens}", gemm, tile, "yes" if tile == rule else "",
                          fmt(2 * flops * args.launches / gate_up.median / 1e12),
                          fmt(flops * args.launches / down.median / 1e12),
                          fmt(weight_bytes * args.launches / (gate_up.median + down.median) / 1e9),

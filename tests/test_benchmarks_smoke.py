@@ -207,10 +207,11 @@ def test_prefill_forward_smoke_times_every_variant(tmp_path):
         written = json.load(f)
     rows = written["rows"]
     assert [row[1] for row in rows] == ["MoE, patched (prefill compiled per shape)", "MoE, patched, built in Python",
-                                        "MoE, stock", "dense equivalent", "MoE, patched, without MoE blocks",
+                                        "MoE, patched, MLX_MOE_FIX_CUDA_PREFILL_WGMMA=0", "MoE, stock",
+                                        "dense equivalent", "MoE, patched, without MoE blocks",
                                         "dense equivalent, without MLPs"]
     assert all(float(row[4]) > 0 for row in rows)
-    assert rows[3][5] == "1.000 / 1.000" and rows[3][6] == "1.000"  # two rounds, each against itself
+    assert rows[4][5] == "1.000 / 1.000" and rows[4][6] == "1.000"  # two rounds, each against itself
     [first_calls] = written["first_builds"]  # the smoke's one prompt length, plus one token
     assert first_calls[0] == 41 and len(first_calls) == 4 and all(float(ms) > 0 for ms in first_calls[1:])
     # the CPU runs the references, whose calls are not compiled: the benchmark says so
