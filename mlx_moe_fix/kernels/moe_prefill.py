@@ -13,7 +13,9 @@ written back per (token, expert) pair; then, given routing weights, one launch o
 weighted sum over each token's pairs.
 
 The GEMM dequantises the weights in registers (no dequantised copy anywhere); its tile height
-follows the mean rows per expert (`tile_height`).
+follows the mean rows per expert (`tile_height`). It is mma.sync's (`grouped`), but for the gate+up
+launch of 4-bit experts at 64-row tiles, which takes Hopper's warpgroup MMA (`grouped_wgmma`,
+`gemm_kernel`).
 """
 
 from __future__ import annotations
