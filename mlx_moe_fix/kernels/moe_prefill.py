@@ -20,6 +20,8 @@ launch of 4-bit experts at 64-row tiles, which takes Hopper's warpgroup MMA (`gr
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Optional
 
 import mlx.core as mx
@@ -97,15 +99,27 @@ def threads(tile: int, gemm: str = "grouped") -> int:
     return WGMMA_THREADS if gemm == "grouped_wgmma" else max(tile // 64, 1) * 4 * 32
 
 
+@functools.lru_cache(maxsize=None)
+def wgmma_device() -> bool:
+    """Whether the GPU has wgmma: compute capability 9.0 (Hopper: the instruction is sm_90a's;
+    neither earlier GPUs nor Blackwell have it), from mx.device_info once per process."""
+    info = mx.device_info(mx.gpu)
+    major, minor = info.get("compute_capability_major"), info.get("compute_capability_minor")
+    if major is None or minor is None:
+        match = re.fullmatch(r"sm_(\d+)(\d)a?", str(info.get("architecture", "")))
+        major, minor = (int(match.group(1)), int(match.group(2))) if match else (None, None)
+    return (major, minor) == (9, 0)
+
+
 def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
     """The GEMM (GEMMS) of `stage` at tile height `tile`: grouped_wgmma for the gated first launch
-    of 4-bit experts at tiles of WGMMA_MIN_TILE rows or more where its switch is on (the default),
-    else grouped. On the H200 (docs/benchmarks.md, fifteenth session) wgmma's gate+up ran at
+    of 4-bit experts at tiles of WGMMA_MIN_TILE rows or more on a GPU with wgmma, where its switch
+    is on (the default), else grouped. On the H200 (docs/benchmarks.md, fifteenth session) wgmma's gate+up ran at
     Qwen3's shapes 203 against 185 TFLOP/s (2048 tokens) and 254 against 235 (8192), level at
     512 tokens and on Mixtral's shapes, and slower on Qwen3's 16-row tiles; its one-matrix variant
     ran the down GEMM slower than grouped, so it has none."""
     wgmma = (stage == "first" and len(experts.projections) == 3 and experts.projections[0].bits == 4
-             and tile >= WGMMA_MIN_TILE and flag(WGMMA_SWITCH))
+             and tile >= WGMMA_MIN_TILE and flag(WGMMA_SWITCH) and wgmma_device())
     return "grouped_wgmma" if wgmma else "grouped"
 
 

@@ -162,8 +162,36 @@ PREFILL_GEMMS = pytest.mark.parametrize("wgmma", ["0", "1"], ids=["grouped", "gr
 
 def prefill_gemm(switch, monkeypatch, wgmma: str) -> None:
     module = sys.modules["mlx_moe_fix.kernels.moe_prefill"]  # the package's name is the dispatcher's
+    if wgmma == "1" and not module.wgmma_device():
+        pytest.skip("no Hopper GPU: wgmma needs compute capability 9.0")
     switch(module.WGMMA_SWITCH, wgmma)
     monkeypatch.setattr(module, "WGMMA_MIN_TILE", 0)
+
+
+@pytest.mark.parametrize("info, expected", [
+    ({"compute_capability_major": 9, "compute_capability_minor": 0, "architecture": "sm_90"}, True),
+    ({"compute_capability_major": 8, "compute_capability_minor": 0, "architecture": "sm_80"}, False),
+    ({"compute_capability_major": 10, "compute_capability_minor": 0, "architecture": "sm_100"}, False),
+    ({"compute_capability_major": 12, "compute_capability_minor": 0}, False),
+    ({"architecture": "sm_90a"}, True),
+    ({"architecture": "sm_89"}, False),
+    ({"architecture": "x86_64", "device_name": "a CPU"}, False),
+])
+def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
+    # wgmma is sm_90a's: an Ampere, Ada or Blackwell GPU keeps gate+up on mma.sync.
+    module = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
+    monkeypatch.setattr(module.mx, "device_info", lambda device=None: info)
+    module.wgmma_device.cache_clear()
+    try:
+        switch(module.WGMMA_SWITCH, "")
+        experts = make_case(mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 256, 256, 8, 2, 1, 4).experts
+        assert module.wgmma_device() is expected
+        assert module.gemm_kernel(experts, "first", 64) == ("grouped_wgmma" if expected else "grouped")
+        assert module.gemm_kernel(experts, "first", 32) == module.gemm_kernel(experts, "last", 64) == "grouped"
+        switch(module.WGMMA_SWITCH, "0")
+        assert module.gemm_kernel(experts, "first", 64) == "grouped"
+    finally:
+        module.wgmma_device.cache_clear()
 
 
 @PREFILL_GEMMS
