@@ -13,7 +13,7 @@ from importlib import metadata
 
 from .kernels import current_backend
 from .kernels.moe_decode import moe_decode_implementation
-from .kernels.moe_prefill import moe_prefill_implementation
+from .kernels.moe_prefill import gemm_state, moe_prefill_implementation
 from .kernels.moe_routed_decode import moe_routed_decode_implementation
 from .kernels.moe_router import moe_router_implementation
 from .patches import TARGETS, apply, compiled, disabled_by_env, is_applied, options, patched, revert, target_state
@@ -58,6 +58,7 @@ def status() -> dict:
         "backend": current_backend(),
         "versions": {name: _version(name) for name in _DISTRIBUTIONS},
         "ops": {name: {"path": impl.path, "reason": impl.reason} for name, impl in implementations.items()},
+        "prefill_gate_up_gemm": gemm_state(),
         "compiled_decode_steps": compiled_state("decode"),
         "compiled_prefill_shapes": compiled_state("prefill"),
         "targets": [

@@ -39,6 +39,8 @@ def show_status(as_json: bool) -> int:
     for name in ("compiled_decode_steps", "compiled_prefill_shapes"):
         steps = status[name]
         print(f"{name.replace('_', ' ')}: {'on' if steps['on'] else 'off'} ({steps['reason']})")
+    gemm = status["prefill_gate_up_gemm"]
+    print(f"prefill gate+up GEMM: {gemm['gemm'] or '-'} ({gemm['reason']})")
     print()
     print(markdown_table(["target", "state", "why"], [[t["target"], t["state"], t["reason"]] for t in status["targets"]]))
     print()

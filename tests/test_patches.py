@@ -77,6 +77,8 @@ def test_status_reports_every_target_with_a_reason():
     assert all(t["reason"] for t in status["targets"])
     assert status["backend"] in ("cpu", "cuda", "metal")
     assert status["versions"]["mlx"] == mx.__version__
+    gemm = status["prefill_gate_up_gemm"]
+    assert gemm["reason"] and (gemm["gemm"] is None) == (status["ops"]["moe_prefill"]["path"] != "kernel")
     mlx_moe_fix.revert()
     assert {t["state"] for t in mlx_moe_fix.status()["targets"]} == {"not applied"}
 

@@ -111,6 +111,18 @@ def wgmma_device() -> bool:
     return (major, minor) == (9, 0)
 
 
+def gemm_state() -> dict:
+    """For status(): the GEMM the CUDA prefill kernel's gate+up launch takes here, and why."""
+    if moe_prefill_implementation().path != "kernel" or not mx.cuda.is_available():
+        return {"gemm": None, "reason": "the CUDA prefill kernel does not run here"}
+    if not flag(WGMMA_SWITCH):
+        return {"gemm": "grouped", "reason": f"mma.sync: {WGMMA_SWITCH}=0"}
+    if not wgmma_device():
+        return {"gemm": "grouped", "reason": "mma.sync: this GPU has no wgmma (compute capability 9.0 only)"}
+    return {"gemm": "grouped_wgmma", "reason": f"wgmma for 4-bit experts at tiles of {WGMMA_MIN_TILE} rows; "
+            "mma.sync for the other launches"}
+
+
 def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
     """The GEMM (GEMMS) of `stage` at tile height `tile`: grouped_wgmma for the gated first launch
     of 4-bit experts at tiles of WGMMA_MIN_TILE rows or more on a GPU with wgmma, where its switch

@@ -11,6 +11,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from mlx_moe_fix.kernels import Activation, ExpertLinear, MoEExperts, moe_decode, moe_decode_reference, moe_prefill, moe_prefill_reference
+from mlx_moe_fix.kernels.backend import Implementation
 
 from .cases import CASES, layer_cases, make_case
 from .tolerance import assert_close
@@ -188,8 +189,13 @@ def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
         assert module.wgmma_device() is expected
         assert module.gemm_kernel(experts, "first", 64) == ("grouped_wgmma" if expected else "grouped")
         assert module.gemm_kernel(experts, "first", 32) == module.gemm_kernel(experts, "last", 64) == "grouped"
+        # status() says which GEMM gate+up takes, as where the kernel runs
+        monkeypatch.setattr(module, "moe_prefill_implementation", lambda *args: Implementation(None, "kernel", "CUDA"))
+        monkeypatch.setattr(module.mx.cuda, "is_available", lambda: True)
+        assert module.gemm_state()["gemm"] == ("grouped_wgmma" if expected else "grouped")
         switch(module.WGMMA_SWITCH, "0")
         assert module.gemm_kernel(experts, "first", 64) == "grouped"
+        assert module.gemm_state() == {"gemm": "grouped", "reason": f"mma.sync: {module.WGMMA_SWITCH}=0"}
     finally:
         module.wgmma_device.cache_clear()
 
