@@ -62,6 +62,31 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   }
 }
 
+// One thread's share of a pipeline stage's packed weight rows: COPIES 16-byte cp.async copies,
+// copy c = tid + i x THREADS taking row n0 + c / (ROW_BYTES / 16) of `expert` (zero-filled past
+// out_dim) at its 16-byte part c % (ROW_BYTES / 16), into shared byte 16c of the stage.
+template <int COPIES, int THREADS, int ROW_BYTES>
+struct WeightCopies {
+  size_t offset[COPIES];  // from the expert matrix's first byte at k 0
+  int bytes[COPIES];
+  __device__ WeightCopies(int tid, int n0, int expert, int out_dim, size_t row_bytes) {
+#pragma unroll
+    for (int i = 0; i < COPIES; ++i) {
+      const int c = tid + i * THREADS;
+      const int n = n0 + c / (ROW_BYTES / 16);
+      offset[i] = ((size_t)expert * out_dim + (n < out_dim ? n : 0)) * row_bytes + c % (ROW_BYTES / 16) * 16;
+      bytes[i] = n < out_dim ? 16 : 0;
+    }
+  }
+  // `source`: the matrix's bytes at the stage's first k; `stage`: the stage's shared bytes.
+  __device__ void copy(const unsigned char* source, unsigned char* stage, int tid) const {
+#pragma unroll
+    for (int i = 0; i < COPIES; ++i)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(stage + (tid + i * THREADS) * 16)),
+                   "l"(source + offset[i]), "r"(bytes[i]));
+  }
+};
+
 // Two small unsigned integers at bits 0 and 16 of `q` (packed values of one group), dequantised
 // as q * scale + bias and packed as two T. In T's two-lane arithmetic where MAGIC + q is exact in
 // T (4-bit in bf16, 4/8-bit in fp16, scales of type T): the integers under MAGIC's exponent, one
@@ -227,16 +252,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     a_offset[i] = src_row * d.in_dim + a_chunk * 8;
     a_present |= (pair >= 0 ? 1u : 0u) << i;
   }
-  // This thread's weight copies: where each starts (row and 16-byte part) and whether its row exists.
-  size_t w_offset[W_CHUNKS];
-  int w_bytes[W_CHUNKS];
-#pragma unroll
-  for (int i = 0; i < W_CHUNKS; ++i) {
-    const int c = tid + i * THREADS;
-    const int n = n0 + c / (W_ROW_BYTES / 16);
-    w_offset[i] = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * row_bytes + c % (W_ROW_BYTES / 16) * 16;
-    w_bytes[i] = n < d.out_dim ? 16 : 0;
-  }
+  const WeightCopies<W_CHUNKS, THREADS, W_ROW_BYTES> w_copies(tid, n0, expert, d.out_dim, row_bytes);
   auto load_stage = [&](int stage, int k0) {
     T* a_dst = sa + stage * A_STAGE;
 #pragma unroll
@@ -246,14 +262,9 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
                    "l"(a + a_offset[i] + k0), "r"((a_present >> i & 1u) * 16));
     }
 #pragma unroll
-    for (int m = 0; m < MATRICES; ++m) {
-      const unsigned char* w_src = reinterpret_cast<const unsigned char*>(m == 0 ? w0 : w1) + (size_t)k0 * BITS / 8;
-      unsigned char* w_dst = sw + (stage * MATRICES + m) * W_STAGE_BYTES;
-#pragma unroll
-      for (int i = 0; i < W_CHUNKS; ++i)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(w_dst + (tid + i * THREADS) * 16)),
-                     "l"(w_src + w_offset[i]), "r"(w_bytes[i]));
-    }
+    for (int m = 0; m < MATRICES; ++m)
+      w_copies.copy(reinterpret_cast<const unsigned char*>(m == 0 ? w0 : w1) + (size_t)k0 * BITS / 8,
+                    sw + (stage * MATRICES + m) * W_STAGE_BYTES, tid);
   };
 
   // Scales and biases of this thread's rows (n8 block j: column n0 + wn * 32 + 8 j + g) for one
@@ -434,15 +445,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     b_slot[i] = (kb * BM + r) * 16;
     b_present |= (pair >= 0 && tid + i * THREADS < B_COPIES ? 1u : 0u) << i;
   }
-  size_t w_offset[W_PER_THREAD];
-  int w_bytes[W_PER_THREAD];
-#pragma unroll
-  for (int i = 0; i < W_PER_THREAD; ++i) {
-    const int c = tid + i * THREADS;
-    const int n = n0 + c / (W_ROW_BYTES / 16);
-    w_offset[i] = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * row_bytes + c % (W_ROW_BYTES / 16) * 16;
-    w_bytes[i] = n < d.out_dim ? 16 : 0;
-  }
+  const WeightCopies<W_PER_THREAD, THREADS, W_ROW_BYTES> w_copies(tid, n0, expert, d.out_dim, row_bytes);
   auto load_stage = [&](int stage, int k0) {
     const unsigned b_dst = smem_address(sb + stage * B_STAGE_BYTES);
 #pragma unroll
@@ -452,14 +455,9 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
                      "r"((b_present >> i & 1u) * 16));
     }
 #pragma unroll
-    for (int m = 0; m < MATRICES; ++m) {
-      const unsigned char* w_src = reinterpret_cast<const unsigned char*>(m == 0 ? w0 : w1) + (size_t)k0 * BITS / 8;
-      unsigned char* w_dst = sw + (stage * MATRICES + m) * W_STAGE_BYTES;
-#pragma unroll
-      for (int i = 0; i < W_PER_THREAD; ++i)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(w_dst + (tid + i * THREADS) * 16)),
-                     "l"(w_src + w_offset[i]), "r"(w_bytes[i]));
-    }
+    for (int m = 0; m < MATRICES; ++m)
+      w_copies.copy(reinterpret_cast<const unsigned char*>(m == 0 ? w0 : w1) + (size_t)k0 * BITS / 8,
+                    sw + (stage * MATRICES + m) * W_STAGE_BYTES, tid);
   };
 
   // Scales and biases of this thread's two rows for the next k-step: loaded as soon as the last
