@@ -10,9 +10,9 @@ apart from evaluation, whole and with the MoE block / MLP left out (each returni
 Variants, in one process: the MoE model patched, its prefill calls compiled per shape (the
 default: the timed calls are the third and later of their shape, replayed; patches/compiled.py);
 patched with every call built in Python (MLX_MOE_FIX_COMPILED_PREFILL=0, as a prompt length's
-first call is); patched with gate+up on the other GEMM (MLX_MOE_FIX_CUDA_PREFILL_WGMMA flipped); stock (prompts up to
---stock-max-prompt); the dense equivalent (benchmarks.models); both models without their MoE
-block / MLP. Every variant runs once per round, --reps forwards, and the rounds repeat, so that
+first call is); patched with gate+up on the other GEMM (MLX_MOE_FIX_CUDA_PREFILL_WGMMA flipped);
+stock (prompts up to --stock-max-prompt); the dense equivalent (benchmarks.models); both models
+without their MoE block / MLP. Every variant runs once per round, --reps forwards, and the rounds repeat, so that
 each ratio to the dense equivalent is taken between runs seconds apart (this host's speed drifts;
 docs/benchmarks.md, tenth session); the first round starts each variant with two untimed forwards
 at the same shape (MLX compiles its kernels per shape; the compiled variant traces at its second
