@@ -5,7 +5,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from mlx_moe_fix.kernels import Activation, ExpertLinear, MoEExperts
+from mlx_moe_fix import kernels as this_tree
+from mlx_moe_fix.kernels import MoEExperts
 
 
 def add_shape_arguments(parser) -> None:
@@ -25,6 +26,7 @@ def quantized_switch_glu(args) -> SwitchGLU:
     return layer
 
 
-def experts_of(layer) -> MoEExperts:
+def experts_of(layer, kernels=this_tree) -> MoEExperts:
+    """`layer` described with the `kernels` package (another tree's, in prefill_ab)."""
     names = ("gate_proj", "up_proj", "down_proj")
-    return MoEExperts(tuple(ExpertLinear.from_module(layer[n]) for n in names), Activation("swiglu"))
+    return kernels.MoEExperts(tuple(kernels.ExpertLinear.from_module(layer[n]) for n in names), kernels.Activation("swiglu"))

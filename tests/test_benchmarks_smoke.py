@@ -218,6 +218,43 @@ def test_prefill_forward_smoke_times_every_variant(tmp_path):
     assert "prefill compiled per shape, patched: off (cpu: only the CUDA kernels' calls are compiled)" in out
 
 
+def test_prefill_ab_imports_the_other_tree_under_its_own_name(tmp_path):
+    # The timing needs CUDA; the other tree's package must be its own: its Python and its
+    # kernel sources, beside this tree's, not this tree's again.
+    import shutil
+
+    from benchmarks.prefill_ab import OTHER, load_other
+    from benchmarks.switch_glu import experts_of
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    import mlx_moe_fix.kernels as this
+    from mlx_moe_fix.kernels import sources
+
+    tree = tmp_path / "tree"
+    shutil.copytree(os.path.join(REPO, "mlx_moe_fix"), tree / "mlx_moe_fix")
+    cuda = tree / "mlx_moe_fix" / "kernels" / "cuda" / "moe_prefill.cu"
+    cuda.write_text(cuda.read_text().replace("constexpr int STAGES = 3;", "constexpr int STAGES = 4;"))
+    into = tmp_path / "into"
+    into.mkdir()
+    try:
+        other = load_other(str(tree), str(into))
+        assert other.__name__ == f"{OTHER}.kernels" and other is not this
+        other_prefill = sys.modules[f"{OTHER}.kernels.moe_prefill"]
+        assert other_prefill is not sys.modules["mlx_moe_fix.kernels.moe_prefill"]
+        assert str(into) in other_prefill.__file__
+        other_sources = sys.modules[f"{OTHER}.kernels.sources"]
+        assert "STAGES = 4;" in other_sources.sections("cuda", "moe_prefill.cu")["header"]
+        assert "STAGES = 3;" in sources.sections("cuda", "moe_prefill.cu")["header"]
+        layer = SwitchGLU(64, 64, 4)
+        assert type(experts_of(layer, other)) is other.MoEExperts is not this.MoEExperts
+    finally:
+        sys.path.remove(str(into))
+        for name in [n for n in sys.modules if n == OTHER or n.startswith(OTHER + ".")]:
+            del sys.modules[name]
+    with pytest.raises(SystemExit):
+        load_other(str(tmp_path / "empty"), str(into))
+
+
 def test_kernel_source_cost_weighs_each_kernel_as_compiled():
     # The timing needs CUDA; the sizes it prints are the sources' as cuda_kernel gets them.
     from benchmarks.kernel_source_cost import KERNELS, source_sizes
