@@ -3,7 +3,8 @@
 Timed in two processes, the same kernel on the H200 read up to 26% apart (docs/benchmarks.md,
 sixteenth session), more than most kernel changes move it. In one process, with the rounds
 alternating which tree goes first, the median of the per-round ratios is the comparison (its
-spread over rounds is printed with it).
+spread over rounds is printed with it): main against itself read 0.993-1.026 (rounds
+0.976-1.050), so a median outside about 0.97-1.03 is a change.
 
     git archive main mlx_moe_fix | tar -x -C scratch/main     # here, then carry scratch/ over
     python3 -m benchmarks.prefill_ab --other scratch/main --cases qwen3:512,qwen3:2048,mixtral:2048
