@@ -6,7 +6,7 @@ alternating which tree goes first, the median of the per-round ratios is the com
 spread over rounds is printed with it): main against itself read 0.993-1.026 (rounds
 0.976-1.050), so a median outside about 0.97-1.03 is a change.
 
-    git archive main mlx_moe_fix | tar -x -C scratch/main     # here, then carry scratch/ over
+    mkdir -p scratch/main && git archive main mlx_moe_fix | tar -x -C scratch/main   # here; carry scratch/
     python3 -m benchmarks.prefill_ab --other scratch/main --cases qwen3:512,qwen3:2048,mixtral:2048
 
 The other tree's package (its Python and its kernel sources together) is imported under another
