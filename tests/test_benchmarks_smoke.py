@@ -315,3 +315,28 @@ def test_decode_ncu_table_takes_medians_after_each_kernels_first_call():
         ("moe_decode_gate_up_lb128x4 0123 bfloat16_t_4_64", "(96, 8, 1)(128, 1, 1)")]
     assert rows[0][2] == 14.0 and rows[0][3] == 1.0 and rows[0][6] == 3  # the first call (90 µs) left out
     assert rows[1][2] == 5.0 and rows[1][6] == 1
+
+
+def test_decode_ab_counts_the_bytes_of_each_distinct_routed_expert():
+    # The timing needs CUDA; the bandwidth it reports rests on this count.
+    import mlx.core as mx
+    import mlx.nn as nn
+    from benchmarks.decode_ab import expert_bytes
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    layer = SwitchGLU(128, 64, 8)
+    nn.quantize(layer, group_size=64, bits=4)
+    # an expert's three 64 x 128 projections: 4-bit values, and a float32 scale and bias per 64
+    per_expert = 3 * (64 * 128 // 2 + 2 * 4 * 64 * 128 // 64)
+    assert expert_bytes(layer, mx.array([[0, 3]], dtype=mx.uint32)) == 2 * per_expert
+    assert expert_bytes(layer, mx.array([[5, 5], [5, 1]], dtype=mx.uint32)) == 2 * per_expert
+
+
+def test_decode_ab_wants_cuda():
+    import mlx.core as mx
+
+    if mx.cuda.is_available():
+        pytest.skip("MLX sees CUDA here: decode_ab would run its benchmark")
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run([sys.executable, "-m", "benchmarks.decode_ab", "--other", REPO], cwd=REPO, check=True,
+                       capture_output=True, timeout=120)

@@ -1,0 +1,99 @@
+"""The CUDA routed decode op (moe_routed_decode: routing, gate+up, down and combine, two launches)
+of another tree against this one's, in one process, rounds alternating: prefill_ab's method at
+decode (one token), where the figure is the expert weights' bandwidth.
+
+    mkdir -p scratch/main && git archive main mlx_moe_fix | tar -x -C scratch/main   # here; carry scratch/
+    python3 -m benchmarks.decode_ab --other scratch/main --shapes qwen3,mixtral
+    python3 -m benchmarks.decode_ab --other scratch/main --rows-per-warp 2          # this tree's ROWS_PER_WARP
+
+Per shape: --layers distinct SwitchGLU layers (4-bit g64, bf16 random weights, so that no layer's
+experts are still in L2 when it runs: Qwen3's 8 routed experts are 20 MB, the H200's L2 50 MB),
+each with its own token and router logits; one timed graph runs every layer's op, as a decode
+step does (issue 5 measures bandwidth "with many layers in one graph"). The time is the graph's
+evaluation (a call's median less its build's median: building 16 layers' eager kernel calls in
+Python takes longer than Qwen3's kernels run), per layer. GB/s counts the packed weights, scales
+and biases of each layer's distinct routed experts over it; the table also gives the median and range over rounds of the speed ratio (this tree / the
+other) and whether both trees' outputs are equal.
+"""
+
+import argparse
+import importlib
+import statistics
+import tempfile
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+
+from .prefill_ab import SHAPES, load_other
+from .switch_glu import experts_of, quantized_switch_glu
+from .timing import bench, fmt, markdown_table
+
+# The models' routings at these shapes (moe_blocks.py): Qwen3's softmax, top 8, renormalised;
+# Mixtral's top 2 logits, softmax over them.
+ROUTINGS = {"qwen3": ("softmax_topk", True), "mixtral": ("topk_softmax", False)}
+
+
+def expert_bytes(layer, indices: mx.array) -> int:
+    """Bytes of the distinct experts `indices` routes to, over the layer's three projections."""
+    projections = [layer[name] for name in ("gate_proj", "up_proj", "down_proj")]
+    per_expert = sum((p.weight.nbytes + p.scales.nbytes + p.biases.nbytes) // p.weight.shape[0] for p in projections)
+    return per_expert * np.unique(np.array(indices)).size
+
+
+def time_shape(shape: str, kernels: dict, layers: int, rounds: int, reps: int) -> list:
+    hidden, ffn, count, top_k = SHAPES[shape]
+    kind, normalize = ROUTINGS[shape]
+    built = [quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=count)) for _ in range(layers)]
+    xs = [(mx.random.normal((1, hidden)) * 0.5).astype(mx.bfloat16) for _ in built]
+    logits = [mx.random.normal((1, count)).astype(mx.bfloat16) for _ in built]
+    mx.eval(xs, logits)
+    calls, total_bytes = {}, 0
+    for name, package in kernels.items():
+        routed = importlib.import_module(f"{package.__name__}.moe_routed_decode")
+        routing = package.Routing(kind, top_k, normalize)
+        total_bytes = sum(expert_bytes(layer, package.moe_router_reference(lg, routing)[0]) for layer, lg in zip(built, logits))
+        per_layer = [experts_of(layer, package) for layer in built]
+        calls[name] = lambda routed=routed, routing=routing, per_layer=per_layer: [
+            routed.moe_routed_decode_kernel(x, lg, routing, experts) for x, lg, experts in zip(xs, logits, per_layer)]
+    outputs = {name: call() for name, call in calls.items()}
+    mx.eval(list(outputs.values()))
+    times = {name: [] for name in calls}
+    for r in range(rounds):
+        for name in (list(calls) if r % 2 == 0 else list(reversed(calls))):
+            stats = bench(calls[name], 3, reps)
+            times[name].append((stats.median - stats.build_median) / layers)
+    ratios = [other / this for this, other in zip(times["this"], times["other"])]
+    per_layer_bytes = total_bytes / layers
+    same = all(mx.array_equal(a, b).item() for a, b in zip(outputs["this"], outputs["other"]))
+    return [shape, f"{per_layer_bytes / 1e6:.1f}",
+            *(f"{statistics.median(times[n]) * 1e6:.1f} ({fmt(per_layer_bytes / statistics.median(times[n]) / 1e9)})"
+              for n in ("other", "this")),
+            f"{statistics.median(ratios):.3f}", f"{min(ratios):.3f}-{max(ratios):.3f}", "yes" if same else "no"]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--other", required=True, help="a directory holding the other tree's mlx_moe_fix/")
+    parser.add_argument("--shapes", default="qwen3,mixtral")
+    parser.add_argument("--layers", type=int, default=16, help="distinct layers in the timed graph")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--rows-per-warp", type=int, help="this tree's moe_decode.ROWS_PER_WARP (default: its own)")
+    args = parser.parse_args(argv)
+    if not mx.cuda.is_available():
+        raise SystemExit("decode_ab times the CUDA decode kernels: run it on a CUDA GPU")
+    with tempfile.TemporaryDirectory() as into:
+        kernels = {"this": importlib.import_module("mlx_moe_fix.kernels"), "other": load_other(args.other, into)}
+        if args.rows_per_warp:
+            importlib.import_module("mlx_moe_fix.kernels.moe_decode").ROWS_PER_WARP = args.rows_per_warp
+        columns = ["shape", "MB a layer", "other µs (GB/s)", "this µs (GB/s)", "this / other (median)", "range", "same output"]
+        rows = []
+        for shape in args.shapes.split(","):
+            rows.append(time_shape(shape, kernels, args.layers, args.rounds, args.reps))
+            print(markdown_table(columns, rows[-1:]), flush=True)
+        print(markdown_table(columns, rows))
+
+
+if __name__ == "__main__":
+    main()
