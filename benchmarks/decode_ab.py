@@ -12,8 +12,9 @@ each with its own token and router logits; one timed graph runs every layer's op
 step does (issue 5 measures bandwidth "with many layers in one graph"). The time is the graph's
 evaluation (a call's median less its build's median: building 16 layers' eager kernel calls in
 Python takes longer than Qwen3's kernels run), per layer. GB/s counts the packed weights, scales
-and biases of each layer's distinct routed experts over it; the table also gives the median and range over rounds of the speed ratio (this tree / the
-other) and whether both trees' outputs are equal.
+and biases of each layer's distinct routed experts over it; the table also gives the median and
+range over rounds of the speed ratio (this tree / the other) and whether both trees' outputs are
+equal.
 """
 
 import argparse
@@ -48,11 +49,13 @@ def time_shape(shape: str, kernels: dict, layers: int, rounds: int, reps: int) -
     xs = [(mx.random.normal((1, hidden)) * 0.5).astype(mx.bfloat16) for _ in built]
     logits = [mx.random.normal((1, count)).astype(mx.bfloat16) for _ in built]
     mx.eval(xs, logits)
-    calls, total_bytes = {}, 0
+    this = kernels["this"]
+    routing = this.Routing(kind, top_k, normalize)
+    per_layer_bytes = sum(expert_bytes(layer, this.moe_router_reference(lg, routing)[0]) for layer, lg in zip(built, logits)) / layers
+    calls = {}
     for name, package in kernels.items():
         routed = importlib.import_module(f"{package.__name__}.moe_routed_decode")
         routing = package.Routing(kind, top_k, normalize)
-        total_bytes = sum(expert_bytes(layer, package.moe_router_reference(lg, routing)[0]) for layer, lg in zip(built, logits))
         per_layer = [experts_of(layer, package) for layer in built]
         calls[name] = lambda routed=routed, routing=routing, per_layer=per_layer: [
             routed.moe_routed_decode_kernel(x, lg, routing, experts) for x, lg, experts in zip(xs, logits, per_layer)]
@@ -63,8 +66,7 @@ def time_shape(shape: str, kernels: dict, layers: int, rounds: int, reps: int) -
         for name in (list(calls) if r % 2 == 0 else list(reversed(calls))):
             stats = bench(calls[name], 3, reps)
             times[name].append((stats.median - stats.build_median) / layers)
-    ratios = [other / this for this, other in zip(times["this"], times["other"])]
-    per_layer_bytes = total_bytes / layers
+    ratios = [other / mine for mine, other in zip(times["this"], times["other"])]
     same = all(mx.array_equal(a, b).item() for a, b in zip(outputs["this"], outputs["other"]))
     return [shape, f"{per_layer_bytes / 1e6:.1f}",
             *(f"{statistics.median(times[n]) * 1e6:.1f} ({fmt(per_layer_bytes / statistics.median(times[n]) / 1e9)})"
