@@ -38,9 +38,8 @@ def time_tile(x, indices, experts, tile, reps, launches, gemm="grouped"):
     row_pair, tile_expert, tiles = prefill.route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile)
     mx.eval(row_pair, tile_expert)
     plan = (row_pair, tile_expert, tiles, tile)
-    if gemm == "grouped_wgmma":
-        x = prefill.wgmma_k_order(x)
-        mx.eval(x)
+    x = prefill.gemm_rows(x, gemm)
+    mx.eval(x)
 
     def gate_up():
         return prefill.grouped(x, plan, pairs, top_k, experts, "first", gemm)

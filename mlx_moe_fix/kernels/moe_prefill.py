@@ -111,14 +111,22 @@ def wgmma_device() -> bool:
     return (major, minor) == (9, 0)
 
 
+def wgmma_unavailable_reason() -> Optional[str]:
+    """Why no launch takes grouped_wgmma here (its switch off, or a GPU without wgmma), or None."""
+    if not flag(WGMMA_SWITCH):
+        return f"{WGMMA_SWITCH}=0"
+    if not wgmma_device():
+        return "this GPU has no wgmma (compute capability 9.0 only)"
+    return None
+
+
 def gemm_state() -> dict:
     """For status(): the GEMM the CUDA prefill kernel's gate+up launch takes here, and why."""
     if moe_prefill_implementation().path != "kernel" or not mx.cuda.is_available():
         return {"gemm": None, "reason": "the CUDA prefill kernel does not run here"}
-    if not flag(WGMMA_SWITCH):
-        return {"gemm": "grouped", "reason": f"mma.sync: {WGMMA_SWITCH}=0"}
-    if not wgmma_device():
-        return {"gemm": "grouped", "reason": "mma.sync: this GPU has no wgmma (compute capability 9.0 only)"}
+    unavailable = wgmma_unavailable_reason()
+    if unavailable is not None:
+        return {"gemm": "grouped", "reason": f"mma.sync: {unavailable}"}
     return {"gemm": "grouped_wgmma", "reason": f"wgmma for 4-bit experts at tiles of {WGMMA_MIN_TILE} rows; "
             "mma.sync for the other launches"}
 
@@ -131,8 +139,13 @@ def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
     512 tokens and on Mixtral's shapes, and slower on Qwen3's 16-row tiles; its one-matrix variant
     ran the down GEMM slower than grouped, so it has none."""
     wgmma = (stage == "first" and len(experts.projections) == 3 and experts.projections[0].bits == 4
-             and tile >= WGMMA_MIN_TILE and flag(WGMMA_SWITCH) and wgmma_device())
+             and tile >= WGMMA_MIN_TILE and wgmma_unavailable_reason() is None)
     return "grouped_wgmma" if wgmma else "grouped"
+
+
+def gemm_rows(rows: mx.array, gemm: str) -> mx.array:
+    """The activation rows as the GEMM `gemm` reads them: grouped_wgmma's in wgmma_k_order."""
+    return wgmma_k_order(rows) if gemm == "grouped_wgmma" else rows
 
 
 def wgmma_k_order(rows: mx.array) -> mx.array:
@@ -280,7 +293,7 @@ def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtyp
 def grouped(a: mx.array, routing: tuple, pairs: int, top_k: int, experts: MoEExperts, stage: str,
             gemm: str = "grouped") -> mx.array:
     """One launch of the grouped GEMM `gemm` (GEMMS; see gemm_kernel) for `experts`' `stage`
-    (GROUPED_STAGES) on rows `a` (for grouped_wgmma, in wgmma_k_order), with `routing` =
+    (GROUPED_STAGES) on rows `a` (as `gemm_rows` gives them for `gemm`), with `routing` =
     (row_pair, tile_expert, tiles, tile). Its arguments but the per-call ones are built once per
     layer, tile height, dtype and GEMM (a prefill call's host time is MLX's and this package's
     Python, docs/benchmarks.md, tenth session)."""
@@ -310,8 +323,8 @@ def moe_prefill_kernel(
         out = grouped(tokens, routing, pairs, top_k, experts, "only")
     else:
         first = gemm_kernel(experts, "first", tile)
-        rows = wgmma_k_order(tokens) if first == "grouped_wgmma" else tokens
-        out = grouped(grouped(rows, routing, pairs, top_k, experts, "first", first), routing, pairs, top_k, experts, "last")
+        hidden = grouped(gemm_rows(tokens, first), routing, pairs, top_k, experts, "first", first)
+        out = grouped(hidden, routing, pairs, top_k, experts, "last")
     if weights is None:
         return out.reshape(*indices.shape, experts.output_dims)
     return combine_kernel(out, per_pair(weights, indices))
