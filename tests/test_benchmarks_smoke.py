@@ -340,3 +340,21 @@ def test_decode_ab_wants_cuda():
     done = subprocess.run([sys.executable, "-m", "benchmarks.decode_ab", "--other", REPO], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "run it on a CUDA GPU" in done.stderr
+
+
+def test_decode_roofline_counts_a_layers_gate_up_bytes():
+    # The TB/s it reports rest on this count: Mixtral's two pairs, 2 x 14336 rows of 4096 values
+    # each, 4-bit, with a bf16 scale and bias per 64.
+    from benchmarks.decode_roofline import SHAPES, layer_bytes
+
+    assert layer_bytes(*SHAPES["mixtral"]) == 2 * 2 * 14336 * (4096 // 2 + 4 * 4096 // 64)
+    assert layer_bytes(*SHAPES["qwen3"]) == 8 * 2 * 768 * (2048 // 2 + 4 * 2048 // 64)
+
+
+def test_decode_roofline_wants_cuda():
+    import mlx.core as mx
+
+    if mx.cuda.is_available():
+        pytest.skip("MLX sees CUDA here: decode_roofline would run its benchmark")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.decode_roofline"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "run it on a CUDA GPU" in done.stderr
