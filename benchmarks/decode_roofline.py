@@ -87,6 +87,18 @@ def layer_bytes(hidden: int, ffn: int, pairs: int) -> int:
     return pairs * 2 * ffn * (hidden // 2 + 2 * 2 * hidden // GROUP)
 
 
+def layer_inputs(shape: str, layers: int) -> tuple:
+    """(packed weights, scales, biases, activations) of `layers` layers' routed pairs: each pair's
+    gate rows, then its up rows, pairs one after another."""
+    hidden, ffn, pairs = SHAPES[shape]
+    matrix_rows = layers * pairs * 2 * ffn
+    wq = mx.random.randint(0, 2**31, (matrix_rows, hidden // 8)).astype(mx.uint32)
+    s = (mx.random.normal((matrix_rows, hidden // GROUP)) * 0.01).astype(mx.bfloat16)
+    b = (mx.random.normal((matrix_rows, hidden // GROUP)) * 0.01).astype(mx.bfloat16)
+    x = mx.random.normal((layers * pairs, hidden)).astype(mx.bfloat16)
+    return wq, s, b, x
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="mixtral")
@@ -100,11 +112,7 @@ def main(argv=None):
     layers = args.layers
     kernel = mx.fast.cuda_kernel(name="mlx_moe_fix_decode_roofline", input_names=["wq", "s", "b", "x", "dims"],
                                  output_names=["out"], source=BODY, header=cuda_kernel_source("moe_decode.cu", "gate_up")[0])
-    matrix_rows = layers * pairs * 2 * ffn
-    wq = mx.random.randint(0, 2**31, (matrix_rows, hidden // 8)).astype(mx.uint32)
-    s = (mx.random.normal((matrix_rows, hidden // GROUP)) * 0.01).astype(mx.bfloat16)
-    b = (mx.random.normal((matrix_rows, hidden // GROUP)) * 0.01).astype(mx.bfloat16)
-    x = mx.random.normal((layers * pairs, hidden)).astype(mx.bfloat16)
+    wq, s, b, x = layer_inputs(args.shape, layers)
     mx.eval(wq, s, b, x)
     per_layer = pairs * ffn // 4  # warps
 
