@@ -18,14 +18,12 @@ layers: the kernel's tail at every launch). TB/s counts the weights, scales and 
 pairs read; medians of --reps after 3 warm-ups."""
 
 import argparse
-import statistics
-import time
 
 import mlx.core as mx
 
 from mlx_moe_fix.kernels.sources import cuda_kernel_source
 
-from .timing import markdown_table
+from .timing import bench, markdown_table
 
 # hidden -> ffn of the gate+up, routed pairs at one token
 SHAPES = {"mixtral": (4096, 14336, 2), "qwen3": (2048, 768, 8)}
@@ -129,14 +127,7 @@ def main(argv=None):
     for name, mode in MODES.items():
         for layers_a_launch, launches in ((layers, "one"), (1, "one a layer")):
             for warps in map(int, args.warps.split(",")):
-                for _ in range(3):
-                    mx.eval(call(mode, layers_a_launch, warps))
-                times = []
-                for _ in range(args.reps):
-                    start = time.perf_counter()
-                    mx.eval(call(mode, layers_a_launch, warps))
-                    times.append(time.perf_counter() - start)
-                seconds = statistics.median(times) / layers
+                seconds = bench(lambda: call(mode, layers_a_launch, warps), 3, args.reps).median / layers
                 rows.append([name, launches, warps, f"{seconds * 1e6:.1f}", f"{layer_bytes(hidden, ffn, pairs) / seconds / 1e12:.2f}"])
                 print(markdown_table(columns, rows[-1:]), flush=True)
     print(f"\n{args.shape}: {layers} layers of {layer_bytes(hidden, ffn, pairs) / 1e6:.1f} MB (gate+up of {pairs} pairs)")
