@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
-from .prefill_ab import SHAPES, load_other
+from .prefill_ab import SHAPES, alternating_rounds, load_other
 from .switch_glu import experts_of, quantized_switch_glu
 from .timing import bench, fmt, markdown_table
 
@@ -62,12 +62,12 @@ def time_shape(shape: str, kernels: dict, layers: int, rounds: int, reps: int) -
             routed.moe_routed_decode_kernel(x, lg, routing, experts) for x, lg, experts in zip(xs, logits, per_layer)]
     outputs = {name: call() for name, call in calls.items()}
     mx.eval(list(outputs.values()))
-    times = {name: [] for name in calls}
-    for r in range(rounds):
-        for name in (list(calls) if r % 2 == 0 else list(reversed(calls))):
-            stats = bench(calls[name], 3, reps)
-            times[name].append((stats.median - stats.build_median) / layers)
-    ratios = [other / mine for mine, other in zip(times["this"], times["other"])]
+
+    def evaluation(call):
+        stats = bench(call, 3, reps)
+        return (stats.median - stats.build_median) / layers
+
+    times, ratio = alternating_rounds(calls, rounds, evaluation)
     same = all(mx.array_equal(a, b).item() for a, b in zip(outputs["this"], outputs["other"]))
     # a tree that sums in another order differs by rounding: how much
     difference = max((mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max() / mx.abs(b.astype(mx.float32)).max()).item()
@@ -75,8 +75,7 @@ def time_shape(shape: str, kernels: dict, layers: int, rounds: int, reps: int) -
     return [shape, f"{per_layer_bytes / 1e6:.1f}",
             *(f"{statistics.median(times[n]) * 1e6:.1f} ({fmt(per_layer_bytes / statistics.median(times[n]) / 1e9)})"
               for n in ("other", "this")),
-            f"{statistics.median(ratios):.3f}", f"{min(ratios):.3f}-{max(ratios):.3f}",
-            "yes" if same else f"no (max |Δ| {difference:.1e} of max |out|)"]
+            *ratio, "yes" if same else f"no (max |Δ| {difference:.1e} of max |out|)"]
 
 
 def main(argv=None):

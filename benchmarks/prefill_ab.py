@@ -48,6 +48,17 @@ def load_other(tree: str, into: str):
     return importlib.import_module(f"{OTHER}.kernels")
 
 
+def alternating_rounds(calls: dict, rounds: int, seconds) -> tuple:
+    """`seconds(call)` of each of calls' "this" and "other" in `rounds` rounds that alternate which
+    goes first: (times per name, [median, range] of the per-round ratio this / other in speed)."""
+    times = {name: [] for name in calls}
+    for r in range(rounds):
+        for name in (list(calls) if r % 2 == 0 else list(reversed(calls))):
+            times[name].append(seconds(calls[name]))
+    ratios = [other / this for this, other in zip(times["this"], times["other"])]
+    return times, [f"{statistics.median(ratios):.3f}", f"{min(ratios):.3f}-{max(ratios):.3f}"]
+
+
 def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, launches: int) -> list:
     hidden, ffn, count, top_k = SHAPES[shape]
     layer = quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=count))
@@ -62,14 +73,9 @@ def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, la
         layers[name] = lambda prefill=prefill, experts=experts: prefill.moe_prefill_kernel(x, indices, experts, weights)
     outputs = {name: fn() for name, fn in layers.items()}
     mx.eval(list(outputs.values()))
-    times = {name: [] for name in layers}
-    for r in range(rounds):
-        for name in (list(layers) if r % 2 == 0 else list(reversed(layers))):
-            times[name].append(bench(repeated(layers[name], launches), 2, reps).median / launches)
+    times, ratio = alternating_rounds(layers, rounds, lambda layer: bench(repeated(layer, launches), 2, reps).median / launches)
     flops = 3 * 2 * indices.size * hidden * ffn
-    ratios = [other / this for this, other in zip(times["this"], times["other"])]
-    return [f"{shape} T={tokens}", *(fmt(flops / statistics.median(times[n]) / 1e12) for n in ("other", "this")),
-            f"{statistics.median(ratios):.3f}", f"{min(ratios):.3f}-{max(ratios):.3f}",
+    return [f"{shape} T={tokens}", *(fmt(flops / statistics.median(times[n]) / 1e12) for n in ("other", "this")), *ratio,
             "yes" if mx.array_equal(outputs["this"], outputs["other"]).item() else "no"]
 
 

@@ -359,3 +359,19 @@ def test_decode_roofline_wants_cuda():
         pytest.skip("MLX sees CUDA here: decode_roofline would run its benchmark")
     done = subprocess.run([sys.executable, "-m", "benchmarks.decode_roofline"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "run it on a CUDA GPU" in done.stderr
+
+
+def test_ab_rounds_alternate_which_tree_goes_first_and_give_this_trees_speed_ratio():
+    # prefill_ab's and decode_ab's comparison: the median and range of other / this per round.
+    from benchmarks.prefill_ab import alternating_rounds
+
+    order, seconds = [], {"this": iter([1.0, 2.0, 4.0]), "other": iter([2.0, 2.0, 2.0])}
+
+    def timed(name):
+        order.append(name)
+        return next(seconds[name])
+
+    times, ratio = alternating_rounds({"this": "this", "other": "other"}, 3, timed)
+    assert order == ["this", "other", "other", "this", "this", "other"]
+    assert times == {"this": [1.0, 2.0, 4.0], "other": [2.0, 2.0, 2.0]}
+    assert ratio == ["1.000", "0.500-2.000"]
