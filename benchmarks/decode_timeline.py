@@ -5,6 +5,8 @@ for earlier work MLX makes there), and waiting for its result.
     python3 -m benchmarks.decode_timeline                           # qwen3_moe, 24 cycles
     python3 -m benchmarks.decode_timeline --model mixtral --burst 8
     python3 -m benchmarks.decode_timeline --smoke                   # tiny configs, CPU
+    python3 -m benchmarks.decode_timeline --patched-with MLX_MOE_FIX_CUDA_ROUTED_DECODE=0
+                                        # one more variant: patched with that switch set
 
 The loop is mlx-lm's generate_step's (greedy, log-probabilities computed, on its generation
 stream, token t+1 built and submitted before token t is waited for), written out so that each of
@@ -19,6 +21,8 @@ same cycle.
 """
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
 
@@ -26,11 +30,39 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_moe_fix import env
+
 from . import models
 from .timing import log, markdown_table
 
-VARIANTS = {"stock": (False, "stock"), "patched": (False, "patched"), "dense equivalent": (True, "stock")}
+# label: (the dense equivalent?, models.set_mode's mode, switches set for its bursts)
+VARIANTS = {"stock": (False, "stock", {}), "patched": (False, "patched", {}), "dense equivalent": (True, "stock", {})}
 PHASES = ("build", "submit", "wait")
+
+
+@contextlib.contextmanager
+def switches(values: dict):
+    """The package's switches (env.SWITCHES) set to `values` within the block, as before after."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    env.refresh()
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        env.refresh()
+
+
+def switch_setting(text: str) -> tuple:
+    """NAME=VALUE of one of env.SWITCHES, for argparse."""
+    name, _, value = text.partition("=")
+    if name not in env.SWITCHES or value not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=0 or NAME=1, NAME one of {', '.join(env.SWITCHES)}")
+    return name, value
 
 
 class Decoder:
@@ -81,24 +113,30 @@ def main(argv=None):
     parser.add_argument("--burst", type=int, default=8, help="tokens a variant decodes per turn")
     parser.add_argument("--cycles", type=int, default=24, help="turns of every variant")
     parser.add_argument("--smoke", action="store_true", help="tiny configs, few tokens (CPU)")
+    parser.add_argument("--patched-with", type=switch_setting, action="append", default=[], metavar="NAME=VALUE",
+                        help="one more variant: patched with this switch set (repeatable: one variant each)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.prompt, args.burst, args.cycles = 12, 3, 2
     if args.burst < 2:
         parser.error("--burst must be at least 2 (a burst's first token is left out)")
 
+    variants = dict(VARIANTS)
+    variants.update({f"patched, {name}={value}": (False, "patched", {name: value}) for name, value in args.patched_with})
     spec, built, tokens = models.build_decode_pair(args)
     layers = spec.config["num_hidden_layers"]
     prompt = mx.array(tokens)
-    decoders, phases, rates = {}, {label: [] for label in VARIANTS}, {label: [] for label in VARIANTS}
-    for label, (dense, mode) in VARIANTS.items():
+    decoders, phases, rates = {}, {label: [] for label in variants}, {label: [] for label in variants}
+    for label, (dense, mode, settings) in variants.items():
         models.set_mode(mode)
-        decoders[label] = Decoder(built[dense], prompt)
-        decoders[label].burst(args.burst)  # warm-up at exactly the timed shapes (compiled steps traced)
+        with switches(settings):
+            decoders[label] = Decoder(built[dense], prompt)
+            decoders[label].burst(args.burst)  # warm-up at exactly the timed shapes (compiled steps traced)
     for cycle in range(args.cycles):
-        for label, (dense, mode) in VARIANTS.items():
+        for label, (dense, mode, settings) in variants.items():
             models.set_mode(mode)
-            run = decoders[label].burst(args.burst)
+            with switches(settings):
+                run = decoders[label].burst(args.burst)
             phases[label] += run[1:]
             rates[label].append((args.burst - 1) / sum(map(sum, run[1:])))
         if (cycle + 1) % 8 == 0 or cycle + 1 == args.cycles:
@@ -108,7 +146,7 @@ def main(argv=None):
     print(f"{args.model} ({layers} layers) and its dense equivalent, {args.prompt}-token prompt, "
           f"{args.cycles} cycles of {args.burst}-token bursts, MLX {mx.__version__}, {mx.default_device()}; "
           "µs per token, medians")
-    rows = [summary_row(label, phases[label], rates[label], rates["dense equivalent"], layers) for label in VARIANTS]
+    rows = [summary_row(label, phases[label], rates[label], rates["dense equivalent"], layers) for label in variants]
     print(markdown_table(["variant", *PHASES, "token", "token / layer", "tok/s", "/ dense"], rows))
 
 

@@ -5,6 +5,8 @@ rotting between those runs.
     python3 -m pytest tests/test_benchmarks_smoke.py -q
 """
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -198,6 +200,26 @@ def test_decode_timeline_splits_each_variants_token_into_its_host_phases(model):
         # the token's median is of the tokens' sums, each the sum of its three phases
         assert float(token) > 0 and abs(float(per_layer) * 2 - float(token)) <= 1  # the smoke models' 2 layers
     assert rows["dense equivalent"][-1] == "1.000"
+
+
+def test_decode_timeline_runs_a_patched_variant_per_switch_setting_with_that_switch_set(monkeypatch):
+    from benchmarks import decode_timeline
+    from mlx_moe_fix import env
+
+    seen = []
+    burst = decode_timeline.Decoder.burst
+    monkeypatch.setattr(decode_timeline.Decoder, "burst",
+                        lambda self, tokens: seen.append(env.flag("MLX_MOE_FIX_CUDA_ROUTED_DECODE")) or burst(self, tokens))
+    monkeypatch.delenv("MLX_MOE_FIX_CUDA_ROUTED_DECODE", raising=False)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        decode_timeline.main(["--smoke", "--patched-with", "MLX_MOE_FIX_CUDA_ROUTED_DECODE=0"])
+    labels = [line.split("|")[1].strip() for line in out.getvalue().splitlines() if line.startswith(("| stock", "| patched", "| dense"))]
+    assert labels == ["stock", "patched", "dense equivalent", "patched, MLX_MOE_FIX_CUDA_ROUTED_DECODE=0"]
+    # per cycle (and warm-up) the four variants in turn: only the last with the switch off; after, its default again
+    assert seen == [True, True, True, False] * 3 and env.flag("MLX_MOE_FIX_CUDA_ROUTED_DECODE")
+    with pytest.raises(SystemExit):
+        decode_timeline.main(["--smoke", "--patched-with", "MLX_MOE_FIX_NOT_A_SWITCH=0"])
 
 
 def test_prefill_forward_smoke_times_every_variant(tmp_path):
