@@ -397,3 +397,33 @@ def test_ab_rounds_alternate_which_tree_goes_first_and_give_this_trees_speed_rat
     assert order == ["this", "other", "other", "this", "this", "other"]
     assert times == {"this": [1.0, 2.0, 4.0], "other": [2.0, 2.0, 2.0]}
     assert ratio == ["1.000", "0.500-2.000"]
+
+
+def test_gpu_timeline_sums_each_kernels_device_time_per_layer():
+    from benchmarks.gpu_timeline import kernel_events, kernel_table, summary
+
+    trace = {"traceEvents": [
+        {"cat": "cpu_op", "name": "aten::zeros", "ts": 0, "dur": 50},
+        *({"cat": "kernel", "name": "gate_up", "ts": 100 + 40 * i, "dur": 12} for i in range(4)),
+        *({"cat": "kernel", "name": "down", "ts": 120 + 40 * i, "dur": 8} for i in range(4)),
+    ]}
+    kernels = kernel_events(trace)
+    assert [k["ts"] for k in kernels] == sorted(k["ts"] for k in kernels) and len(kernels) == 8
+    # two reps of two layers: each kernel once a layer
+    assert kernel_table(kernels, 4) == [("gate_up", 1.0, 12.0), ("down", 1.0, 8.0)]
+    phases = [(40e-6, 50e-6), (44e-6, 60e-6)]  # (build, evaluation) seconds a rep
+    row, lines = summary("a layer", phases, kernels, 2, 2, nbytes=20e6)
+    # per layer: build 21 µs, evaluation 27.5 µs, 2 kernels, 20 µs on the device, 20 MB / 20 µs = 1000 GB/s
+    assert row == ["a layer", "21.0", "27.5", "2.0", "20.0", "0.73", "1000"], row
+    assert lines[0].startswith("  a layer: 1.0 x 12.00 µs  gate_up")
+
+
+def test_gpu_timeline_says_it_needs_a_cuda_gpu():
+    import mlx.core as mx
+
+    if mx.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: the benchmark runs instead of refusing")
+    from benchmarks import gpu_timeline
+
+    with pytest.raises(SystemExit, match="CUDA GPU"):
+        gpu_timeline.main(["--parts", "blocks"])

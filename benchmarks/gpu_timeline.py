@@ -1,0 +1,171 @@
+"""What the GPU itself does during MLX's decode work: every kernel's time on the device, traced
+by CUPTI through torch.profiler (it records the kernels of the whole process, MLX's graph-launched
+ones included), beside the host's build and evaluation of the same work. Needs torch with CUDA
+(the GPU machine has it); MLX's own timers cannot tell a kernel's time from the gaps between.
+
+    python3 -m benchmarks.gpu_timeline                                # decode blocks, then qwen3_moe's token
+    python3 -m benchmarks.gpu_timeline --parts blocks --shapes qwen3  # one shape's blocks only
+    python3 -m benchmarks.gpu_timeline --parts tokens --model inkling --deepseek-layers 6
+
+blocks: --layers routed decode blocks (moe_routed_decode, 4-bit g64, bf16 random SwitchGLU layers,
+as benchmarks.decode_ab builds them) per shape, each layer's output the next one's input, as in a
+model; per layer: the host's build and evaluation (µs), the kernels' summed device time, and the
+routed experts' bytes over that time (issue 5's bandwidth, on the kernels' own time).
+tokens: one batch-1 decode token of --model, patched, and of its dense equivalent (mlx-lm's
+generate_step loop, benchmarks.decode_timeline.Decoder): the token's build and evaluation against
+the kernels' device time (where the device time is well under the token's, the token is host time).
+Per part the kernels are also listed by name (the longest first: count a layer or token, mean µs).
+"""
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import tempfile
+import time
+from types import SimpleNamespace
+
+import mlx.core as mx
+
+from .timing import markdown_table
+
+TOP_KERNELS = 6
+
+
+def kernel_events(trace: dict) -> list:
+    """The kernel events of a Chrome trace (torch.profiler's export), by start time."""
+    return sorted((e for e in trace["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+
+def kernel_table(kernels: list, per: int) -> list:
+    """[(name, count per `per`, mean µs)] of `kernels` (trace events), the most summed time first."""
+    by_name = collections.defaultdict(list)
+    for k in kernels:
+        by_name[k["name"]].append(k["dur"])
+    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))
+    return [(name, len(durations) / per, statistics.mean(durations)) for name, durations in ranked]
+
+
+def traced(fn, reps: int) -> tuple:
+    """([(build s, evaluation s)] per rep, kernel events of all reps) of `fn` (builds and returns
+    arrays), after 3 untraced warm-up calls at the same shapes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        mx.eval(fn())
+    mx.synchronize()
+    phases = []
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        for _ in range(reps):
+            start = time.perf_counter()
+            out = fn()
+            built = time.perf_counter()
+            mx.eval(out)
+            mx.synchronize()
+            phases.append((built - start, time.perf_counter() - built))
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        profiler.export_chrome_trace(path)
+        with open(path) as f:
+            return phases, kernel_events(json.load(f))
+
+
+def summary(label: str, phases: list, kernels: list, reps: int, per: int, nbytes=None) -> tuple:
+    """(the table row, the kernels' lines) of one traced part, per layer or token (`per` of them
+    a rep)."""
+    build, evaluation = (statistics.median(p[i] for p in phases) * 1e6 / per for i in range(2))
+    busy = sum(k["dur"] for k in kernels) / reps / per
+    row = [label, f"{build:.1f}", f"{evaluation:.1f}", f"{len(kernels) / reps / per:.1f}", f"{busy:.1f}",
+           f"{busy / evaluation:.2f}", "-" if nbytes is None else f"{nbytes / busy / 1e3:.0f}"]
+    lines = [f"  {label}: {count:.1f} x {mean:.2f} µs  {name[:100]}" for name, count, mean in kernel_table(kernels, reps * per)]
+    return row, lines[:TOP_KERNELS]
+
+
+def blocks_part(shapes: list, layers: int, reps: int) -> list:
+    from mlx_moe_fix.kernels import Routing, moe_router_reference
+    from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode_kernel
+
+    from .decode_ab import ROUTINGS, expert_bytes
+    from .prefill_ab import SHAPES
+    from .switch_glu import experts_of, quantized_switch_glu
+
+    results = []
+    for shape in shapes:
+        hidden, ffn, count, top_k = SHAPES[shape]
+        kind, normalize = ROUTINGS[shape]
+        routing = Routing(kind, top_k, normalize)
+        built = [quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=count)) for _ in range(layers)]
+        experts = [experts_of(layer) for layer in built]
+        logits = [mx.random.normal((1, count)).astype(mx.bfloat16) for _ in built]
+        x0 = (mx.random.normal((1, hidden)) * 0.5).astype(mx.bfloat16)
+        mx.eval(logits, x0)
+        nbytes = sum(expert_bytes(layer, moe_router_reference(lg, routing)[0]) for layer, lg in zip(built, logits)) / layers
+
+        def chained():
+            x, outputs = x0, []
+            for lg, e in zip(logits, experts):
+                x = moe_routed_decode_kernel(x, lg, routing, e)
+                outputs.append(x)
+            return outputs
+
+        phases, kernels = traced(chained, reps)
+        results.append(summary(f"{shape}, a layer", phases, kernels, reps, layers, nbytes))
+    return results
+
+
+def tokens_part(args, reps: int) -> list:
+    from . import models
+    from .decode_timeline import Decoder
+
+    spec, built, prompt = models.build_decode_pair(args)
+    results = []
+    for label, dense, mode in ((f"{args.model} patched, a token", False, "patched"),
+                               ("dense equivalent, a token", True, "stock")):
+        models.set_mode(mode)
+        decoder = Decoder(built[dense], mx.array(prompt))
+        decoder.burst(4)  # compiled steps traced at exactly these shapes
+
+        def token(decoder=decoder):
+            decoder.y, decoder.logprobs = decoder.step(decoder.y)
+            return [decoder.y, decoder.logprobs]
+
+        phases, kernels = traced(token, reps)
+        results.append(summary(label, phases, kernels, reps, 1))
+    models.set_mode("stock")
+    return results
+
+
+def main(argv=None):
+    from . import models
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="blocks,tokens", help="blocks and / or tokens")
+    parser.add_argument("--shapes", default="qwen3,mixtral")
+    parser.add_argument("--layers", type=int, default=16, help="chained decode blocks a traced graph holds")
+    parser.add_argument("--reps", type=int, default=5, help="traced calls a part")
+    models.add_decode_pair_arguments(parser)
+    args = parser.parse_args(argv)
+    args.smoke = False
+    if not mx.cuda.is_available():
+        raise SystemExit("gpu_timeline traces CUDA kernels: run it on a CUDA GPU")
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit("gpu_timeline traces the kernels with torch.profiler: install torch with CUDA")
+    torch.zeros(1, device="cuda")  # CUDA and CUPTI up before the first trace
+    results = []
+    parts = args.parts.split(",")
+    if "blocks" in parts:
+        results += blocks_part(args.shapes.split(","), args.layers, args.reps)
+    if "tokens" in parts:
+        results += tokens_part(args, args.reps)
+    print(f"MLX {mx.__version__}, {mx.default_device()}; medians of {args.reps} traced calls; µs a layer or token")
+    for _, lines in results:
+        print("\n".join(lines))
+    print(markdown_table(["part", "build", "evaluation", "kernels", "kernels' device time", "device / evaluation",
+                          "GB/s on the kernels' time"], [row for row, _ in results]))
+
+
+if __name__ == "__main__":
+    main()
