@@ -7,10 +7,15 @@ ones included), beside the host's build and evaluation of the same work. Needs t
     python3 -m benchmarks.gpu_timeline --parts blocks --shapes qwen3  # one shape's blocks only
     python3 -m benchmarks.gpu_timeline --parts tokens --model inkling --deepseek-layers 6
 
+The host's build and evaluation are timed while traced, and CUPTI adds host time to each launch:
+they are upper bounds, and busy / evaluation a lower bound of the GPU's busy share (benchmarks.
+decode_timeline times the host untraced). A kernel's own time includes any kernel of an independent
+graph node that ran beside it; the GPU's busy time counts such overlaps once.
+
 blocks: --layers routed decode blocks (moe_routed_decode, 4-bit g64, bf16 random SwitchGLU layers,
 as benchmarks.decode_ab builds them) per shape, each layer's output the next one's input, as in a
 model; per layer: the host's build and evaluation (µs), the kernels' summed device time, and the
-routed experts' bytes over that time (issue 5's bandwidth, on the kernels' own time).
+routed experts' bytes over the GPU's busy time (issue 5's bandwidth, on the kernels' own time).
 tokens: one batch-1 decode token of --model, patched, and of its dense equivalent (mlx-lm's
 generate_step loop, benchmarks.decode_timeline.Decoder): the token's build and evaluation against
 the kernels' device time (where the device time is well under the token's, the token is host time).
@@ -36,6 +41,17 @@ TOP_KERNELS = 6
 def kernel_events(trace: dict) -> list:
     """The kernel events of a Chrome trace (torch.profiler's export), by start time."""
     return sorted((e for e in trace["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+
+def busy_time(kernels: list) -> float:
+    """The time (µs) at least one of `kernels` (by start time) runs: kernels of independent graph
+    nodes run at once, and their summed times count the overlap twice."""
+    busy, end = 0.0, float("-inf")
+    for k in kernels:
+        start, stop = k["ts"], k["ts"] + k["dur"]
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy
 
 
 def kernel_table(kernels: list, per: int) -> list:
@@ -75,8 +91,9 @@ def summary(label: str, phases: list, kernels: list, reps: int, per: int, nbytes
     """(the table row, the kernels' lines) of one traced part, per layer or token (`per` of them
     a rep)."""
     build, evaluation = (statistics.median(p[i] for p in phases) * 1e6 / per for i in range(2))
-    busy = sum(k["dur"] for k in kernels) / reps / per
-    row = [label, f"{build:.1f}", f"{evaluation:.1f}", f"{len(kernels) / reps / per:.1f}", f"{busy:.1f}",
+    summed = sum(k["dur"] for k in kernels) / reps / per
+    busy = busy_time(kernels) / reps / per
+    row = [label, f"{build:.1f}", f"{evaluation:.1f}", f"{len(kernels) / reps / per:.1f}", f"{summed:.1f}", f"{busy:.1f}",
            f"{busy / evaluation:.2f}", "-" if nbytes is None else f"{nbytes / busy / 1e3:.0f}"]
     lines = [f"  {label}: {count:.1f} x {mean:.2f} µs  {name[:100]}" for name, count, mean in kernel_table(kernels, reps * per)]
     return row, lines[:TOP_KERNELS]
@@ -163,8 +180,8 @@ def main(argv=None):
     print(f"MLX {mx.__version__}, {mx.default_device()}; medians of {args.reps} traced calls; µs a layer or token")
     for _, lines in results:
         print("\n".join(lines))
-    print(markdown_table(["part", "build", "evaluation", "kernels", "kernels' device time", "device / evaluation",
-                          "GB/s on the kernels' time"], [row for row, _ in results]))
+    print(markdown_table(["part", "build", "evaluation", "kernels", "kernels' summed time", "GPU busy", "busy / evaluation",
+                          "GB/s on the busy time"], [row for row, _ in results]))
 
 
 if __name__ == "__main__":

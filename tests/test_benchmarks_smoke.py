@@ -413,9 +413,18 @@ def test_gpu_timeline_sums_each_kernels_device_time_per_layer():
     assert kernel_table(kernels, 4) == [("gate_up", 1.0, 12.0), ("down", 1.0, 8.0)]
     phases = [(40e-6, 50e-6), (44e-6, 60e-6)]  # (build, evaluation) seconds a rep
     row, lines = summary("a layer", phases, kernels, 2, 2, nbytes=20e6)
-    # per layer: build 21 µs, evaluation 27.5 µs, 2 kernels, 20 µs on the device, 20 MB / 20 µs = 1000 GB/s
-    assert row == ["a layer", "21.0", "27.5", "2.0", "20.0", "0.73", "1000"], row
+    # per layer: build 21 µs, evaluation 27.5 µs, 2 kernels, 20 µs on the device (none overlapping),
+    # 20 MB / 20 µs = 1000 GB/s
+    assert row == ["a layer", "21.0", "27.5", "2.0", "20.0", "20.0", "0.73", "1000"], row
     assert lines[0].startswith("  a layer: 1.0 x 12.00 µs  gate_up")
+
+
+def test_gpu_timeline_counts_overlapping_kernels_once_in_the_busy_time():
+    from benchmarks.gpu_timeline import busy_time
+
+    events = [{"ts": 0, "dur": 10}, {"ts": 5, "dur": 10}, {"ts": 6, "dur": 2}, {"ts": 30, "dur": 5}]
+    assert busy_time(events) == 20.0  # [0, 15) and [30, 35)
+    assert busy_time([]) == 0.0
 
 
 def test_gpu_timeline_says_it_needs_a_cuda_gpu():
