@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import os
 import statistics
-import time
 
 import mlx.core as mx
 
@@ -24,7 +23,7 @@ from mlx_moe_fix import env
 from mlx_moe_fix.patches import compiled
 
 from .switch_glu import add_shape_arguments, experts_of, quantized_switch_glu
-from .timing import relative_error
+from .timing import build_and_evaluation, relative_error, warm_up
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (baseline-h200.md)
 
@@ -60,19 +59,9 @@ def per_layer_table(first_column: str, rows, layers: int, layer_bytes: int = 0) 
 
 def split(fn, reps, warm_ups=3):
     """Median (build seconds, eval seconds) of `reps` runs after `warm_ups` at the same shapes."""
-    for _ in range(warm_ups):
-        mx.eval(fn())
-    mx.synchronize()
-    builds, evals = [], []
-    for _ in range(reps):
-        start = time.perf_counter()
-        out = fn()
-        built = time.perf_counter()
-        mx.eval(out)
-        mx.synchronize()
-        builds.append(built - start)
-        evals.append(time.perf_counter() - built)
-    return statistics.median(builds), statistics.median(evals)
+    warm_up(fn, warm_ups)
+    phases = [build_and_evaluation(fn) for _ in range(reps)]
+    return statistics.median(p[0] for p in phases), statistics.median(p[1] for p in phases)
 
 
 def profile_build(fn, reps, top):

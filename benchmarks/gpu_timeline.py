@@ -28,12 +28,11 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from types import SimpleNamespace
 
 import mlx.core as mx
 
-from .timing import markdown_table
+from .timing import build_and_evaluation, markdown_table, warm_up
 
 TOP_KERNELS = 6
 
@@ -68,18 +67,9 @@ def traced(fn, reps: int) -> tuple:
     arrays), after 3 untraced warm-up calls at the same shapes."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(3):
-        mx.eval(fn())
-    mx.synchronize()
-    phases = []
+    warm_up(fn)
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-        for _ in range(reps):
-            start = time.perf_counter()
-            out = fn()
-            built = time.perf_counter()
-            mx.eval(out)
-            mx.synchronize()
-            phases.append((built - start, time.perf_counter() - built))
+        phases = [build_and_evaluation(fn) for _ in range(reps)]
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         profiler.export_chrome_trace(path)

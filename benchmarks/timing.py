@@ -64,6 +64,24 @@ def mlx_finish(out: Any) -> None:
     mx.synchronize()
 
 
+def warm_up(fn: Callable[[], Any], calls: int = 3) -> None:
+    """`calls` evaluated calls of `fn` (which builds and returns arrays): at exactly the timed
+    shapes, as MLX JIT-compiles CUDA kernels per shape."""
+    for _ in range(calls):
+        mx.eval(fn())
+    mx.synchronize()
+
+
+def build_and_evaluation(fn: Callable[[], Any]) -> tuple:
+    """(seconds building, seconds evaluating) of one call of `fn`, which builds and returns arrays."""
+    start = time.perf_counter()
+    out = fn()
+    built = time.perf_counter()
+    mx.eval(out)
+    mx.synchronize()
+    return built - start, time.perf_counter() - built
+
+
 def relative_error(out: mx.array, ref: mx.array) -> float:
     """||out - ref|| / ||ref||, in float32."""
     out, ref = out.astype(mx.float32), ref.astype(mx.float32)
