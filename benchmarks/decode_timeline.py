@@ -22,7 +22,6 @@ same cycle.
 
 import argparse
 import contextlib
-import os
 import statistics
 import time
 
@@ -33,28 +32,17 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_moe_fix import env
 
 from . import models
+from .decode_split import switched
 from .timing import log, markdown_table
 
-# label: (the dense equivalent?, models.set_mode's mode, switches set for its bursts)
-VARIANTS = {"stock": (False, "stock", {}), "patched": (False, "patched", {}), "dense equivalent": (True, "stock", {})}
+# label: (the dense equivalent?, models.set_mode's mode, (switch, value) set for its bursts or None)
+VARIANTS = {"stock": (False, "stock", None), "patched": (False, "patched", None), "dense equivalent": (True, "stock", None)}
 PHASES = ("build", "submit", "wait")
 
 
-@contextlib.contextmanager
-def switches(values: dict):
-    """The package's switches (env.SWITCHES) set to `values` within the block, as before after."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    env.refresh()
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        env.refresh()
+def with_setting(setting):
+    """decode_split.switched(*setting) for a variant's bursts, or nothing where setting is None."""
+    return contextlib.nullcontext() if setting is None else switched(*setting)
 
 
 def switch_setting(text: str) -> tuple:
@@ -122,20 +110,20 @@ def main(argv=None):
         parser.error("--burst must be at least 2 (a burst's first token is left out)")
 
     variants = dict(VARIANTS)
-    variants.update({f"patched, {name}={value}": (False, "patched", {name: value}) for name, value in args.patched_with})
+    variants.update({f"patched, {name}={value}": (False, "patched", (name, value)) for name, value in args.patched_with})
     spec, built, tokens = models.build_decode_pair(args)
     layers = spec.config["num_hidden_layers"]
     prompt = mx.array(tokens)
     decoders, phases, rates = {}, {label: [] for label in variants}, {label: [] for label in variants}
-    for label, (dense, mode, settings) in variants.items():
+    for label, (dense, mode, setting) in variants.items():
         models.set_mode(mode)
-        with switches(settings):
+        with with_setting(setting):
             decoders[label] = Decoder(built[dense], prompt)
             decoders[label].burst(args.burst)  # warm-up at exactly the timed shapes (compiled steps traced)
     for cycle in range(args.cycles):
-        for label, (dense, mode, settings) in variants.items():
+        for label, (dense, mode, setting) in variants.items():
             models.set_mode(mode)
-            with switches(settings):
+            with with_setting(setting):
                 run = decoders[label].burst(args.burst)
             phases[label] += run[1:]
             rates[label].append((args.burst - 1) / sum(map(sum, run[1:])))
