@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import tempfile
-from types import SimpleNamespace
 
 import mlx.core as mx
 
@@ -90,24 +89,19 @@ def summary(label: str, phases: list, kernels: list, reps: int, per: int, nbytes
 
 
 def blocks_part(shapes: list, layers: int, reps: int) -> list:
-    from mlx_moe_fix.kernels import Routing, moe_router_reference
+    from mlx_moe_fix import kernels as this_tree
     from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode_kernel
 
-    from .decode_ab import ROUTINGS, expert_bytes
+    from .decode_ab import routed_layers
     from .prefill_ab import SHAPES
-    from .switch_glu import experts_of, quantized_switch_glu
+    from .switch_glu import experts_of
 
     results = []
     for shape in shapes:
-        hidden, ffn, count, top_k = SHAPES[shape]
-        kind, normalize = ROUTINGS[shape]
-        routing = Routing(kind, top_k, normalize)
-        built = [quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=count)) for _ in range(layers)]
+        built, logits, routing, nbytes = routed_layers(shape, layers, this_tree)
         experts = [experts_of(layer) for layer in built]
-        logits = [mx.random.normal((1, count)).astype(mx.bfloat16) for _ in built]
-        x0 = (mx.random.normal((1, hidden)) * 0.5).astype(mx.bfloat16)
-        mx.eval(logits, x0)
-        nbytes = sum(expert_bytes(layer, moe_router_reference(lg, routing)[0]) for layer, lg in zip(built, logits)) / layers
+        x0 = (mx.random.normal((1, SHAPES[shape][0])) * 0.5).astype(mx.bfloat16)
+        mx.eval(x0)
 
         def chained():
             x, outputs = x0, []

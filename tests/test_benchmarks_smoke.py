@@ -436,3 +436,24 @@ def test_gpu_timeline_says_it_needs_a_cuda_gpu():
 
     with pytest.raises(SystemExit, match="CUDA GPU"):
         gpu_timeline.main(["--parts", "blocks"])
+
+
+def test_decode_ab_routed_layers_count_each_layers_distinct_routed_experts(monkeypatch):
+    import mlx.core as mx
+    import numpy as np
+
+    from benchmarks import decode_ab
+    from mlx_moe_fix import kernels
+
+    monkeypatch.setitem(decode_ab.SHAPES, "tiny", (128, 64, 8, 2))
+    monkeypatch.setitem(decode_ab.ROUTINGS, "tiny", ("softmax_topk", True))
+    built, logits, routing, per_layer_bytes = decode_ab.routed_layers("tiny", 3, kernels)
+    assert len(built) == len(logits) == 3 and all(lg.shape == (1, 8) for lg in logits)
+    assert routing == kernels.Routing("softmax_topk", 2, True)
+    expected = []
+    for layer, lg in zip(built, logits):
+        per_expert = sum(layer[p].weight.nbytes + layer[p].scales.nbytes + layer[p].biases.nbytes
+                         for p in ("gate_proj", "up_proj", "down_proj")) // 8
+        chosen = np.argsort(-np.array(lg.astype(mx.float32))[0])[:2]  # distinct: the top 2 of 8
+        expected.append(per_expert * len(set(chosen.tolist())))
+    assert per_layer_bytes == sum(expected) / 3
