@@ -11,8 +11,9 @@ spread over rounds is printed with it): main against itself read 0.993-1.026 (ro
 
 The other tree's package (its Python and its kernel sources together) is imported under another
 name, `mlx_moe_fix_other`. Per case: one SwitchGLU layer (4-bit g64, bf16) and random routing,
-`moe_prefill_kernel` of each tree with routing weights (routing, gate+up, down, combine);
-`--launches` layers per timed graph, median of `--reps` calls, `--rounds` rounds that alternate
+`moe_prefill_kernel` of each tree with routing weights (routing, gate+up, down, combine), and
+with `--parts`, its gate+up or down GEMM launch alone (each tree's own routing and GEMM choice,
+computed once); `--launches` layers (or launches) per timed graph, median of `--reps` calls, `--rounds` rounds that alternate
 which tree goes first. The table gives each tree's TFLOP/s (the layer's useful FLOPs over the
 median), the median and range over rounds of the speed ratio (this tree / the other), and
 whether both trees' outputs are equal.
@@ -59,23 +60,49 @@ def alternating_rounds(calls: dict, rounds: int, seconds) -> tuple:
     return times, [f"{statistics.median(ratios):.3f}", f"{min(ratios):.3f}-{max(ratios):.3f}"]
 
 
-def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, launches: int) -> list:
+PARTS = ("layer", "gate_up", "down")
+
+
+def part_calls(prefill, experts, x, indices, weights) -> dict:
+    """Per part (PARTS), a call of this tree's kernels on the case, and what its output is compared
+    on: the whole layer; gate+up's launch (its rows in pair order: the route kernel places an
+    expert's rows in atomic order, and neither tree writes the padding rows); the down launch on
+    the gate+up's rows."""
+    top_k, pairs = indices.shape[-1], indices.size
+    tile = prefill.tile_height(pairs, experts.num_experts)
+    routing = (*prefill.route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile), tile)
+    first = prefill.gemm_kernel(experts, "first", tile)
+    rows = prefill.gemm_rows(x, first)
+    mx.eval(routing[:2], rows)
+    hidden = prefill.grouped(rows, routing, pairs, top_k, experts, "first", first)
+    mx.eval(hidden)
+    row_pair = routing[0]
+    in_pair_order = mx.argsort(mx.where(row_pair >= 0, row_pair, pairs))[:pairs]
+    return {
+        "layer": (lambda: prefill.moe_prefill_kernel(x, indices, experts, weights), lambda out: out),
+        "gate_up": (lambda: prefill.grouped(rows, routing, pairs, top_k, experts, "first", first),
+                    lambda out: out[in_pair_order]),
+        "down": (lambda: prefill.grouped(hidden, routing, pairs, top_k, experts, "last"), lambda out: out),
+    }
+
+
+def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, launches: int, part: str = "layer") -> list:
     hidden, ffn, count, top_k = SHAPES[shape]
     layer = quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=count))
     x = (mx.random.normal((tokens, hidden)) * 0.5).astype(mx.bfloat16)
     indices = random_routing(tokens, count, top_k)
     weights = mx.softmax(mx.random.normal(indices.shape), axis=-1).astype(mx.bfloat16)
     mx.eval(x, indices, weights)
-    layers = {}
+    calls, compared = {}, {}
     for name, package in kernels.items():
         prefill = importlib.import_module(f"{package.__name__}.moe_prefill")
-        experts = experts_of(layer, package)
-        layers[name] = lambda prefill=prefill, experts=experts: prefill.moe_prefill_kernel(x, indices, experts, weights)
-    outputs = {name: fn() for name, fn in layers.items()}
+        calls[name], compared[name] = part_calls(prefill, experts_of(layer, package), x, indices, weights)[part]
+    outputs = {name: compared[name](fn()) for name, fn in calls.items()}
     mx.eval(list(outputs.values()))
-    times, ratio = alternating_rounds(layers, rounds, lambda layer: bench(repeated(layer, launches), 2, reps).median / launches)
-    flops = 3 * 2 * indices.size * hidden * ffn
-    return [f"{shape} T={tokens}", *(fmt(flops / statistics.median(times[n]) / 1e12) for n in ("other", "this")), *ratio,
+    times, ratio = alternating_rounds(calls, rounds, lambda call: bench(repeated(call, launches), 2, reps).median / launches)
+    projections = {"layer": 3, "gate_up": 2, "down": 1}[part]
+    flops = projections * 2 * indices.size * hidden * ffn
+    return [f"{shape} T={tokens}", part, *(fmt(flops / statistics.median(times[n]) / 1e12) for n in ("other", "this")), *ratio,
             "yes" if mx.array_equal(outputs["this"], outputs["other"]).item() else "no"]
 
 
@@ -85,18 +112,20 @@ def main(argv=None):
     parser.add_argument("--cases", default="qwen3:512,qwen3:2048,mixtral:512,mixtral:2048", help="shape:tokens,...")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--launches", type=int, default=4, help="layers per timed graph")
+    parser.add_argument("--launches", type=int, default=4, help="layers (or launches) per timed graph")
+    parser.add_argument("--parts", default="layer", help=f"what to time, of {','.join(PARTS)}")
     args = parser.parse_args(argv)
     if not mx.cuda.is_available():
         raise SystemExit("prefill_ab times the CUDA prefill kernels: run it on a CUDA GPU")
     with tempfile.TemporaryDirectory() as into:
         kernels = {"this": importlib.import_module("mlx_moe_fix.kernels"), "other": load_other(args.other, into)}
-        columns = ["case", "other TF/s", "this TF/s", "this / other (median)", "range", "same output"]
+        columns = ["case", "part", "other TF/s", "this TF/s", "this / other (median)", "range", "same output"]
         rows = []
         for case in args.cases.split(","):
             shape, tokens = case.split(":")
-            rows.append(time_case(shape, int(tokens), kernels, args.rounds, args.reps, args.launches))
-            print(markdown_table(columns, rows[-1:]), flush=True)
+            for part in args.parts.split(","):
+                rows.append(time_case(shape, int(tokens), kernels, args.rounds, args.reps, args.launches, part))
+                print(markdown_table(columns, rows[-1:]), flush=True)
         print(markdown_table(columns, rows))
 
 

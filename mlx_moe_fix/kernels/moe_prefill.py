@@ -53,7 +53,7 @@ OUTPUTS = {"grouped": ["out"], "grouped_wgmma": ["out"], "route": ["row_pair", "
 # launch (gate+up) of 4-bit experts, its activation rows in wgmma_k_order (gemm_kernel).
 GEMMS = ("grouped", "grouped_wgmma")
 WGMMA_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL_WGMMA"
-WGMMA_STAGES = 4
+WGMMA_STAGES = 5
 WGMMA_BLOCK_N = 128  # two warpgroups of 64 output columns
 WGMMA_THREADS = 256
 WGMMA_MIN_TILE = 64

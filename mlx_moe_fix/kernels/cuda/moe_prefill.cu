@@ -28,7 +28,10 @@ using namespace moe_common;
 
 constexpr int BK = 64;       // k-step
 constexpr int STAGES = 3;    // cp.async pipeline depth (4 measured no faster on the H200)
-constexpr int WGMMA_STAGES = 4;  // grouped_wgmma's
+constexpr int WGMMA_STAGES = 5;  // grouped_wgmma's
+// grouped_wgmma refills the stage read two k-steps back, whose wgmmas have completed, so that no
+// k-step waits for the previous one's last wgmmas: WGMMA_STAGES - 2 stages in flight.
+constexpr int WGMMA_AHEAD = WGMMA_STAGES - 2;
 constexpr int LDS = BK + 8;  // shared row stride of A (values of T): 144 bytes, so 8 rows' 16-byte reads hit distinct banks
 
 __device__ __forceinline__ unsigned smem_address(const void* p) {
@@ -124,6 +127,27 @@ __device__ __forceinline__ float finish(float first, float second, const Dims& d
     if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(scale[expert])));
   }
   return activate<T>(ACT, LIMITED, up, gate, params[0], params[1]);
+}
+
+// A block's BM x RBN outputs, staged in shared memory as rows OUT_STRIDE values apart, leave as
+// 16-byte row pieces: to padded row tile x BM + r (ACTIVATE), or to row `pair` of the per-pair
+// output; padding rows and columns past out_dim stay unwritten. Scattered 2-byte stores of the
+// fragments wrote each 32-byte sector in several partial pieces.
+constexpr int OUT_STRIDE = 128 + 8;  // values of T: rows 16 bytes apart in the banks
+template <typename T, int BM, int RBN, int THREADS, bool ACTIVATE>
+__device__ __forceinline__ void store_staged_rows(const T* staged, T* out, const int* row_pair, int tile, int n0, int out_dim, int tid) {
+  static_assert(RBN <= OUT_STRIDE - 8, "a staged row holds the block's columns");
+  constexpr int CHUNKS = RBN / 8;  // 16-byte pieces of an output row
+#pragma unroll
+  for (int i = 0; i < BM * CHUNKS / THREADS + (BM * CHUNKS % THREADS != 0); ++i) {
+    const int c = tid + i * THREADS;
+    const int r = c / CHUNKS, column = n0 + c % CHUNKS * 8;
+    if (r >= BM || column >= out_dim) continue;
+    const int pair = row_pair[tile * BM + r];
+    if (pair < 0) continue;
+    const size_t row = ACTIVATE ? (size_t)tile * BM + r : (size_t)pair;
+    *reinterpret_cast<uint4*>(&out[row * out_dim + column]) = *reinterpret_cast<const uint4*>(&staged[r * OUT_STRIDE + c % CHUNKS * 8]);
+  }
 }
 
 // Hopper's warpgroup MMA (grouped_wgmma): D[64 x N] += A[64 x 16] B[16 x N], A from registers
@@ -363,26 +387,31 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     }
   }
 
+  // The outputs through shared memory (the pipeline's, free once every warp is here).
+  static_assert(BM * OUT_STRIDE * sizeof(T) <= STAGES * (A_STAGE * sizeof(T) + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
+  T* staged = reinterpret_cast<T*>(shared_bytes);
+  __syncthreads();
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = wm * WM + mi * 16 + g + half * 8;
-      const int pair = row_pair[tile * BM + r];
-      if (pair < 0) continue;
+      if (row_pair[tile * BM + r] < 0) continue;
 #pragma unroll
       for (int ni = 0; ni < WN / 8; ++ni) {
+        const int column = wn * WN + ni * 8 + 2 * t, n = n0 + column;
+        if (n >= d.out_dim) continue;
+        float value[2];
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int n = n0 + wn * WN + ni * 8 + 2 * t + j;
-          if (n >= d.out_dim) continue;
-          const float value = finish<T, ACTIVATE, GATED, ACT, LIMITED>(acc[0][mi][ni][half * 2 + j], acc[MATRICES - 1][mi][ni][half * 2 + j],
-                                                                      d, bias0, bias1, scale, params, expert, n);
-          out[(ACTIVATE ? (size_t)tile * BM + r : (size_t)pair) * d.out_dim + n] = static_cast<T>(value);
-        }
+        for (int j = 0; j < 2; ++j)
+          value[j] = finish<T, ACTIVATE, GATED, ACT, LIMITED>(acc[0][mi][ni][half * 2 + j], acc[MATRICES - 1][mi][ni][half * 2 + j],
+                                                              d, bias0, bias1, scale, params, expert, n + j);
+        *reinterpret_cast<unsigned*>(&staged[r * OUT_STRIDE + column]) = pack2<T>(value[0], value[1]);
       }
     }
   }
+  __syncthreads();
+  store_staged_rows<T, BM, RBN, THREADS, ACTIVATE>(staged, out, row_pair, tile, n0, d.out_dim, tid);
 }
 
 //// grouped_wgmma
@@ -483,19 +512,20 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     for (int i = 0; i < BM / 2; ++i) acc[m][i] = 0.f;
 
 #pragma unroll
-  for (int s = 0; s < WGMMA_STAGES - 1; ++s) {
+  for (int s = 0; s < WGMMA_AHEAD; ++s) {
     if (s < k_steps) load_stage(s, s * BK);
     asm volatile("cp.async.commit_group;\n" ::);
   }
   load_scales(0);
   for (int step = 0; step < k_steps; ++step) {
     const int stage = step % WGMMA_STAGES;
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(WGMMA_STAGES - 2));
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(WGMMA_AHEAD - 1));
     // this thread's cp.async writes, visible to the wgmmas' (async proxy) reads after the barrier
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    wgmma_wait<0>();  // the previous step's last wgmmas, which read the stage refilled below
     __syncthreads();
-    const int ahead = step + WGMMA_STAGES - 1;
+    // The stage refilled here was read two k-steps back: every warpgroup has since waited until
+    // at most its last k16 step's wgmmas were pending, and every thread has passed the barrier.
+    const int ahead = step + WGMMA_AHEAD;
     if (ahead < k_steps) load_stage(ahead % WGMMA_STAGES, ahead * BK);
     asm volatile("cp.async.commit_group;\n" ::);
 
@@ -547,7 +577,6 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   // The block's outputs through shared memory (the pipeline's, free once every warp is here): a
   // thread's accumulators are 2-byte pieces of BM rows, each output row leaves as 16-byte stores.
   // acc[m][4j + 2 h8 + e] is block column row + 8 h8 of tile row 8j + 2t + e.
-  constexpr int OUT_STRIDE = RBN + 8;  // values of T: rows 16 bytes apart in the banks
   static_assert(BM * OUT_STRIDE * 2 <= WGMMA_STAGES * (B_STAGE_BYTES + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
   T* staged = reinterpret_cast<T*>(shared_bytes);
   __syncthreads();
@@ -565,16 +594,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     }
   }
   __syncthreads();
-  constexpr int CHUNKS = RBN / 8;  // 16-byte pieces of an output row
-#pragma unroll
-  for (int i = 0; i < BM * CHUNKS / THREADS + (BM * CHUNKS % THREADS != 0); ++i) {
-    const int c = tid + i * THREADS;
-    const int r = c / CHUNKS, column = n0 + c % CHUNKS * 8;
-    if (r >= BM || column >= d.out_dim) continue;
-    if (row_pair[tile * BM + r] < 0) continue;
-    *reinterpret_cast<uint4*>(&out[((size_t)tile * BM + r) * d.out_dim + column]) =
-        *reinterpret_cast<const uint4*>(&staged[r * OUT_STRIDE + c % CHUNKS * 8]);
-  }
+  store_staged_rows<T, BM, RBN, THREADS, true>(staged, out, row_pair, tile, n0, d.out_dim, tid);
 }
 
 //// route
