@@ -63,6 +63,12 @@ def alternating_rounds(calls: dict, rounds: int, seconds) -> tuple:
 PARTS = ("layer", "gate_up", "down")
 
 
+def in_pair_order(rows: mx.array, row_pair: mx.array, pairs: int) -> mx.array:
+    """The rows of an expert-sorted launch's output (row r holds pair row_pair[r], -1: padding) in
+    pair order: two trees' route kernels may place an expert's rows in different orders."""
+    return rows[mx.argsort(mx.where(row_pair >= 0, row_pair, pairs))[:pairs]]
+
+
 def part_calls(prefill, experts, x, indices, weights) -> dict:
     """Per part (PARTS), a call of this tree's kernels on the case, and what its output is compared
     on: the whole layer; gate+up's launch (its rows in pair order: the route kernel places an
@@ -76,12 +82,10 @@ def part_calls(prefill, experts, x, indices, weights) -> dict:
     mx.eval(routing[:2], rows)
     hidden = prefill.grouped(rows, routing, pairs, top_k, experts, "first", first)
     mx.eval(hidden)
-    row_pair = routing[0]
-    in_pair_order = mx.argsort(mx.where(row_pair >= 0, row_pair, pairs))[:pairs]
     return {
         "layer": (lambda: prefill.moe_prefill_kernel(x, indices, experts, weights), lambda out: out),
         "gate_up": (lambda: prefill.grouped(rows, routing, pairs, top_k, experts, "first", first),
-                    lambda out: out[in_pair_order]),
+                    lambda out: in_pair_order(out, routing[0], pairs)),
         "down": (lambda: prefill.grouped(hidden, routing, pairs, top_k, experts, "last"), lambda out: out),
     }
 

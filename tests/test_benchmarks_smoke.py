@@ -240,6 +240,18 @@ def test_prefill_forward_smoke_times_every_variant(tmp_path):
     assert "prefill compiled per shape, patched: off (cpu: only the CUDA kernels' calls are compiled)" in out
 
 
+def test_prefill_ab_compares_gate_up_rows_in_pair_order():
+    # The route kernel places an expert's rows in atomic order, so two trees' gate+up outputs are
+    # compared pair by pair, padding rows (-1) left out.
+    import mlx.core as mx
+
+    from benchmarks.prefill_ab import in_pair_order
+
+    row_pair = mx.array([2, 0, -1, 1, -1, -1], dtype=mx.int32)
+    rows = mx.arange(12).reshape(6, 2)
+    assert in_pair_order(rows, row_pair, 3).tolist() == [[2, 3], [6, 7], [0, 1]]
+
+
 def test_prefill_ab_imports_the_other_tree_under_its_own_name(tmp_path):
     # The timing needs CUDA; the other tree's package must be its own: its Python and its
     # kernel sources, beside this tree's, not this tree's again.
