@@ -43,28 +43,33 @@ def expert_bytes(layer, indices: mx.array) -> int:
     return per_expert * np.unique(np.array(indices)).size
 
 
+def shape_routing(shape: str, package):
+    """The shape's router (ROUTINGS) as `package`'s Routing: each tree's own class."""
+    kind, normalize = ROUTINGS[shape]
+    return package.Routing(kind, SHAPES[shape][3], normalize)
+
+
 def routed_layers(shape: str, layers: int, package) -> tuple:
     """(`layers` random SwitchGLU layers of the shape, a token's router logits for each, the
     shape's routing as `package`'s Routing, the bytes of a layer's routed experts on average)."""
-    hidden, ffn, count, top_k = SHAPES[shape]
+    hidden, ffn, count, _ = SHAPES[shape]
     built = [quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=count)) for _ in range(layers)]
     logits = [mx.random.normal((1, count)).astype(mx.bfloat16) for _ in built]
     mx.eval(logits)
-    routing = package.Routing(ROUTINGS[shape][0], top_k, ROUTINGS[shape][1])
+    routing = shape_routing(shape, package)
     per_layer_bytes = sum(expert_bytes(layer, package.moe_router_reference(lg, routing)[0]) for layer, lg in zip(built, logits)) / layers
     return built, logits, routing, per_layer_bytes
 
 
 def time_shape(shape: str, kernels: dict, layers: int, rounds: int, reps: int) -> list:
-    hidden, _, _, top_k = SHAPES[shape]
-    kind, normalize = ROUTINGS[shape]
+    hidden = SHAPES[shape][0]
     built, logits, _, per_layer_bytes = routed_layers(shape, layers, kernels["this"])
     xs = [(mx.random.normal((1, hidden)) * 0.5).astype(mx.bfloat16) for _ in built]
     mx.eval(xs)
     calls = {}
     for name, package in kernels.items():
         routed = importlib.import_module(f"{package.__name__}.moe_routed_decode")
-        routing = package.Routing(kind, top_k, normalize)
+        routing = shape_routing(shape, package)
         per_layer = [experts_of(layer, package) for layer in built]
         calls[name] = lambda routed=routed, routing=routing, per_layer=per_layer: [
             routed.moe_routed_decode_kernel(x, lg, routing, experts) for x, lg, experts in zip(xs, logits, per_layer)]

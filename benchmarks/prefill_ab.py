@@ -13,8 +13,8 @@ The other tree's package (its Python and its kernel sources together) is importe
 name, `mlx_moe_fix_other`. Per case: one SwitchGLU layer (4-bit g64, bf16) and random routing,
 `moe_prefill_kernel` of each tree with routing weights (routing, gate+up, down, combine), and
 with `--parts`, its gate+up or down GEMM launch alone (each tree's own routing and GEMM choice,
-computed once); `--launches` layers (or launches) per timed graph, median of `--reps` calls, `--rounds` rounds that alternate
-which tree goes first. The table gives each tree's TFLOP/s (the layer's useful FLOPs over the
+computed once a case); `--launches` layers (or launches) per timed graph, median of `--reps`
+calls, `--rounds` rounds that alternate which tree goes first. The table gives each tree's TFLOP/s (the layer's useful FLOPs over the
 median), the median and range over rounds of the speed ratio (this tree / the other), and
 whether both trees' outputs are equal.
 """
@@ -90,24 +90,26 @@ def part_calls(prefill, experts, x, indices, weights) -> dict:
     }
 
 
-def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, launches: int, part: str = "layer") -> list:
+def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, launches: int, parts=("layer",)):
+    """A table row per part (PARTS) of one case, as each is timed; the case is built once."""
     hidden, ffn, count, top_k = SHAPES[shape]
     layer = quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=count))
     x = (mx.random.normal((tokens, hidden)) * 0.5).astype(mx.bfloat16)
     indices = random_routing(tokens, count, top_k)
     weights = mx.softmax(mx.random.normal(indices.shape), axis=-1).astype(mx.bfloat16)
     mx.eval(x, indices, weights)
-    calls, compared = {}, {}
-    for name, package in kernels.items():
-        prefill = importlib.import_module(f"{package.__name__}.moe_prefill")
-        calls[name], compared[name] = part_calls(prefill, experts_of(layer, package), x, indices, weights)[part]
-    outputs = {name: compared[name](fn()) for name, fn in calls.items()}
-    mx.eval(list(outputs.values()))
-    times, ratio = alternating_rounds(calls, rounds, lambda call: bench(repeated(call, launches), 2, reps).median / launches)
-    projections = {"layer": 3, "gate_up": 2, "down": 1}[part]
-    flops = projections * 2 * indices.size * hidden * ffn
-    return [f"{shape} T={tokens}", part, *(fmt(flops / statistics.median(times[n]) / 1e12) for n in ("other", "this")), *ratio,
-            "yes" if mx.array_equal(outputs["this"], outputs["other"]).item() else "no"]
+    trees = {name: part_calls(importlib.import_module(f"{package.__name__}.moe_prefill"), experts_of(layer, package),
+                              x, indices, weights)
+             for name, package in kernels.items()}
+    for part in parts:
+        calls = {name: tree[part][0] for name, tree in trees.items()}
+        outputs = {name: trees[name][part][1](call()) for name, call in calls.items()}
+        mx.eval(list(outputs.values()))
+        times, ratio = alternating_rounds(calls, rounds, lambda call: bench(repeated(call, launches), 2, reps).median / launches)
+        projections = {"layer": 3, "gate_up": 2, "down": 1}[part]
+        flops = projections * 2 * indices.size * hidden * ffn
+        yield [f"{shape} T={tokens}", part, *(fmt(flops / statistics.median(times[n]) / 1e12) for n in ("other", "this")),
+               *ratio, "yes" if mx.array_equal(outputs["this"], outputs["other"]).item() else "no"]
 
 
 def main(argv=None):
@@ -127,8 +129,8 @@ def main(argv=None):
         rows = []
         for case in args.cases.split(","):
             shape, tokens = case.split(":")
-            for part in args.parts.split(","):
-                rows.append(time_case(shape, int(tokens), kernels, args.rounds, args.reps, args.launches, part))
+            for row in time_case(shape, int(tokens), kernels, args.rounds, args.reps, args.launches, args.parts.split(",")):
+                rows.append(row)
                 print(markdown_table(columns, rows[-1:]), flush=True)
         print(markdown_table(columns, rows))
 
