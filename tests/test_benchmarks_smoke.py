@@ -469,3 +469,39 @@ def test_decode_ab_routed_layers_count_each_layers_distinct_routed_experts(monke
         chosen = np.argsort(-np.array(lg.astype(mx.float32))[0])[:2]  # distinct: the top 2 of 8
         expected.append(per_expert * len(set(chosen.tolist())))
     assert per_layer_bytes == sum(expected) / 3
+
+
+def test_prefill_ncu_stall_tables_share_each_kernels_samples_by_opcode():
+    from benchmarks.prefill_ncu import kernel_label, opcode, stalls
+
+    name = ("mlx::core::cu::custom_kernel_mlx_moe_fix_moe_prefill_grouped_wgmma_smem81920_lb256x2_bdf5f14151ae_"
+            "bfloat16_t_bfloat16_t_float_4_64_64_t_t_t_0_f_f(const __nv_bfloat16 *, const int *)")
+    columns = '"Address","Source","Warp Stall Sampling (All Samples)","stall_long_sb","stall_mio","stall_mio (Not Issued)"\n'
+
+    def kernel(kernel_name, rows):
+        return f'"Kernel Name","{kernel_name}",\n' + columns + "".join(
+            f'"0x{i:x}","{source}","{long_sb + mio}","{long_sb}","{mio}","0"\n' for i, (source, long_sb, mio) in enumerate(rows))
+
+    text = kernel(name, [("      LDS R1, [R2]", 0, 30), ("@!PT  LDS RZ, [RZ]", 0, 10), ("FENCE.VIEW.ASYNC.S", 50, 0),
+                         ("HGMMA.64x64x16.F32.BF16 R24, R96, gdesc[UR24], R24", 10, 0)])
+    text += kernel("custom_kernel_mlx_moe_fix_moe_prefill_grouped_smem39936_lb128x3_108b121e0a17_bfloat16_t_4(int)",
+                   [("HMMA.16816.F32.BF16 R1, R2, R4, R1", 3, 1)])
+    (label, total, opcodes, instructions), (other, other_total, *_) = stalls(text, top=2)
+    assert label == "grouped_wgmma_lb256x2 bdf5 bfloat16_t_bfloat16_t_float_4_64_64_t_t_t_0_f_f" and total == 100
+    assert other == "grouped_lb128x3 108b bfloat16_t_4" and other_total == 4
+    # the predicated LDS counts with the other LDS; the table keeps the top 2 opcodes
+    assert opcodes == [("FENCE", "50.0", "long_sb 50.0"), ("LDS", "40.0", "mio 40.0")]
+    assert instructions[0] == ("FENCE.VIEW.ASYNC.S", "50.00", "long_sb 50.0") and len(instructions) == 2
+    assert opcode("@P3   BRA 0x7fd08f7be660") == "BRA" and opcode("") == "?"
+    assert kernel_label("custom_kernel_other(int)") == "custom_kernel_other"
+
+
+def test_prefill_ncu_refuses_to_run_without_cuda_and_names_unknown_parts():
+    import mlx.core as mx
+
+    done = subprocess.run([sys.executable, "-m", "benchmarks.prefill_ncu", "--parts", "gate_up,up"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "unknown parts ['up']" in done.stderr
+    if not mx.cuda.is_available():
+        done = subprocess.run([sys.executable, "-m", "benchmarks.prefill_ncu"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and "run it on a CUDA GPU" in done.stderr

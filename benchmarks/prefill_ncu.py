@@ -1,0 +1,131 @@
+"""The prefill GEMM launches alone, for ncu, and a table of where their warps stall.
+
+    ncu --section SourceCounters --section WarpStateStats --section SpeedOfLight --kernel-name regex:grouped \\
+        --launch-skip 2 --launch-count 2 -o prefill -f python3 -m benchmarks.prefill_ncu --cases qwen3:2048
+    ncu -i prefill.ncu-rep --page source --csv --print-source sass > source.csv
+    python3 -m benchmarks.prefill_ncu --stalls source.csv   # per kernel: stall samples by SASS opcode
+
+One quantized mlx-lm SwitchGLU per case (4-bit g64 bf16, random routing, as benchmarks.prefill_ab
+builds it) and its CUDA prefill GEMM launches: per case the routing and one gate+up launch are
+made while building, then each part in --parts (`gate_up`: the first launch, on wgmma where
+moe_prefill.gemm_kernel takes it; `down`: the last) --calls times after one warm call. So with
+--parts gate_up,down and --calls 1 each case launches "grouped" kernels in the order gate+up (build),
+gate+up x 2, down x 2: `--launch-skip 2 --launch-count 2` profiles one timed gate+up and the first
+down. The whole layer is checked against moe_prefill_reference once per case.
+
+--stalls reads ncu's source page (`--page source --csv --print-source sass`, from a report taken
+with the SourceCounters section) and prints, per kernel, the share of warp-stall samples each
+opcode takes with its leading stall reasons, then the instructions with the most samples.
+"""
+
+import argparse
+import collections
+import csv
+import importlib
+import io
+import re
+from types import SimpleNamespace
+
+import mlx.core as mx
+
+from .kernels import random_routing
+from .prefill_ab import SHAPES, part_calls
+from .switch_glu import experts_of, quantized_switch_glu
+from .timing import markdown_table, relative_error
+
+PARTS = ("gate_up", "down")
+SAMPLES = "Warp Stall Sampling (All Samples)"
+
+
+def run(cases: list, parts: list, calls: int) -> None:
+    package = importlib.import_module("mlx_moe_fix.kernels")
+    prefill = importlib.import_module("mlx_moe_fix.kernels.moe_prefill")
+    for case in cases:
+        shape, tokens = case.split(":")
+        hidden, ffn, count, top_k = SHAPES[shape]
+        layer = quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=count))
+        x = (mx.random.normal((int(tokens), hidden)) * 0.5).astype(mx.bfloat16)
+        indices = random_routing(int(tokens), count, top_k)
+        weights = mx.softmax(mx.random.normal(indices.shape), axis=-1).astype(mx.bfloat16)
+        mx.eval(x, indices, weights)
+        experts = experts_of(layer, package)
+        calls_of = part_calls(prefill, experts, x, indices, weights)
+        for part in parts:
+            for _ in range(1 + calls):
+                mx.eval(calls_of[part][0]())
+        error = relative_error(calls_of["layer"][0](), prefill.moe_prefill_reference(x, indices, experts, weights))
+        print(f"check {case}: layer against moe_prefill_reference, relative error {error:.2e}", flush=True)
+
+
+def kernel_label(name: str) -> str:
+    """A prefill GEMM's label: GEMM, launch bounds, source digest and template arguments."""
+    ours = re.search(r"moe_prefill_(grouped_wgmma|grouped)_smem\d+(_lb\d+x\d+)?_([0-9a-f]{12})_(\w*)", name.split("(")[0])
+    return f"{ours.group(1)}{ours.group(2) or ''} {ours.group(3)[:4]} {ours.group(4)}" if ours else name.split("(")[0][-48:]
+
+
+def opcode(source: str) -> str:
+    """`@!P0 LDG.E.U16 R1, [R2]` -> LDG."""
+    words = [word for word in source.split() if not word.startswith("@")]
+    return words[0].split(".")[0] if words else "?"
+
+
+def stalls(text: str, top: int = 12) -> list:
+    """ncu's source page (csv, SASS) -> per kernel (label, samples, by-opcode rows, top-instruction
+    rows); each row holds the share of the kernel's stall samples and its leading reasons."""
+    sections = re.split(r'^(?="Kernel Name")', text, flags=re.M)
+    kernels = []
+    for section in sections:
+        lines = section.splitlines()
+        if not lines or not lines[0].startswith('"Kernel Name"'):
+            continue
+        name = next(csv.reader([lines[0]]))[1]
+        rows = list(csv.DictReader(io.StringIO("\n".join(lines[1:]))))
+        reasons = [key for key in (rows[0] if rows else {}) if key.startswith("stall_") and "Not Issued" not in key]
+        total = sum(int(row[SAMPLES]) for row in rows) or 1
+
+        def leading(counter) -> str:
+            return ", ".join(f"{key[6:]} {value * 100 / total:.1f}" for key, value in counter.most_common(3) if value)
+
+        by_opcode, opcode_reasons = collections.Counter(), collections.defaultdict(collections.Counter)
+        for row in rows:
+            op = opcode(row["Source"])
+            by_opcode[op] += int(row[SAMPLES])
+            opcode_reasons[op].update({key: int(row[key]) for key in reasons})
+        opcodes = [(op, f"{samples * 100 / total:.1f}", leading(opcode_reasons[op])) for op, samples in by_opcode.most_common(top)]
+        busiest = sorted(rows, key=lambda row: -int(row[SAMPLES]))[:top]
+        instructions = [(row["Source"].strip()[:56], f"{int(row[SAMPLES]) * 100 / total:.2f}",
+                         leading(collections.Counter({key: int(row[key]) for key in reasons}))) for row in busiest]
+        kernels.append((kernel_label(name), total, opcodes, instructions))
+    return kernels
+
+
+def print_stalls(kernels: list) -> None:
+    for label, total, opcodes, instructions in kernels:
+        print(f"\n### {label}: {total} stall samples\n")
+        print(markdown_table(["opcode", "% of samples", "leading reasons (% of samples)"], opcodes))
+        print()
+        print(markdown_table(["instruction", "% of samples", "leading reasons (% of samples)"], instructions))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="qwen3:2048", help="shape:tokens,... (shapes of benchmarks.prefill_ab)")
+    parser.add_argument("--parts", default="gate_up,down", help=f"of {','.join(PARTS)}")
+    parser.add_argument("--calls", type=int, default=1, help="launches of each part after its warm one")
+    parser.add_argument("--stalls", metavar="CSV", help="print the stall tables of ncu's source page instead of running")
+    parser.add_argument("--top", type=int, default=12, help="rows per stall table")
+    args = parser.parse_args(argv)
+    if args.stalls:
+        with open(args.stalls) as page:
+            print_stalls(stalls(page.read(), args.top))
+        return
+    parts = args.parts.split(",")
+    if unknown := set(parts) - set(PARTS):
+        raise SystemExit(f"unknown parts {sorted(unknown)} (of {', '.join(PARTS)})")
+    if not mx.cuda.is_available():
+        raise SystemExit("prefill_ncu launches the CUDA prefill kernels: run it on a CUDA GPU")
+    run(args.cases.split(","), parts, args.calls)
+
+
+if __name__ == "__main__":
+    main()
