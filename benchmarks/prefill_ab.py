@@ -90,14 +90,22 @@ def part_calls(prefill, experts, x, indices, weights) -> dict:
     }
 
 
-def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, launches: int, parts=("layer",)):
-    """A table row per part (PARTS) of one case, as each is timed; the case is built once."""
+def build_case(shape: str, tokens: int) -> tuple:
+    """(one random quantized SwitchGLU layer of the shape, x [tokens, hidden], its random routing's
+    indices and weights), evaluated."""
     hidden, ffn, count, top_k = SHAPES[shape]
     layer = quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=count))
     x = (mx.random.normal((tokens, hidden)) * 0.5).astype(mx.bfloat16)
     indices = random_routing(tokens, count, top_k)
     weights = mx.softmax(mx.random.normal(indices.shape), axis=-1).astype(mx.bfloat16)
     mx.eval(x, indices, weights)
+    return layer, x, indices, weights
+
+
+def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, launches: int, parts=("layer",)):
+    """A table row per part (PARTS) of one case, as each is timed; the case is built once."""
+    hidden, ffn = SHAPES[shape][:2]
+    layer, x, indices, weights = build_case(shape, tokens)
     trees = {name: part_calls(importlib.import_module(f"{package.__name__}.moe_prefill"), experts_of(layer, package),
                               x, indices, weights)
              for name, package in kernels.items()}

@@ -24,13 +24,11 @@ import csv
 import importlib
 import io
 import re
-from types import SimpleNamespace
 
 import mlx.core as mx
 
-from .kernels import random_routing
-from .prefill_ab import SHAPES, part_calls
-from .switch_glu import experts_of, quantized_switch_glu
+from .prefill_ab import build_case, part_calls
+from .switch_glu import experts_of
 from .timing import markdown_table, relative_error
 
 PARTS = ("gate_up", "down")
@@ -42,12 +40,7 @@ def run(cases: list, parts: list, calls: int) -> None:
     prefill = importlib.import_module("mlx_moe_fix.kernels.moe_prefill")
     for case in cases:
         shape, tokens = case.split(":")
-        hidden, ffn, count, top_k = SHAPES[shape]
-        layer = quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=count))
-        x = (mx.random.normal((int(tokens), hidden)) * 0.5).astype(mx.bfloat16)
-        indices = random_routing(int(tokens), count, top_k)
-        weights = mx.softmax(mx.random.normal(indices.shape), axis=-1).astype(mx.bfloat16)
-        mx.eval(x, indices, weights)
+        layer, x, indices, weights = build_case(shape, int(tokens))
         experts = experts_of(layer, package)
         calls_of = part_calls(prefill, experts, x, indices, weights)
         for part in parts:
