@@ -62,12 +62,14 @@ def parse_variant(text: str) -> tuple:
 def run_variant(layer, x, logits, routing: Routing, kind: str, knobs: dict, calls: int) -> float:
     """`calls` decode calls of one variant; the last output's max |error| against fp32."""
     defaults = {name: getattr(decode_module, constant) for name, constant in KNOBS.items()}
-    bounds = routed_module.LAUNCH_BOUNDS
+    bounds = decode_module.LAUNCH_BOUNDS
     try:
         for name, constant in KNOBS.items():
             setattr(decode_module, constant, knobs.get(name, defaults[name]))
         warps = decode_module.WARPS_PER_BLOCK
-        routed_module.LAUNCH_BOUNDS = (warps * 32, knobs.get("resident", routed_module.RESIDENT_WARPS) // warps)
+        # every decode launch's bounds (moe_routed_decode holds its own name for them)
+        decode_module.LAUNCH_BOUNDS = routed_module.LAUNCH_BOUNDS = (
+            warps * 32, knobs.get("resident", decode_module.RESIDENT_WARPS) // warps)
         experts = experts_of(layer)  # a fresh memo of launch plans
         for _ in range(calls):
             if kind == "routed":
@@ -79,7 +81,7 @@ def run_variant(layer, x, logits, routing: Routing, kind: str, knobs: dict, call
     finally:
         for name, constant in KNOBS.items():
             setattr(decode_module, constant, defaults[name])
-        routed_module.LAUNCH_BOUNDS = bounds
+        decode_module.LAUNCH_BOUNDS = routed_module.LAUNCH_BOUNDS = bounds
     expected = moe_routed_decode_reference(x.astype(mx.float32), logits.astype(mx.float32), routing, experts)
     return mx.abs(y.astype(mx.float32) - expected).max().item()
 

@@ -156,17 +156,28 @@ def registers(usage: str) -> int:
     return int(re.search(r"Used (\d+) registers", usage).group(1))
 
 
+@pytest.mark.parametrize("t", ["__nv_bfloat16", "__half", "float"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_routed_decode_kernel_fits_its_launch_bounds_without_spilling(tmp_path, bits):
-    # As many blocks per SM as the unrouted gate+up: the routing must not cost occupancy.
-    threads, blocks = ROUTED.LAUNCH_BOUNDS
-    constants = {"BITS": bits, "GROUP": 64, "WARPS": threads // 32, "RPW": DECODE.ROWS_PER_WARP, "HAS_BIAS": False, "GATED": True}
-    plain = resource_usage(tmp_path, translation_unit(DECODE, "moe_decode.cu", [("gate_up", "__nv_bfloat16", constants)]))
-    routed_text = translation_unit(ROUTED, "moe_routed_decode.cu", [
-        ("routed_gate_up", "__nv_bfloat16", {**constants, "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True})])
-    routed = resource_usage(tmp_path, with_launch_bounds(routed_text, "moe_routed_decode.cu", "routed_gate_up", ROUTED.LAUNCH_BOUNDS))
-    assert registers(plain) <= 65536 // (threads * blocks), plain
-    assert registers(routed) <= 65536 // (threads * blocks) and "0 bytes spill stores" in routed, routed
+def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bits):
+    # Every decode launch as production builds it (moe_decode.LAUNCH_BOUNDS, also the routed
+    # module's): the bound must hold 16 warps an SM without spilling, whichever GEMV path (the
+    # fixed-point one for 4-bit weights and 16-bit activations, else the fp32 loop) a variant takes.
+    assert ROUTED.LAUNCH_BOUNDS == DECODE.LAUNCH_BOUNDS
+    threads, blocks = DECODE.LAUNCH_BOUNDS
+    base = {"BITS": bits, "GROUP": 64, "WARPS": threads // 32, "RPW": DECODE.ROWS_PER_WARP, "HAS_BIAS": False}
+    units = [
+        (DECODE, "moe_decode.cu", "gate_up", [{**base, "GATED": gated} for gated in (True, False)]),
+        (DECODE, "moe_decode.cu", "down", [{**base, "INPUT_PER_PAIR": True, "COMBINE": combine} for combine in (True, False)]),
+        (DECODE, "moe_decode.cu", "routed_down", [base]),
+        (ROUTED, "moe_routed_decode.cu", "routed_gate_up",
+         [{**base, "GATED": True, "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True}]),
+    ]
+    for module, filename, stage, variants in units:
+        text = translation_unit(module, filename, [(stage, t, constants) for constants in variants])
+        usage = resource_usage(tmp_path, with_launch_bounds(text, filename, stage, DECODE.LAUNCH_BOUNDS))
+        used = [int(n) for n in re.findall(r"Used (\d+) registers", usage)]
+        assert len(used) == len(variants) and max(used) <= 65536 // (threads * blocks), usage
+        assert re.findall(r"(\d+) bytes spill stores", usage) == ["0"] * len(variants), usage
 
 
 def test_a_bias_signature_that_disagrees_with_has_bias_does_not_compile(tmp_path):

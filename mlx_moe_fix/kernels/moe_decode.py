@@ -28,6 +28,12 @@ WARPS_PER_BLOCK = 4
 # all its rows (on the H200, 4 read Mixtral's experts at 1466 GB/s
 # where 1 read them at 1209: docs/benchmarks.md).
 ROWS_PER_WARP = 4
+# Every decode launch's bounds: 16 resident warps an SM (128 registers a thread). Unbounded, the
+# fixed-point GEMV's down launch took 140 and the routed gate+up a few more than the plain one:
+# room for fewer blocks (nvcc --resource-usage for sm_90a; tests/test_cuda_sources.py checks
+# that no bounded variant spills).
+RESIDENT_WARPS = 16
+LAUNCH_BOUNDS = (WARPS_PER_BLOCK * 32, RESIDENT_WARPS // WARPS_PER_BLOCK)
 
 
 def moe_decode_reference(
@@ -55,7 +61,7 @@ def gpu_kernel(stage: str, backend: str):
     None where MLX lacks that backend. The two take the same inputs, templates and grid."""
     if backend == "metal":
         return metal_kernel_object("moe_decode.metal", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]))
-    return cuda_kernel_object("moe_decode.cu", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]), 0)
+    return cuda_kernel_object("moe_decode.cu", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]), 0, LAUNCH_BOUNDS)
 
 
 def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:

@@ -27,7 +27,7 @@ from .launch import cuda_kernel_object, int_array
 from .moe_decode import decode_launches, gate_up_launch, moe_decode_implementation, moe_decode_reference
 from .moe_decode import INPUTS as DECODE_INPUTS
 from .moe_decode import OUTPUTS as DECODE_OUTPUTS
-from .moe_decode import WARPS_PER_BLOCK
+from .moe_decode import LAUNCH_BOUNDS
 from .moe_router import CUDA_KERNEL_SWITCH as ROUTER_SWITCH
 from .moe_router import Routing, moe_router_reference
 from .moe_router import cuda_unsupported_reason as router_unsupported_reason
@@ -36,11 +36,6 @@ CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTED_DECODE"
 # The kernel's parameters, in the order of its `inputs` / outputs.
 INPUTS = {"routed_gate_up": ["x", "logits", *DECODE_INPUTS["gate_up"][2:]]}
 OUTPUTS = {"routed_gate_up": ["hidden"]}
-# 16 resident warps per SM (128 registers), as the unrouted gate+up runs: unbounded, the routing
-# would take a few registers more and leave room for fewer blocks (nvcc --resource-usage for
-# sm_90a; tests/test_cuda_sources.py checks the bounded kernel does not spill).
-RESIDENT_WARPS = 16
-LAUNCH_BOUNDS = (WARPS_PER_BLOCK * 32, RESIDENT_WARPS // WARPS_PER_BLOCK)
 
 
 def moe_routed_decode_reference(x: mx.array, logits: mx.array, routing: Routing, experts: MoEExperts) -> mx.array:
@@ -72,7 +67,7 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
             output_shapes=[(rows * hidden_dims + pairs * (4 + itemsize) // itemsize,)],
         )
         routed_down = down._replace(kernel=cuda_kernel_object("moe_decode.cu", "routed_down", tuple(DECODE_INPUTS["routed_down"]),
-                                                              tuple(DECODE_OUTPUTS["routed_down"]), 0),
+                                                              tuple(DECODE_OUTPUTS["routed_down"]), 0, LAUNCH_BOUNDS),
                                     output_shapes=[(*leading_shape, experts.output_dims)])
         return routed_gate_up, routed_down
 

@@ -147,6 +147,34 @@ def test_cuda_decode_kernel_matches_ref(cuda_device, case):
     check_kernel(moe_decode_kernel, cuda_unsupported_reason(case.experts), moe_decode_reference, case)
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
+def test_cuda_decode_kernel_sums_activations_of_every_magnitude(cuda_device, dtype):
+    # The fixed-point GEMV (4-bit weights, 16-bit activations) scales each 32-value activation
+    # vector by its largest magnitude: vectors 2^-12 to 2^4 in size, a zero vector, a vector of
+    # values too small to matter, and an outlier within a vector must all sum as the fp32 oracle;
+    # an activation that is not finite makes its token's outputs not finite, as stock's are.
+    from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason, moe_decode_kernel
+
+    case = make_case(dtype, (4, 64), True, "swiglu", 50.0, False, 512, 128, 8, 2, 1, 4, with_weights=True)
+    assert cuda_unsupported_reason(case.experts) is None
+    vectors = 512 // 32
+    mx.random.seed(1)
+    magnitude = mx.power(2.0, mx.random.randint(-12, 5, (1, 4, vectors, 1)).astype(mx.float32))
+    x = mx.random.normal((1, 4, vectors, 32)) * magnitude
+    x[:, :, 0] = 0.0
+    x[:, :, 1] = x[:, :, 1] * (2.0**-110 if dtype == mx.bfloat16 else 2.0**-20)  # below 2^-105; fp16: subnormal
+    x[:, :, 2, 5] = 200.0
+    x = x.reshape(1, 4, 512).astype(dtype)
+    wide = dataclasses.replace(case, x=x)
+    check(moe_decode_kernel, wide, float32_oracle(moe_decode_reference, wide))
+    for bad in (float("nan"), float("inf")):
+        x_bad = mx.array(x)
+        x_bad[0, 1, 77] = bad
+        out = moe_decode_kernel(x_bad, case.indices, case.experts, case.weights)
+        assert not mx.isfinite(out[0, 1]).any().item(), bad
+        assert mx.array_equal(out[0, [0, 2, 3]], moe_decode_kernel(x, case.indices, case.experts, case.weights)[0, [0, 2, 3]]).item()
+
+
 @CASES
 @given(case=layer_cases())
 def test_metal_decode_kernel_matches_ref(metal_device, case):

@@ -1,5 +1,6 @@
 // Fused decode MoE for mx.fast.cuda_kernel: one warp per (pair or token, output row), 16-byte
-// loads of packed affine-quantized weights, dequantisation in registers, fp32 accumulation.
+// loads of packed affine-quantized weights, dot products in registers (4-bit weights against
+// 16-bit activations in fixed point with dp4a, the others dequantised to fp32), fp32 sums.
 //
 // Sections are split on "//// <name>" lines: `header` goes into cuda_kernel's header, the others
 // are kernel bodies. Template constants and types (set from Python; few, since each distinct
@@ -29,30 +30,43 @@ constexpr int WORDS_PER_VECTOR = 4;  // one 16-byte load of packed weights
 template <int BITS>
 constexpr int VALUES = WORDS_PER_VECTOR * 32 / BITS;
 
-// Activation vector v of `row` (VALUES<BITS> values of T from v * VALUES) as fp32.
+// Activation vector v of `row` (VALUES<BITS> values of T from v * VALUES) as loaded: its 32-bit
+// words, each holding 4 / sizeof(T) values in order.
 template <int BITS, typename T>
-__device__ __forceinline__ void load_vector(float* x, const T* row, int v) {
-  constexpr int PER_LOAD = 16 / sizeof(T);
+constexpr int ACTIVATION_WORDS = VALUES<BITS> * sizeof(T) / 4;
+template <int BITS, typename T>
+__device__ __forceinline__ void load_activation_words(unsigned (&words)[ACTIVATION_WORDS<BITS, T>], const T* row, int v) {
   const uint4* src = reinterpret_cast<const uint4*>(row + v * VALUES<BITS>);
 #pragma unroll
-  for (int i = 0; i < VALUES<BITS> / PER_LOAD; ++i) {
+  for (int i = 0; i < ACTIVATION_WORDS<BITS, T> / 4; ++i) {
     const uint4 q = src[i];
-    const unsigned words[4] = {q.x, q.y, q.z, q.w};
+    words[4 * i] = q.x, words[4 * i + 1] = q.y, words[4 * i + 2] = q.z, words[4 * i + 3] = q.w;
+  }
+}
+
+template <int BITS, typename T>
+__device__ __forceinline__ void widen(float* x, const unsigned (&words)[ACTIVATION_WORDS<BITS, T>]) {
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      float* out = x + i * PER_LOAD + w * PER_LOAD / 4;
-      if constexpr (sizeof(T) == 4) {
-        out[0] = __uint_as_float(words[w]);
-      } else if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {
-        out[0] = __uint_as_float(words[w] << 16);
-        out[1] = __uint_as_float(words[w] & 0xffff0000u);
-      } else {
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[w]));
-        out[0] = f.x;
-        out[1] = f.y;
-      }
+  for (int w = 0; w < ACTIVATION_WORDS<BITS, T>; ++w) {
+    if constexpr (sizeof(T) == 4) {
+      x[w] = __uint_as_float(words[w]);
+    } else if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {
+      x[2 * w] = __uint_as_float(words[w] << 16);
+      x[2 * w + 1] = __uint_as_float(words[w] & 0xffff0000u);
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[w]));
+      x[2 * w] = f.x;
+      x[2 * w + 1] = f.y;
     }
   }
+}
+
+// Activation vector v of `row` as fp32.
+template <int BITS, typename T>
+__device__ __forceinline__ void load_vector(float* x, const T* row, int v) {
+  unsigned words[ACTIVATION_WORDS<BITS, T>];
+  load_activation_words<BITS>(words, row, v);
+  widen<BITS, T>(x, words);
 }
 
 // Dequantisation without a shift per value: value i of a packed word is read where it lies,
@@ -95,6 +109,87 @@ __device__ __forceinline__ float dot_vector(const uint4& packed, const float* pr
   return acc;
 }
 
+// The fixed-point path (4-bit weights, 16-bit activations), where the fp32 loop above is bound
+// by the instructions it issues (three a value a row: docs/benchmarks.md, eighteenth session):
+// each activation vector becomes integers X = x 2^k (rounded; k from the vector's largest
+// magnitude, so that |X| < 2^22 and every activation within 2^14 of it is exact), split into
+// bytes, and a row's dot product is dp4a sums of its nibbles against them, exact in 32 bits,
+// converted to fp32 once a vector: ~0.75 dp4a and 0.4 mask a value a row. The split is made
+// once a vector and shared by every row the warp reads. (On the H200 it cut the routed decode's
+// kernel time by a quarter at Mixtral's shape: docs/benchmarks.md, twenty-second session.)
+template <int BITS, typename T>
+constexpr bool FIXED_POINT = BITS == 4 && sizeof(T) == 2;
+
+//   lo[2w + p], mid[..], hi[..]: bytes 0, 1 (unsigned) and 2 (signed) of X of values 8w + p + 2b
+//   (b = 0..3: the byte of the nibbles (word w >> 4p) & 0x0F0F0F0F that multiplies them).
+struct FixedVector {
+  unsigned lo[8], mid[8], hi[8];
+  float unscale;  // 2^-k; NaN where an activation is not finite, so that the row's sum is too
+  float sum;      // the activations' fp32 sum, in dot_vector's order, for the affine biases
+};
+
+template <typename T>
+__device__ __forceinline__ void load_fixed_vector(FixedVector& f, const T* row, int v) {
+  static_assert(sizeof(T) == 2, "16-bit activations");
+  constexpr int N = VALUES<4>;
+  unsigned words[ACTIVATION_WORDS<4, T>];
+  load_activation_words<4>(words, row, v);
+  // the largest magnitude's fp32 exponent field (bf16 and fp16 magnitudes order as integers)
+  unsigned largest = 0;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) largest = __vmaxu2(largest, words[i] & 0x7FFF7FFFu);
+  largest = max(largest & 0xFFFFu, largest >> 16);
+  int exponent;
+  if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {
+    exponent = largest >> 7;
+  } else {
+    exponent = (largest >> 10) == 0x1F ? 255 : (largest >> 10) + 112;  // fp16's bias 15 against fp32's 127
+  }
+  const bool finite = exponent < 255;
+  exponent = max(exponent, 22);  // below 2^-105 every X is tiny anyway; keeps 2^k and 2^-k normal
+  const float scale_up = __uint_as_float((unsigned)(275 - exponent) << 23);  // 2^k, k = 148 - exponent
+  f.unscale = finite ? __uint_as_float((unsigned)(exponent - 21) << 23) : __uint_as_float(0x7FC00000u);
+  float x[N];
+  widen<4, T>(x, words);
+  f.sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) f.sum += x[i];
+  // x 2^k + 1.5 2^23: the integer X in the low 23 bits, offset by 2^22 (byte 2 holds X's top
+  // byte plus 64; the bytewise (+ 64) ^ 0x80 below makes it X's signed top byte)
+  unsigned fixed[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) fixed[i] = __float_as_uint(fmaf(x[i], scale_up, 12582912.f));
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const unsigned* value = fixed + 8 * w + p;  // values 8w + p + 2b at value[2b]
+      const unsigned low01 = __byte_perm(value[0], value[2], 0x5140), low23 = __byte_perm(value[4], value[6], 0x5140);
+      const unsigned top01 = __byte_perm(value[0], value[2], 0x0062), top23 = __byte_perm(value[4], value[6], 0x0062);
+      f.lo[2 * w + p] = __byte_perm(low01, low23, 0x5410);
+      f.mid[2 * w + p] = __byte_perm(low01, low23, 0x7632);
+      f.hi[2 * w + p] = (__byte_perm(top01, top23, 0x5410) + 0x40404040u) ^ 0x80808080u;
+    }
+  }
+}
+
+// Sum over a 4-bit vector's 32 values of q * X, exact in 32 bits (|q X| < 15 2^22 and 32 of them).
+__device__ __forceinline__ int dot_fixed(const uint4& packed, const FixedVector& f) {
+  const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
+  unsigned hi = 0, mid = 0, lo = 0;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const unsigned q = (words[w] >> (4 * p)) & 0x0F0F0F0Fu;
+      asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(hi) : "r"(q), "r"(f.hi[2 * w + p]));
+      asm("dp4a.u32.u32 %0, %1, %2, %0;" : "+r"(mid) : "r"(q), "r"(f.mid[2 * w + p]));
+      asm("dp4a.u32.u32 %0, %1, %2, %0;" : "+r"(lo) : "r"(q), "r"(f.lo[2 * w + p]));
+    }
+  }
+  return static_cast<int>((hi << 16) + (mid << 8) + lo);
+}
+
 // One expert's quantized matrix: packed rows and per-group scales and affine biases.
 template <typename S>
 struct QuantizedRows {
@@ -109,7 +204,8 @@ struct QuantizedRows {
 // values >= one vector's values). Rows are addressed from the matrices' bases, so that the
 // warp keeps M bases and RPW row offsets live rather than 3 M RPW pointers. A lane issues the
 // loads of LOADS_AHEAD packed vectors (UNROLL per row and matrix), whatever M x RPW, with their
-// groups' scales and biases, before using any. (Measured on the H200, none of these was faster:
+// groups' scales and biases, before using any. Each vector's dot products are FIXED_POINT's
+// where it applies, else the fp32 loop's. (Measured on the H200, none of these was faster:
 // scales loaded apart from the weights, a tensor-core loop with a third of the instructions,
 // the vectors staged through shared memory with the next stage in flight, more warps an SM;
 // docs/decode-attribution.md, sections 14-15.)
@@ -147,15 +243,25 @@ __device__ __forceinline__ void rows_dot(
     for (int u = 0; u < UNROLL; ++u) {
       const int v = first + 32 * u;
       if (u > 0 && v >= vectors) break;
-      float x[N];
-      load_vector<BITS>(x, activations, v);
-      float x_sum = 0.f;
+      if constexpr (FIXED_POINT<BITS, T>) {
+        FixedVector f;
+        load_fixed_vector(f, activations, v);
 #pragma unroll
-      for (int i = 0; i < N; ++i) x_sum += x[i];
-      prescale<BITS>(x);
+        for (int i = 0; i < M * RPW; ++i) {
+          const float dot = static_cast<float>(dot_fixed(packed[u][i], f)) * f.unscale;
+          acc[i] += static_cast<float>(scale[u][i]) * dot + static_cast<float>(bias[u][i]) * f.sum;
+        }
+      } else {
+        float x[N];
+        load_vector<BITS>(x, activations, v);
+        float x_sum = 0.f;
 #pragma unroll
-      for (int i = 0; i < M * RPW; ++i) {
-        acc[i] += static_cast<float>(scale[u][i]) * dot_vector<BITS>(packed[u][i], x) + static_cast<float>(bias[u][i]) * x_sum;
+        for (int i = 0; i < N; ++i) x_sum += x[i];
+        prescale<BITS>(x);
+#pragma unroll
+        for (int i = 0; i < M * RPW; ++i) {
+          acc[i] += static_cast<float>(scale[u][i]) * dot_vector<BITS>(packed[u][i], x) + static_cast<float>(bias[u][i]) * x_sum;
+        }
       }
     }
   }

@@ -5,6 +5,8 @@
 // Its GEMV loop (rows_dot, dot_vector) is the CUDA one before the twelfth session's tuning for
 // the H200's issue rate (loads issued ahead, values dequantised in place against prescaled
 // activations): those were measured on NVIDIA only, and nothing says they pay on Apple GPUs.
+// Nor the twenty-second session's fixed-point dot products (FIXED_POINT in the CUDA source):
+// they rest on CUDA's dp4a, which Metal has no counterpart of; this loop stays in fp32.
 //
 // One simdgroup per (pair or token, output rows), 16-byte loads of packed affine-quantized
 // weights, dequantisation in registers, fp32 accumulation. Template constants and types:
