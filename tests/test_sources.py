@@ -53,7 +53,10 @@ def test_a_cuda_kernel_gets_only_the_declarations_its_body_reaches():
     assert "mlx_logsumexp" not in routed and "down_rows" not in routed  # Inkling's routing, the down launch's
     for header in (down, routed):
         assert header.count("{") == header.count("}")
-        assert len(header) < 0.75 * len(sections("cuda", "moe_routed_decode.cu" if header is routed else "moe_decode.cu")["header"])
+        # shorter than the whole header by at least the declarations named above as left out
+        full = sections("cuda", "moe_routed_decode.cu" if header is routed else "moe_decode.cu")["header"]
+        left_out = ("gate_up_rows", "activate") if header is down else ("down_rows", "mlx_logsumexp")
+        assert all(name in full for name in left_out) and len(header) < len(full) - 500
 
 
 def test_declarations_keep_what_they_cannot_name_and_blanks_that_matter():
