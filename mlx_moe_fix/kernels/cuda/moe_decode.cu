@@ -44,20 +44,18 @@ __device__ __forceinline__ void load_activation_words(unsigned (&words)[ACTIVATI
   }
 }
 
-template <int BITS, typename T>
-__device__ __forceinline__ void widen(float* x, const unsigned (&words)[ACTIVATION_WORDS<BITS, T>]) {
-#pragma unroll
-  for (int w = 0; w < ACTIVATION_WORDS<BITS, T>; ++w) {
-    if constexpr (sizeof(T) == 4) {
-      x[w] = __uint_as_float(words[w]);
-    } else if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {
-      x[2 * w] = __uint_as_float(words[w] << 16);
-      x[2 * w + 1] = __uint_as_float(words[w] & 0xffff0000u);
-    } else {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[w]));
-      x[2 * w] = f.x;
-      x[2 * w + 1] = f.y;
-    }
+// One loaded word's 4 / sizeof(T) activations as fp32.
+template <typename T>
+__device__ __forceinline__ void widen_word(float* x, unsigned word) {
+  if constexpr (sizeof(T) == 4) {
+    x[0] = __uint_as_float(word);
+  } else if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) {
+    x[0] = __uint_as_float(word << 16);
+    x[1] = __uint_as_float(word & 0xffff0000u);
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&word));
+    x[0] = f.x;
+    x[1] = f.y;
   }
 }
 
@@ -66,7 +64,8 @@ template <int BITS, typename T>
 __device__ __forceinline__ void load_vector(float* x, const T* row, int v) {
   unsigned words[ACTIVATION_WORDS<BITS, T>];
   load_activation_words<BITS>(words, row, v);
-  widen<BITS, T>(x, words);
+#pragma unroll
+  for (int w = 0; w < ACTIVATION_WORDS<BITS, T>; ++w) widen_word<T>(x + w * 4 / sizeof(T), words[w]);
 }
 
 // Dequantisation without a shift per value: value i of a packed word is read where it lies,
@@ -149,21 +148,23 @@ __device__ __forceinline__ void load_fixed_vector(FixedVector& f, const T* row, 
   exponent = max(exponent, 22);  // below 2^-105 every X is tiny anyway; keeps 2^k and 2^-k normal
   const float scale_up = __uint_as_float((unsigned)(275 - exponent) << 23);  // 2^k, k = 148 - exponent
   f.unscale = finite ? __uint_as_float((unsigned)(exponent - 21) << 23) : __uint_as_float(0x7FC00000u);
-  float x[N];
-  widen<4, T>(x, words);
+  // a packed word's 8 values at a time (fewer registers live than the whole vector's)
   f.sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < N; ++i) f.sum += x[i];
-  // x 2^k + 1.5 2^23: the integer X in the low 23 bits, offset by 2^22 (byte 2 holds X's top
-  // byte plus 64; the bytewise (+ 64) ^ 0x80 below makes it X's signed top byte)
-  unsigned fixed[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) fixed[i] = __float_as_uint(fmaf(x[i], scale_up, 12582912.f));
-#pragma unroll
   for (int w = 0; w < 4; ++w) {
+    float x[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) widen_word<T>(x + 2 * i, words[4 * w + i]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f.sum += x[i];
+    // x 2^k + 1.5 2^23: the integer X in the low 23 bits, offset by 2^22 (byte 2 holds X's top
+    // byte plus 64; the bytewise (+ 64) ^ 0x80 below makes it X's signed top byte)
+    unsigned fixed[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) fixed[i] = __float_as_uint(fmaf(x[i], scale_up, 12582912.f));
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
-      const unsigned* value = fixed + 8 * w + p;  // values 8w + p + 2b at value[2b]
+      const unsigned* value = fixed + p;  // values 8w + p + 2b at value[2b]
       const unsigned low01 = __byte_perm(value[0], value[2], 0x5140), low23 = __byte_perm(value[4], value[6], 0x5140);
       const unsigned top01 = __byte_perm(value[0], value[2], 0x0062), top23 = __byte_perm(value[4], value[6], 0x0062);
       f.lo[2 * w + p] = __byte_perm(low01, low23, 0x5410);
@@ -199,7 +200,8 @@ struct QuantizedRows {
 };
 
 // Dot products of RPW consecutive rows (first_row on, each past last_row reading last_row) of
-// each of M matrices with one activation row, summed over the warp: out[m * RPW + r]. Each lane
+// each of M matrices with an activation row, summed over the warp: out[m * RPW + r]. A = 1: one
+// row for every matrix; A = M: matrix m's is activations[m] (the fixed-point path only). Each lane
 // takes whole 16-byte vectors; a vector never straddles a quantization group (GROUP >= 32
 // values >= one vector's values). Rows are addressed from the matrices' bases, so that the
 // warp keeps M bases and RPW row offsets live rather than 3 M RPW pointers. A lane issues the
@@ -209,9 +211,10 @@ struct QuantizedRows {
 // scales loaded apart from the weights, a tensor-core loop with a third of the instructions,
 // the vectors staged through shared memory with the next stage in flight, more warps an SM;
 // docs/decode-attribution.md, sections 14-15.)
-template <int BITS, int GROUP, int M, int RPW, typename S, typename T>
+template <int BITS, int GROUP, int M, int RPW, int A, typename S, typename T>
 __device__ __forceinline__ void rows_dot(
-    float* out, const QuantizedRows<S> (&m)[M], int first_row, int last_row, const T* activations, int in_dim, int lane) {
+    float* out, const QuantizedRows<S> (&m)[M], int first_row, int last_row, const T* const (&activations)[A], int in_dim, int lane) {
+  static_assert(A == 1 || (A == M && FIXED_POINT<BITS, T>), "one activation row, or one a matrix in fixed point");
   constexpr int N = VALUES<BITS>;
   constexpr int LOADS_AHEAD = 8;
   constexpr int UNROLL = M * RPW >= LOADS_AHEAD ? 1 : LOADS_AHEAD / (M * RPW);
@@ -245,15 +248,15 @@ __device__ __forceinline__ void rows_dot(
       if (u > 0 && v >= vectors) break;
       if constexpr (FIXED_POINT<BITS, T>) {
         FixedVector f;
-        load_fixed_vector(f, activations, v);
 #pragma unroll
         for (int i = 0; i < M * RPW; ++i) {
+          if (i % (M * RPW / A) == 0) load_fixed_vector(f, activations[i / (M * RPW / A)], v);  // one split live at a time
           const float dot = static_cast<float>(dot_fixed(packed[u][i], f)) * f.unscale;
           acc[i] += static_cast<float>(scale[u][i]) * dot + static_cast<float>(bias[u][i]) * f.sum;
         }
       } else {
         float x[N];
-        load_vector<BITS>(x, activations, v);
+        load_vector<BITS>(x, activations[0], v);
         float x_sum = 0.f;
 #pragma unroll
         for (int i = 0; i < N; ++i) x_sum += x[i];
@@ -288,10 +291,10 @@ __device__ __forceinline__ void gate_up_rows(
   float dots[2 * RPW];
   if (GATED) {
     const QuantizedRows<S> matrices[2] = {up_rows, {gate_matrices.w + words, gate_matrices.s + groups, gate_matrices.b + groups}};
-    rows_dot<BITS, GROUP, 2, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
+    rows_dot<BITS, GROUP, 2, RPW, 1>(dots, matrices, first_row, d.out_dim - 1, {activations}, d.in_dim, lane);
   } else {
     const QuantizedRows<S> matrices[1] = {up_rows};
-    rows_dot<BITS, GROUP, 1, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
+    rows_dot<BITS, GROUP, 1, RPW, 1>(dots, matrices, first_row, d.out_dim - 1, {activations}, d.in_dim, lane);
   }
   // Every lane holds every row's sums: lane r writes row first_row + r.
 #pragma unroll
@@ -329,25 +332,49 @@ __device__ __forceinline__ void down_rows(
   float total[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) total[r] = 0.f;
-  for (int j = pair_slot; active && j < pairs; j += pair_slots) {
-    const int pair = first_pair + j;
-    const size_t expert = indices[pair];
-    const size_t rows_before = expert * d.out_dim;
-    const QuantizedRows<S> matrices[1] = {{matrices_of_all.w + rows_before * (d.in_dim * BITS / 32),
-                                           matrices_of_all.s + rows_before * (d.in_dim / GROUP),
-                                           matrices_of_all.b + rows_before * (d.in_dim / GROUP)}};
-    const T* activations = hidden + (size_t)(INPUT_PER_PAIR ? pair : pair / d.top_k) * d.in_dim;
-    float dots[RPW];
-    rows_dot<BITS, GROUP, 1, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
+  // The pairs j, j + pair_slots, ... (P of them) of this warp: their rows' dot products in one
+  // rows_dot, then each pair's epilogue, added in pair order.
+  auto add_pairs = [&](auto pairs_at_once, int j) {
+    constexpr int P = decltype(pairs_at_once)::value;
+    QuantizedRows<S> matrices[P];
+    const T* activations[P];
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      const int row = min(first_row + r, d.out_dim - 1);
-      float y = rnd<T>(dots[r]);
-      if (d.has_bias) y = rnd<T>(y + static_cast<float>(bias[expert * d.out_dim + row]));
-      if (d.has_scale) y = rnd<T>(y * rnd<T>(static_cast<float>(out_scale[expert])));
-      if (COMBINE) y = rnd<T>(y * rnd<T>(static_cast<float>(weights[pair])));
-      total[r] += y;
+    for (int p = 0; p < P; ++p) {
+      const int pair = first_pair + j + p * pair_slots;
+      const size_t rows_before = (size_t)indices[pair] * d.out_dim;
+      matrices[p] = {matrices_of_all.w + rows_before * (d.in_dim * BITS / 32), matrices_of_all.s + rows_before * (d.in_dim / GROUP),
+                     matrices_of_all.b + rows_before * (d.in_dim / GROUP)};
+      activations[p] = hidden + (size_t)(INPUT_PER_PAIR ? pair : pair / d.top_k) * d.in_dim;
     }
+    float dots[P * RPW];
+    rows_dot<BITS, GROUP, P, RPW, P>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int pair = first_pair + j + p * pair_slots;
+      const size_t expert = indices[pair];  // read again rather than held through rows_dot: registers
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        const int row = min(first_row + r, d.out_dim - 1);
+        float y = rnd<T>(dots[p * RPW + r]);
+        if (d.has_bias) y = rnd<T>(y + static_cast<float>(bias[expert * d.out_dim + row]));
+        if (d.has_scale) y = rnd<T>(y * rnd<T>(static_cast<float>(out_scale[expert])));
+        if (COMBINE) y = rnd<T>(y * rnd<T>(static_cast<float>(weights[pair])));
+        total[r] += y;
+      }
+    }
+  };
+  // Two pairs at once where the fixed-point GEMV takes an activation row a matrix: their weights
+  // are then in flight together, where one pair after the other cost a round trip to memory each
+  // (at Qwen3's shape a warp has two of its token's eight pairs).
+  constexpr int PAIRS_AT_ONCE = FIXED_POINT<BITS, T> ? 2 : 1;
+  for (int j = pair_slot; active && j < pairs; j += PAIRS_AT_ONCE * pair_slots) {
+    if constexpr (PAIRS_AT_ONCE == 2) {
+      if (j + pair_slots < pairs) {
+        add_pairs(cuda::std::integral_constant<int, 2>{}, j);
+        continue;
+      }
+    }
+    add_pairs(cuda::std::integral_constant<int, 1>{}, j);
   }
   if (COMBINE) {
     // Every lane holds its warp's sums; lane r of each warp leaves row r's.
