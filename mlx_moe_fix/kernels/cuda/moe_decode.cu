@@ -108,19 +108,20 @@ __device__ __forceinline__ float dot_vector(const uint4& packed, const float* pr
   return acc;
 }
 
-// The fixed-point path (4-bit weights, 16-bit activations), where the fp32 loop above is bound
-// by the instructions it issues (three a value a row: docs/benchmarks.md, eighteenth session):
-// each activation vector becomes integers X = x 2^k (rounded; k from the vector's largest
-// magnitude, so that |X| < 2^22 and every activation within 2^14 of it is exact), split into
-// bytes, and a row's dot product is dp4a sums of its nibbles against them, exact in 32 bits,
-// converted to fp32 once a vector: ~0.75 dp4a and 0.4 mask a value a row. The split is made
-// once a vector and shared by every row the warp reads. (On the H200 it cut the routed decode's
-// kernel time by a quarter at Mixtral's shape: docs/benchmarks.md, twenty-second session.)
+// The fixed-point path (4-bit weights, 16-bit activations), where the fp32 loop above is bound by
+// the instructions it issues (three a value a row: docs/benchmarks.md, eighteenth session): each
+// activation vector becomes integers X = x 2^k (rounded; k from the vector's largest magnitude, so
+// that |X| < 2^22: bf16 activations within 2^14 of it are exact, fp16 ones within 2^11), split
+// into bytes, and a row's dot product is dp4a sums of its nibbles against them, exact in 32 bits,
+// converted to fp32 once a vector: ~0.75 dp4a and 0.4 mask a value a row. The split is made once a
+// vector and shared by every row the warp reads. (On the H200 it cut the routed decode's kernel
+// time by a quarter at Mixtral's shape: docs/benchmarks.md, twenty-second session.)
 template <int BITS, typename T>
 constexpr bool FIXED_POINT = BITS == 4 && sizeof(T) == 2;
 
-//   lo[2w + p], mid[..], hi[..]: bytes 0, 1 (unsigned) and 2 (signed) of X of values 8w + p + 2b
-//   (b = 0..3: the byte of the nibbles (word w >> 4p) & 0x0F0F0F0F that multiplies them).
+// One activation vector split for dot_fixed. lo[2w + p], mid[..], hi[..]: bytes 0, 1 (unsigned)
+// and 2 (signed) of X of values 8w + p + 2b (b = 0..3: the byte of the nibbles
+// (word w >> 4p) & 0x0F0F0F0F that multiplies them).
 struct FixedVector {
   unsigned lo[8], mid[8], hi[8];
   float unscale;  // 2^-k; NaN where an activation is not finite, so that the row's sum is too
