@@ -11,8 +11,9 @@ One quantized mlx-lm SwitchGLU at Qwen3-30B-A3B's expert shape (2048 -> 768, 128
 softmax then top-k) or Mixtral-8x7B's (4096 -> 14336, 8 experts, top-2, top-k then softmax), 4-bit
 g64 bf16, one token. Each variant makes --calls decode calls: `routed` (moe_routed_decode: the
 routing inside the gate+up launch) or `unrouted` (moe_router's launch, then moe_decode's two),
-with optional `:rows=R` (ROWS_PER_WARP), `:warps=W` (WARPS_PER_BLOCK) and `:resident=N` (the
-routed launch's bounds: N warps an SM), set on the modules before a fresh launch plan; its last
+with optional `:rows=R` (ROWS_PER_WARP), `:warps=W` (WARPS_PER_BLOCK) and `:resident=N`
+(RESIDENT_WARPS: every decode launch bounded to N warps an SM), set on moe_decode before a fresh
+launch plan; its last
 output is checked against the fp32 reference. Then, as yardsticks over the gate+up's bytes, an
 MLX sum (a plain read) and MLX's dense quantized GEMV over as many rows. ncu flushes the caches
 before each kernel; the table leaves each kernel's first call out and keys kernels by name
@@ -35,14 +36,13 @@ from .switch_glu import experts_of, quantized_switch_glu
 
 # importlib: the package's kernels/__init__ exports each op's dispatcher under its module's name
 decode_module = importlib.import_module("mlx_moe_fix.kernels.moe_decode")
-routed_module = importlib.import_module("mlx_moe_fix.kernels.moe_routed_decode")
 
 SHAPES = {
     "qwen3": (SimpleNamespace(hidden=2048, ffn=768, experts=128, top_k=8), Routing("softmax_topk", 8, normalize=True)),
     "mixtral": (SimpleNamespace(hidden=4096, ffn=14336, experts=8, top_k=2), Routing("topk_softmax", 2)),
     "smoke": (SimpleNamespace(hidden=128, ffn=64, experts=8, top_k=2), Routing("softmax_topk", 2, normalize=True)),
 }
-KNOBS = {"rows": "ROWS_PER_WARP", "warps": "WARPS_PER_BLOCK"}
+KNOBS = {"rows": "ROWS_PER_WARP", "warps": "WARPS_PER_BLOCK", "resident": "RESIDENT_WARPS"}
 
 
 def parse_variant(text: str) -> tuple:
@@ -53,7 +53,7 @@ def parse_variant(text: str) -> tuple:
     knobs = {}
     for setting in settings:
         name, _, value = setting.partition("=")
-        if name not in (*KNOBS, "resident") or not value.isdigit():
+        if name not in KNOBS or not value.isdigit():
             raise ValueError(f"unknown setting {setting!r} (rows=, warps=, resident=)")
         knobs[name] = int(value)
     return kind, knobs
@@ -62,14 +62,9 @@ def parse_variant(text: str) -> tuple:
 def run_variant(layer, x, logits, routing: Routing, kind: str, knobs: dict, calls: int) -> float:
     """`calls` decode calls of one variant; the last output's max |error| against fp32."""
     defaults = {name: getattr(decode_module, constant) for name, constant in KNOBS.items()}
-    bounds = decode_module.LAUNCH_BOUNDS
     try:
         for name, constant in KNOBS.items():
             setattr(decode_module, constant, knobs.get(name, defaults[name]))
-        warps = decode_module.WARPS_PER_BLOCK
-        # every decode launch's bounds (moe_routed_decode holds its own name for them)
-        decode_module.LAUNCH_BOUNDS = routed_module.LAUNCH_BOUNDS = (
-            warps * 32, knobs.get("resident", decode_module.RESIDENT_WARPS) // warps)
         experts = experts_of(layer)  # a fresh memo of launch plans
         for _ in range(calls):
             if kind == "routed":
@@ -81,7 +76,6 @@ def run_variant(layer, x, logits, routing: Routing, kind: str, knobs: dict, call
     finally:
         for name, constant in KNOBS.items():
             setattr(decode_module, constant, defaults[name])
-        decode_module.LAUNCH_BOUNDS = routed_module.LAUNCH_BOUNDS = bounds
     expected = moe_routed_decode_reference(x.astype(mx.float32), logits.astype(mx.float32), routing, experts)
     return mx.abs(y.astype(mx.float32) - expected).max().item()
 

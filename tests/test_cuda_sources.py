@@ -159,11 +159,10 @@ def registers(usage: str) -> int:
 @pytest.mark.parametrize("t", ["__nv_bfloat16", "__half", "float"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bits):
-    # Every decode launch as production builds it (moe_decode.LAUNCH_BOUNDS, also the routed
-    # module's): the bound must hold 16 warps an SM without spilling, whichever GEMV path (the
+    # Every decode launch as production builds it (moe_decode.decode_launch_bounds, the routed
+    # module's too): the bound must hold 16 warps an SM without spilling, whichever GEMV path (the
     # fixed-point one for 4-bit weights and 16-bit activations, else the fp32 loop) a variant takes.
-    assert ROUTED.LAUNCH_BOUNDS == DECODE.LAUNCH_BOUNDS
-    threads, blocks = DECODE.LAUNCH_BOUNDS
+    threads, blocks = DECODE.decode_launch_bounds()
     base = {"BITS": bits, "GROUP": 64, "WARPS": threads // 32, "RPW": DECODE.ROWS_PER_WARP, "HAS_BIAS": False}
     units = [
         (DECODE, "moe_decode.cu", "gate_up", [{**base, "GATED": gated} for gated in (True, False)]),
@@ -174,7 +173,7 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
     ]
     for module, filename, stage, variants in units:
         text = translation_unit(module, filename, [(stage, t, constants) for constants in variants])
-        usage = resource_usage(tmp_path, with_launch_bounds(text, filename, stage, DECODE.LAUNCH_BOUNDS))
+        usage = resource_usage(tmp_path, with_launch_bounds(text, filename, stage, (threads, blocks)))
         used = [int(n) for n in re.findall(r"Used (\d+) registers", usage)]
         assert len(used) == len(variants) and max(used) <= 65536 // (threads * blocks), usage
         assert re.findall(r"(\d+) bytes spill stores", usage) == ["0"] * len(variants), usage

@@ -33,7 +33,12 @@ ROWS_PER_WARP = 4
 # room for fewer blocks (nvcc --resource-usage for sm_90a; tests/test_cuda_sources.py checks
 # that no bounded variant spills).
 RESIDENT_WARPS = 16
-LAUNCH_BOUNDS = (WARPS_PER_BLOCK * 32, RESIDENT_WARPS // WARPS_PER_BLOCK)
+
+
+def decode_launch_bounds() -> tuple:
+    """(threads, blocks an SM) of every decode launch, from WARPS_PER_BLOCK and RESIDENT_WARPS as
+    they are when a launch plan is made (benchmarks.decode_ncu sets both)."""
+    return (WARPS_PER_BLOCK * 32, RESIDENT_WARPS // WARPS_PER_BLOCK)
 
 
 def moe_decode_reference(
@@ -61,7 +66,7 @@ def gpu_kernel(stage: str, backend: str):
     None where MLX lacks that backend. The two take the same inputs, templates and grid."""
     if backend == "metal":
         return metal_kernel_object("moe_decode.metal", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]))
-    return cuda_kernel_object("moe_decode.cu", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]), 0, LAUNCH_BOUNDS)
+    return cuda_kernel_object("moe_decode.cu", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]), 0, decode_launch_bounds())
 
 
 def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:

@@ -27,7 +27,7 @@ from .launch import cuda_kernel_object, int_array
 from .moe_decode import decode_launches, gate_up_launch, moe_decode_implementation, moe_decode_reference
 from .moe_decode import INPUTS as DECODE_INPUTS
 from .moe_decode import OUTPUTS as DECODE_OUTPUTS
-from .moe_decode import LAUNCH_BOUNDS
+from .moe_decode import decode_launch_bounds
 from .moe_router import CUDA_KERNEL_SWITCH as ROUTER_SWITCH
 from .moe_router import Routing, moe_router_reference
 from .moe_router import cuda_unsupported_reason as router_unsupported_reason
@@ -59,7 +59,7 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
         (rows, hidden_dims), itemsize = gate_up.output_shapes[0], dtype.size
         routed_gate_up = gate_up._replace(
             kernel=cuda_kernel_object("moe_routed_decode.cu", "routed_gate_up", tuple(INPUTS["routed_gate_up"]),
-                                      tuple(OUTPUTS["routed_gate_up"]), 0, LAUNCH_BOUNDS),
+                                      tuple(OUTPUTS["routed_gate_up"]), 0, decode_launch_bounds()),
             fixed_inputs=[*weights, int_array(*dims.tolist(), experts.num_experts), params],
             template=gate_up.template + [("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
                                          ("NORMALIZE", routing.normalize), ("LAST_K", routing.kind != "topk_softmax")],
@@ -67,7 +67,7 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
             output_shapes=[(rows * hidden_dims + pairs * (4 + itemsize) // itemsize,)],
         )
         routed_down = down._replace(kernel=cuda_kernel_object("moe_decode.cu", "routed_down", tuple(DECODE_INPUTS["routed_down"]),
-                                                              tuple(DECODE_OUTPUTS["routed_down"]), 0, LAUNCH_BOUNDS),
+                                                              tuple(DECODE_OUTPUTS["routed_down"]), 0, decode_launch_bounds()),
                                     output_shapes=[(*leading_shape, experts.output_dims)])
         return routed_gate_up, routed_down
 
