@@ -49,11 +49,11 @@ def shape_routing(shape: str, package):
     return package.Routing(kind, SHAPES[shape][3], normalize)
 
 
-def routed_layers(shape: str, layers: int, package) -> tuple:
+def routed_layers(shape: str, layers: int, package, bits: int = 4) -> tuple:
     """(`layers` random SwitchGLU layers of the shape, a token's router logits for each, the
     shape's routing as `package`'s Routing, the bytes of a layer's routed experts on average)."""
     hidden, ffn, count, _ = SHAPES[shape]
-    built = [quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=count)) for _ in range(layers)]
+    built = [quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=count, bits=bits)) for _ in range(layers)]
     logits = [mx.random.normal((1, count)).astype(mx.bfloat16) for _ in built]
     mx.eval(logits)
     routing = shape_routing(shape, package)
@@ -61,9 +61,9 @@ def routed_layers(shape: str, layers: int, package) -> tuple:
     return built, logits, routing, per_layer_bytes
 
 
-def time_shape(shape: str, kernels: dict, layers: int, rounds: int, reps: int) -> list:
+def time_shape(shape: str, kernels: dict, layers: int, rounds: int, reps: int, bits: int = 4) -> list:
     hidden = SHAPES[shape][0]
-    built, logits, _, per_layer_bytes = routed_layers(shape, layers, kernels["this"])
+    built, logits, _, per_layer_bytes = routed_layers(shape, layers, kernels["this"], bits)
     xs = [(mx.random.normal((1, hidden)) * 0.5).astype(mx.bfloat16) for _ in built]
     mx.eval(xs)
     calls = {}
@@ -97,6 +97,7 @@ def main(argv=None):
     parser.add_argument("--shapes", default="qwen3,mixtral")
     parser.add_argument("--layers", type=int, default=16, help="distinct layers in the timed graph")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--bits", type=int, default=4, choices=(4, 8), help="the experts' quantization bits")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rows-per-warp", type=int, help="this tree's moe_decode.ROWS_PER_WARP (default: its own)")
     args = parser.parse_args(argv)
@@ -109,7 +110,7 @@ def main(argv=None):
         columns = ["shape", "MB a layer", "other µs (GB/s)", "this µs (GB/s)", "this / other (median)", "range", "same output"]
         rows = []
         for shape in args.shapes.split(","):
-            rows.append(time_shape(shape, kernels, args.layers, args.rounds, args.reps))
+            rows.append(time_shape(shape, kernels, args.layers, args.rounds, args.reps, args.bits))
             print(markdown_table(columns, rows[-1:]), flush=True)
         print(markdown_table(columns, rows))
 

@@ -88,7 +88,7 @@ def summary(label: str, phases: list, kernels: list, reps: int, per: int, nbytes
     return row, lines[:TOP_KERNELS]
 
 
-def blocks_part(shapes: list, layers: int, reps: int) -> list:
+def blocks_part(shapes: list, layers: int, reps: int, bits: int = 4) -> list:
     from mlx_moe_fix import kernels as this_tree
     from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode_kernel
 
@@ -98,7 +98,7 @@ def blocks_part(shapes: list, layers: int, reps: int) -> list:
 
     results = []
     for shape in shapes:
-        built, logits, routing, nbytes = routed_layers(shape, layers, this_tree)
+        built, logits, routing, nbytes = routed_layers(shape, layers, this_tree, bits)
         experts = [experts_of(layer) for layer in built]
         x0 = (mx.random.normal((1, SHAPES[shape][0])) * 0.5).astype(mx.bfloat16)
         mx.eval(x0)
@@ -145,6 +145,7 @@ def main(argv=None):
     parser.add_argument("--shapes", default="qwen3,mixtral")
     parser.add_argument("--layers", type=int, default=16, help="chained decode blocks a traced graph holds")
     parser.add_argument("--reps", type=int, default=5, help="traced calls a part")
+    parser.add_argument("--bits", type=int, default=4, choices=(4, 8), help="the blocks' experts' quantization bits")
     models.add_decode_pair_arguments(parser)
     args = parser.parse_args(argv)
     args.smoke = False
@@ -158,7 +159,7 @@ def main(argv=None):
     results = []
     parts = args.parts.split(",")
     if "blocks" in parts:
-        results += blocks_part(args.shapes.split(","), args.layers, args.reps)
+        results += blocks_part(args.shapes.split(","), args.layers, args.reps, args.bits)
     if "tokens" in parts:
         results += tokens_part(args, args.reps)
     print(f"MLX {mx.__version__}, {mx.default_device()}; medians of {args.reps} traced calls; µs a layer or token")

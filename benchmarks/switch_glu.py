@@ -18,9 +18,9 @@ def add_shape_arguments(parser) -> None:
 
 
 def quantized_switch_glu(args) -> SwitchGLU:
-    """Random weights, 4-bit affine experts with group size 64, bf16, evaluated."""
+    """Random weights, affine experts of `args.bits` (default 4) with group size 64, bf16, evaluated."""
     layer = SwitchGLU(args.hidden, args.ffn, args.experts)
-    nn.quantize(layer, group_size=64, bits=4)
+    nn.quantize(layer, group_size=64, bits=getattr(args, "bits", 4))
     layer.set_dtype(mx.bfloat16)
     mx.eval(layer.parameters())
     return layer

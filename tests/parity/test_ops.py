@@ -147,15 +147,17 @@ def test_cuda_decode_kernel_matches_ref(cuda_device, case):
     check_kernel(moe_decode_kernel, cuda_unsupported_reason(case.experts), moe_decode_reference, case)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
-def test_cuda_decode_kernel_sums_activations_of_every_magnitude(cuda_device, dtype):
-    # The fixed-point GEMV (4-bit weights, 16-bit activations) scales each 32-value activation
-    # vector by its largest magnitude: vectors 2^-12 to 2^4 in size, a zero vector, a vector of
-    # values too small to matter, and an outlier within a vector must all sum as the fp32 oracle;
-    # an activation that is not finite makes its token's outputs not finite, as stock's are.
+def test_cuda_decode_kernel_sums_activations_of_every_magnitude(cuda_device, dtype, bits):
+    # The fixed-point GEMV (16-bit activations) scales each activation vector (32 values for
+    # 4-bit weights, 16 for 8-bit) by its largest magnitude: vectors 2^-12 to 2^4 in size, a zero
+    # vector, a vector of values too small to matter, and an outlier within a vector must all sum
+    # as the fp32 oracle; an activation that is not finite makes its token's outputs not finite,
+    # as stock's are.
     from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason, moe_decode_kernel
 
-    case = make_case(dtype, (4, 64), True, "swiglu", 50.0, False, 512, 128, 8, 2, 1, 4, with_weights=True)
+    case = make_case(dtype, (bits, 64), True, "swiglu", 50.0, False, 512, 128, 8, 2, 1, 4, with_weights=True)
     assert cuda_unsupported_reason(case.experts) is None
     vectors = 512 // 32
     mx.random.seed(1)

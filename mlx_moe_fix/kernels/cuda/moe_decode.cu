@@ -108,32 +108,46 @@ __device__ __forceinline__ float dot_vector(const uint4& packed, const float* pr
   return acc;
 }
 
-// The fixed-point path (4-bit weights, 16-bit activations), where the fp32 loop above is bound by
-// the instructions it issues (three a value a row: docs/benchmarks.md, eighteenth session): each
+// The fixed-point path (16-bit activations), where the fp32 loop above is bound by the
+// instructions it issues (three a 4-bit value a row: docs/benchmarks.md, eighteenth session): each
 // activation vector becomes integers X = x 2^k (rounded; k from the vector's largest magnitude, so
-// that |X| < 2^22: bf16 activations within 2^14 of it are exact, fp16 ones within 2^11), split
-// into bytes, and a row's dot product is dp4a sums of its nibbles against them, exact in 32 bits,
-// converted to fp32 once a vector: ~0.75 dp4a and 0.4 mask a value a row. The split is made once a
-// vector and shared by every row the warp reads. (On the H200 it cut the routed decode's kernel
-// time by a quarter at Mixtral's shape: docs/benchmarks.md, twenty-second session.)
+// that |X| < 2^X_BITS: for 4-bit weights bf16 activations within 2^14 of it are exact, fp16 ones
+// within 2^11; for 8-bit weights 2^10 and 2^7), split into bytes, and a row's dot product is dp4a
+// sums of its weight bytes against them, exact in 32 bits, converted to fp32 once a vector: ~0.75
+// dp4a and 0.4 mask a 4-bit value a row, 0.75 dp4a an 8-bit one. The split is made once a vector
+// and shared by every row the warp reads. (On the H200 it cut the routed decode's kernel time by a
+// quarter at Mixtral's 4-bit shape: docs/benchmarks.md, twenty-second session; 8-bit weights not
+// yet measured.)
 template <int BITS, typename T>
-constexpr bool FIXED_POINT = BITS == 4 && sizeof(T) == 2;
+constexpr bool FIXED_POINT = sizeof(T) == 2;
 
-// One activation vector split for dot_fixed. lo[2w + p], mid[..], hi[..]: bytes 0, 1 (unsigned)
-// and 2 (signed) of X of values 8w + p + 2b (b = 0..3: the byte of the nibbles
-// (word w >> 4p) & 0x0F0F0F0F that multiplies them).
+// One activation vector split for dot_fixed. Entry e's byte b multiplies the weight byte b of
+// `weight_bytes(packed, e)`: for 4-bit weights the nibbles (word e / 2 >> 4 (e % 2)) & 0x0F0F0F0F,
+// values 8 (e / 2) + e % 2 + 2b; for 8-bit ones word e itself, values 4e + b. lo[e], mid[e],
+// hi[e]: bytes 0, 1 (unsigned) and 2 (signed) of those values' X.
+template <int BITS>
+constexpr int FIXED_ENTRIES = VALUES<BITS> / 4;
+template <int BITS>
+__host__ __device__ constexpr int fixed_value(int e, int b) {
+  return BITS == 4 ? 8 * (e / 2) + e % 2 + 2 * b : 4 * e + b;
+}
+// |X| < 2^X_BITS keeps a vector's sum of q X within 32 bits (32 values of 15, 16 of 255).
+template <int BITS>
+constexpr int X_BITS = BITS == 4 ? 22 : 18;
+
+template <int BITS>
 struct FixedVector {
-  unsigned lo[8], mid[8], hi[8];
+  unsigned lo[FIXED_ENTRIES<BITS>], mid[FIXED_ENTRIES<BITS>], hi[FIXED_ENTRIES<BITS>];
   float unscale;  // 2^-k; NaN where an activation is not finite, so that the row's sum is too
   float sum;      // the activations' fp32 sum, in dot_vector's order, for the affine biases
 };
 
-template <typename T>
-__device__ __forceinline__ void load_fixed_vector(FixedVector& f, const T* row, int v) {
+template <int BITS, typename T>
+__device__ __forceinline__ void load_fixed_vector(FixedVector<BITS>& f, const T* row, int v) {
   static_assert(sizeof(T) == 2, "16-bit activations");
-  constexpr int N = VALUES<4>;
-  unsigned words[ACTIVATION_WORDS<4, T>];
-  load_activation_words<4>(words, row, v);
+  constexpr int N = VALUES<BITS>;
+  unsigned words[ACTIVATION_WORDS<BITS, T>];
+  load_activation_words<BITS>(words, row, v);
   // the largest magnitude's fp32 exponent field (bf16 and fp16 magnitudes order as integers)
   unsigned largest = 0;
 #pragma unroll
@@ -147,47 +161,49 @@ __device__ __forceinline__ void load_fixed_vector(FixedVector& f, const T* row, 
   }
   const bool finite = exponent < 255;
   exponent = max(exponent, 22);  // below 2^-105 every X is tiny anyway; keeps 2^k and 2^-k normal
-  const float scale_up = __uint_as_float((unsigned)(275 - exponent) << 23);  // 2^k, k = 148 - exponent
-  f.unscale = finite ? __uint_as_float((unsigned)(exponent - 21) << 23) : __uint_as_float(0x7FC00000u);
-  // a packed word's 8 values at a time (fewer registers live than the whole vector's)
+  // 2^k with k = X_BITS + 126 - exponent: the largest magnitude (< 2^(exponent - 126)) times it is below 2^X_BITS
+  const float scale_up = __uint_as_float((unsigned)(253 + X_BITS<BITS> - exponent) << 23);
+  f.unscale = finite ? __uint_as_float((unsigned)(exponent + 1 - X_BITS<BITS>) << 23) : __uint_as_float(0x7FC00000u);
+  // a packed word's values at a time (fewer registers live than the whole vector's)
+  constexpr int PER_WORD = 32 / BITS;
   f.sum = 0.f;
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    float x[8];
+    float x[PER_WORD];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) widen_word<T>(x + 2 * i, words[4 * w + i]);
+    for (int i = 0; i < PER_WORD / 2; ++i) widen_word<T>(x + 2 * i, words[PER_WORD / 2 * w + i]);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) f.sum += x[i];
+    for (int i = 0; i < PER_WORD; ++i) f.sum += x[i];
     // x 2^k + 1.5 2^23: the integer X in the low 23 bits, offset by 2^22 (byte 2 holds X's top
     // byte plus 64; the bytewise (+ 64) ^ 0x80 below makes it X's signed top byte)
-    unsigned fixed[8];
+    unsigned fixed[PER_WORD];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) fixed[i] = __float_as_uint(fmaf(x[i], scale_up, 12582912.f));
+    for (int i = 0; i < PER_WORD; ++i) fixed[i] = __float_as_uint(fmaf(x[i], scale_up, 12582912.f));
 #pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const unsigned* value = fixed + p;  // values 8w + p + 2b at value[2b]
-      const unsigned low01 = __byte_perm(value[0], value[2], 0x5140), low23 = __byte_perm(value[4], value[6], 0x5140);
-      const unsigned top01 = __byte_perm(value[0], value[2], 0x0062), top23 = __byte_perm(value[4], value[6], 0x0062);
-      f.lo[2 * w + p] = __byte_perm(low01, low23, 0x5410);
-      f.mid[2 * w + p] = __byte_perm(low01, low23, 0x7632);
-      f.hi[2 * w + p] = (__byte_perm(top01, top23, 0x5410) + 0x40404040u) ^ 0x80808080u;
+    for (int e = PER_WORD / 4 * w; e < PER_WORD / 4 * (w + 1); ++e) {
+      const int first = PER_WORD * w;
+      const unsigned a = fixed[fixed_value<BITS>(e, 0) - first], b = fixed[fixed_value<BITS>(e, 1) - first];
+      const unsigned c = fixed[fixed_value<BITS>(e, 2) - first], d = fixed[fixed_value<BITS>(e, 3) - first];
+      const unsigned low01 = __byte_perm(a, b, 0x5140), low23 = __byte_perm(c, d, 0x5140);
+      const unsigned top01 = __byte_perm(a, b, 0x0062), top23 = __byte_perm(c, d, 0x0062);
+      f.lo[e] = __byte_perm(low01, low23, 0x5410);
+      f.mid[e] = __byte_perm(low01, low23, 0x7632);
+      f.hi[e] = (__byte_perm(top01, top23, 0x5410) + 0x40404040u) ^ 0x80808080u;
     }
   }
 }
 
-// Sum over a 4-bit vector's 32 values of q * X, exact in 32 bits (|q X| < 15 2^22 and 32 of them).
-__device__ __forceinline__ int dot_fixed(const uint4& packed, const FixedVector& f) {
+// Sum over a vector's values of q X, exact in 32 bits (X_BITS).
+template <int BITS>
+__device__ __forceinline__ int dot_fixed(const uint4& packed, const FixedVector<BITS>& f) {
   const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
   unsigned hi = 0, mid = 0, lo = 0;
 #pragma unroll
-  for (int w = 0; w < 4; ++w) {
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const unsigned q = (words[w] >> (4 * p)) & 0x0F0F0F0Fu;
-      asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(hi) : "r"(q), "r"(f.hi[2 * w + p]));
-      asm("dp4a.u32.u32 %0, %1, %2, %0;" : "+r"(mid) : "r"(q), "r"(f.mid[2 * w + p]));
-      asm("dp4a.u32.u32 %0, %1, %2, %0;" : "+r"(lo) : "r"(q), "r"(f.lo[2 * w + p]));
-    }
+  for (int e = 0; e < FIXED_ENTRIES<BITS>; ++e) {
+    const unsigned q = BITS == 4 ? (words[e / 2] >> (4 * (e % 2))) & 0x0F0F0F0Fu : words[e];
+    asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(hi) : "r"(q), "r"(f.hi[e]));
+    asm("dp4a.u32.u32 %0, %1, %2, %0;" : "+r"(mid) : "r"(q), "r"(f.mid[e]));
+    asm("dp4a.u32.u32 %0, %1, %2, %0;" : "+r"(lo) : "r"(q), "r"(f.lo[e]));
   }
   return static_cast<int>((hi << 16) + (mid << 8) + lo);
 }
@@ -248,7 +264,7 @@ __device__ __forceinline__ void rows_dot(
       const int v = first + 32 * u;
       if (u > 0 && v >= vectors) break;
       if constexpr (FIXED_POINT<BITS, T>) {
-        FixedVector f;
+        FixedVector<BITS> f;
 #pragma unroll
         for (int i = 0; i < M * RPW; ++i) {
           if (i % (M * RPW / A) == 0) load_fixed_vector(f, activations[i / (M * RPW / A)], v);  // one split live at a time
@@ -367,7 +383,7 @@ __device__ __forceinline__ void down_rows(
   // Two pairs at once where the fixed-point GEMV takes an activation row a matrix: their weights
   // are then in flight together, where one pair after the other cost a round trip to memory each
   // (at Qwen3's shape a warp has two of its token's eight pairs).
-  constexpr int PAIRS_AT_ONCE = FIXED_POINT<BITS, T> ? 2 : 1;
+  constexpr int PAIRS_AT_ONCE = FIXED_POINT<BITS, T> && BITS == 4 ? 2 : 1;  // 8-bit: two spill at the bound
   for (int j = pair_slot; active && j < pairs; j += PAIRS_AT_ONCE * pair_slots) {
     if constexpr (PAIRS_AT_ONCE == 2) {
       if (j + pair_slots < pairs) {
