@@ -80,7 +80,8 @@ def test_decode_kernels_compile(tmp_path, t):
     variants = []
     for bits, group in ((4, 64), (8, 32)):
         base = {"BITS": bits, "GROUP": group, "WARPS": 8, "HAS_BIAS": bits == 8, "RPW": 4 if bits == 4 else 1}
-        variants += [("gate_up", t, {**base, "GATED": gated}) for gated in (True, False)]
+        variants += [("gate_up", t, {**base, "GATED": gated, "SHARED_SPLIT": split})
+                     for gated in (True, False) for split in (False, t != "float")]
         variants += [("down", t, {**base, "INPUT_PER_PAIR": p, "COMBINE": c}) for p in (True, False) for c in (True, False)]
         variants.append(("routed_down", t, base))
     compile_ok(tmp_path, translation_units(DECODE, "moe_decode.cu", variants))
@@ -95,7 +96,7 @@ def test_a_kernel_compiles_with_its_header_included_from_its_file(tmp_path, monk
     cuda_header_directive.cache_clear()
     try:
         header, _ = cuda_kernel_source("moe_routed_decode.cu", "routed_gate_up")
-        constants = {"BITS": 4, "GROUP": 64, "WARPS": 4, "HAS_BIAS": False, "RPW": 4, "GATED": True,
+        constants = {"BITS": 4, "GROUP": 64, "WARPS": 4, "HAS_BIAS": False, "RPW": 4, "GATED": True, "SHARED_SPLIT": True,
                      "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True}
         text = translation_unit(ROUTED, "moe_routed_decode.cu", [("routed_gate_up", "__nv_bfloat16", constants)])
         directive = cuda_header_directive(header)
@@ -131,7 +132,8 @@ def test_router_kernel_compiles(tmp_path, t):
 @pytest.mark.parametrize("t", ["__nv_bfloat16", "__half", "float"])
 def test_routed_decode_kernel_compiles(tmp_path, t):
     variants = [("routed_gate_up", t, {"BITS": bits, "GROUP": group, "WARPS": 8, "RPW": 4, "HAS_BIAS": bits == 8,
-                                       "GATED": gated, "SOFTMAX_FIRST": first, "NORMALIZE": first, "LAST_K": first})
+                                       "GATED": gated, "SHARED_SPLIT": t != "float" and first,
+                                       "SOFTMAX_FIRST": first, "NORMALIZE": first, "LAST_K": first})
                 for bits, group in ((4, 64), (8, 32)) for gated in (True, False) for first in (True, False)]
     compile_ok(tmp_path, translation_units(ROUTED, "moe_routed_decode.cu", variants))
 
@@ -164,12 +166,13 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
     # fixed-point one for 4-bit weights and 16-bit activations, else the fp32 loop) a variant takes.
     threads, blocks = DECODE.decode_launch_bounds()
     base = {"BITS": bits, "GROUP": 64, "WARPS": threads // 32, "RPW": DECODE.ROWS_PER_WARP, "HAS_BIAS": False}
+    split = {"SHARED_SPLIT": t != "float"}  # what shared_split_bytes gives at these shapes' rows
     units = [
-        (DECODE, "moe_decode.cu", "gate_up", [{**base, "GATED": gated} for gated in (True, False)]),
+        (DECODE, "moe_decode.cu", "gate_up", [{**base, **split, "GATED": gated} for gated in (True, False)]),
         (DECODE, "moe_decode.cu", "down", [{**base, "INPUT_PER_PAIR": True, "COMBINE": combine} for combine in (True, False)]),
         (DECODE, "moe_decode.cu", "routed_down", [base]),
         (ROUTED, "moe_routed_decode.cu", "routed_gate_up",
-         [{**base, "GATED": True, "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True}]),
+         [{**base, **split, "GATED": True, "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True}]),
     ]
     for module, filename, stage, variants in units:
         text = translation_unit(module, filename, [(stage, t, constants) for constants in variants])
@@ -182,7 +185,7 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
 def test_a_bias_signature_that_disagrees_with_has_bias_does_not_compile(tmp_path):
     # MLX reuses a compiled kernel by name and template arguments: HAS_BIAS must tell the bias
     # inputs' type apart, and a kernel built with the wrong one must not compile at all.
-    constants = {"BITS": 4, "GROUP": 64, "WARPS": 8, "GATED": True, "HAS_BIAS": True, "RPW": 1}
+    constants = {"BITS": 4, "GROUP": 64, "WARPS": 8, "GATED": True, "HAS_BIAS": True, "RPW": 1, "SHARED_SPLIT": False}
     text = translation_unit(DECODE, "moe_decode.cu", [("gate_up", "__nv_bfloat16", constants)])
     mismatched = text.replace("const __nv_bfloat16* up_bias", "const float* up_bias")
     assert mismatched != text

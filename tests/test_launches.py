@@ -48,3 +48,34 @@ def test_grouped_launches_are_built_once_per_layer_stage_and_tile(monkeypatch):
     tile = dict(first_call["template"])["BM"]
     assert first_call["output_shapes"] == [(tiles[0] * tile, 256)] and last_call["output_shapes"] == [(48 * 2, 128)]
     assert len(recorders["combine"].calls) == 2
+
+
+def test_a_16_bit_gate_up_splits_its_activation_row_once_a_block_where_it_fits(monkeypatch):
+    # moe_decode.shared_split_bytes: CUDA gate+up launches in fixed point (16-bit activations)
+    # get SPLIT_BYTES_PER_VECTOR of shared memory a 128-bit weight vector of the row and
+    # SHARED_SPLIT; fp32 activations, a row past MAX_SPLIT_BYTES and Metal get neither.
+    decode = sys.modules["mlx_moe_fix.kernels.moe_decode"]
+    routed = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
+    objects = []
+    for module in (decode, routed):
+        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bounds:
+                            objects.append((section, shared)) or Recorder(section))
+
+    def plan(dtype, bits, backend="cuda"):
+        case = make_case(dtype, (bits, 64), True, "swiglu", None, False, 256, 128, 8, 2, 1, 1)
+        template = dict(decode.gate_up_launch(case.experts, 2, 2, dtype, backend).template)
+        return template.get("SHARED_SPLIT"), objects[-1] if backend == "cuda" else None
+
+    assert plan(mx.bfloat16, 4) == (True, ("gate_up", 256 * 4 // 128 * decode.SPLIT_BYTES_PER_VECTOR))
+    assert plan(mx.float16, 8) == (True, ("gate_up", 256 * 8 // 128 * decode.SPLIT_BYTES_PER_VECTOR))
+    assert plan(mx.float32, 4) == (False, ("gate_up", 0))
+    monkeypatch.setattr(decode, "metal_kernel_object", lambda *a: Recorder("metal"))
+    assert plan(mx.bfloat16, 4, "metal") == (None, None)
+    monkeypatch.setattr(decode, "MAX_SPLIT_BYTES", 256 * 4 // 128 * decode.SPLIT_BYTES_PER_VECTOR - 1)
+    assert plan(mx.bfloat16, 4) == (False, ("gate_up", 0))
+    # the routed gate+up launch takes the plain one's shared memory
+    monkeypatch.setattr(decode, "MAX_SPLIT_BYTES", 48 * 1024)
+    case = make_case(mx.bfloat16, (4, 64), True, "swiglu", None, False, 256, 128, 8, 2, 1, 1)
+    from mlx_moe_fix.kernels.moe_router import Routing
+    routed._launches(case.experts, Routing("softmax_topk", 2, True), (1, 1), mx.bfloat16)
+    assert ("routed_gate_up", 256 * 4 // 128 * decode.SPLIT_BYTES_PER_VECTOR) in objects

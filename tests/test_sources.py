@@ -70,6 +70,9 @@ def test_declarations_keep_what_they_cannot_name_and_blanks_that_matter():
     assert [name for name, _ in declarations] == [None, "f", None, None]
     assert declarations[1][1].startswith("template <int A,\nint B>\n__device__") and "static_assert" in declarations[1][1]
     assert declarations[2][1].startswith("__device__ int operator+") and declarations[3][1] == "}\n"
+    # an aligned struct is named by its own name, not by its alignment's keyword
+    aligned = _declarations("template <int B>\nstruct alignas(16) Split {\n  int f[B];\n};\nstruct __align__(8) Pair {};\n")
+    assert [name for name, _ in aligned] == ["Split", "Pair"]
     assert _tight("x = a - -b + f( c );\n") == "x=a- -b+f(c);\n"
     assert _tight("#pragma unroll\n") == "#pragma unroll\n"
     # inline PTX keeps its spacing: `wait_group %0` must not become `wait_group1`

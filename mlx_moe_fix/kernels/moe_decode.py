@@ -33,6 +33,11 @@ ROWS_PER_WARP = 4
 # room for fewer blocks (nvcc --resource-usage for sm_90a; tests/test_cuda_sources.py checks
 # that no bounded variant spills).
 RESIDENT_WARPS = 16
+# Shared memory reserved a vector of the gate+up's activation row split once a block (fixed point:
+# 16-bit activations; SharedFixed in cuda/moe_decode.cu), and the most a launch takes for it: a
+# longer row is split by each warp as it goes.
+SPLIT_BYTES_PER_VECTOR = 128
+MAX_SPLIT_BYTES = 48 * 1024
 
 
 def decode_launch_bounds() -> tuple:
@@ -61,12 +66,24 @@ INPUTS = {
 }
 OUTPUTS = {"gate_up": ["hidden"], "down": ["out"], "routed_down": ["out"]}
 
-def gpu_kernel(stage: str, backend: str):
+def gpu_kernel(stage: str, backend: str, shared_bytes: int = 0):
     """The kernel object of one stage ("gate_up" or "down") on `backend` ("cuda" or "metal"), or
-    None where MLX lacks that backend. The two take the same inputs, templates and grid."""
+    None where MLX lacks that backend. The two take the same inputs, templates and grid; CUDA's
+    gate+up also SHARED_SPLIT (with `shared_bytes`)."""
     if backend == "metal":
         return metal_kernel_object("moe_decode.metal", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]))
-    return cuda_kernel_object("moe_decode.cu", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]), 0, decode_launch_bounds())
+    return cuda_kernel_object("moe_decode.cu", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]), shared_bytes,
+                              decode_launch_bounds())
+
+
+def shared_split_bytes(experts: MoEExperts, dtype, backend: str) -> int:
+    """Shared memory of a gate+up launch that splits its activation row once a block (CUDA, in
+    fixed point: 16-bit activations), or 0 where its warps split the row themselves."""
+    if backend != "cuda" or dtype.size != 2:
+        return 0
+    first = experts.projections[0]
+    size = first.input_dims * first.bits // 128 * SPLIT_BYTES_PER_VECTOR  # a vector: 128 bits of packed weights
+    return size if size <= MAX_SPLIT_BYTES else 0
 
 
 def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:
@@ -91,8 +108,9 @@ def gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: 
     gate, up = experts.projections[:2] if gated else (experts.projections[0],) * 2
     has_scale = experts.gate_scale is not None
     grid, block = _grid(up.output_dims, pairs)
+    split_bytes = shared_split_bytes(experts, dtype, backend)
     return Launch(
-        gpu_kernel("gate_up", backend),
+        gpu_kernel("gate_up", backend, split_bytes),
         [gate.weight, gate.scales, gate.biases, up.weight, up.scales, up.biases,
          gate.bias if gate.bias is not None else absent(),
          up.bias if up.bias is not None else absent(),
@@ -100,7 +118,8 @@ def gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: 
          kernel_dims(up.input_dims, up.output_dims, top_k, experts.activation, up.bias is not None, has_scale),
          kernel_params(experts.activation)],
         _quant_templates(up, dtype) + [("SC", experts.gate_scale.dtype if has_scale else mx.float32), ("GATED", gated),
-                                       bias_template(up)],
+                                       bias_template(up)]
+        + ([("SHARED_SPLIT", split_bytes > 0)] if backend == "cuda" else []),
         grid, block, [(pairs, up.output_dims)], [dtype],
     )
 

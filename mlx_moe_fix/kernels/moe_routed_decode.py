@@ -24,7 +24,7 @@ from ..env import flag
 from .backend import Implementation, choose
 from .experts import MoEExperts
 from .launch import cuda_kernel_object, int_array
-from .moe_decode import decode_launches, gate_up_launch, moe_decode_implementation, moe_decode_reference
+from .moe_decode import decode_launches, gate_up_launch, moe_decode_implementation, moe_decode_reference, shared_split_bytes
 from .moe_decode import INPUTS as DECODE_INPUTS
 from .moe_decode import OUTPUTS as DECODE_OUTPUTS
 from .moe_decode import decode_launch_bounds
@@ -54,12 +54,13 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
         tokens = math.prod(leading_shape)
         pairs = tokens * routing.top_k
         gate_up = gate_up_launch(experts, routing.top_k, pairs, dtype, "cuda")
+        split_bytes = shared_split_bytes(experts, dtype, "cuda")
         down = decode_launches(experts, routing.top_k, pairs, dtype, dtype, "cuda")[1]
         *weights, dims, params = gate_up.fixed_inputs
         (rows, hidden_dims), itemsize = gate_up.output_shapes[0], dtype.size
         routed_gate_up = gate_up._replace(
             kernel=cuda_kernel_object("moe_routed_decode.cu", "routed_gate_up", tuple(INPUTS["routed_gate_up"]),
-                                      tuple(OUTPUTS["routed_gate_up"]), 0, decode_launch_bounds()),
+                                      tuple(OUTPUTS["routed_gate_up"]), split_bytes, decode_launch_bounds()),
             fixed_inputs=[*weights, int_array(*dims.tolist(), experts.num_experts), params],
             template=gate_up.template + [("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
                                          ("NORMALIZE", routing.normalize), ("LAST_K", routing.kind != "topk_softmax")],

@@ -63,7 +63,7 @@ def cuda_kernel_source(filename: str, section: str) -> tuple:
 # item before it has ended.
 _DECLARATION_START = re.compile(r"^(template\b|__device__\b|struct\b|constexpr\b|inline\b|using\b|#(?!pragma))")
 _NAMED = (
-    re.compile(r"^(?:template\s*<[^{;]*?>\s*)?struct\s+(\w+)"),
+    re.compile(r"^(?:template\s*<[^{;]*?>\s*)?struct\s+(?:(?:alignas|__align__)\s*\([^)]*\)\s*)?(\w+)"),
     re.compile(r"^(?:template\s*<[^{;]*?>\s*)?(?:inline\s+)?constexpr\s[^=(]*?(\w+)\s*="),
     re.compile(r"^(?:template\s*<[^{;]*?>\s*)?__device__[^(]*?(\w+)\s*\("),
 )

@@ -177,6 +177,29 @@ def test_cuda_decode_kernel_sums_activations_of_every_magnitude(cuda_device, dty
         assert mx.array_equal(out[0, [0, 2, 3]], moe_decode_kernel(x, case.indices, case.experts, case.weights)[0, [0, 2, 3]]).item()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
+def test_cuda_decode_gate_up_splits_its_row_once_a_block_as_each_warp_would(cuda_device, monkeypatch, dtype, bits):
+    # A 16-bit activation row is split into fixed point once a block, in shared memory, where
+    # moe_decode.shared_split_bytes finds room; else each warp splits the vectors it reads. Both
+    # must give the same outputs bit for bit (the plain and the routed gate+up take the same path).
+    decode = sys.modules["mlx_moe_fix.kernels.moe_decode"]  # the package exports the dispatcher under this name
+    case = make_case(dtype, (bits, 64), True, "swiglu", 7.0, False, 512, 128, 8, 2, 1, 4, with_weights=True, seed=3)
+
+    def run(experts):
+        gate_up, _ = decode.decode_launches(experts, 2, case.indices.size, dtype, case.weights.dtype, "cuda")
+        out = decode.moe_decode_kernel(case.x, case.indices, experts, case.weights)
+        mx.eval(out)
+        return dict(gate_up.template)["SHARED_SPLIT"], out
+
+    split_once, shared = run(case.experts)
+    check(decode.moe_decode_kernel, case, float32_oracle(moe_decode_reference, case))
+    monkeypatch.setattr(decode, "MAX_SPLIT_BYTES", 0)
+    split_per_warp, per_warp = run(dataclasses.replace(case.experts))
+    assert split_once and not split_per_warp
+    assert mx.array_equal(shared, per_warp).item()
+
+
 @CASES
 @given(case=layer_cases())
 def test_metal_decode_kernel_matches_ref(metal_device, case):

@@ -208,6 +208,34 @@ __device__ __forceinline__ int dot_fixed(const uint4& packed, const FixedVector<
   return static_cast<int>((hi << 16) + (mid << 8) + lo);
 }
 
+// A vector's split as a block keeps it in shared memory: padded to a stride of 4 words past a
+// multiple of 8, so that the 8 lanes of a 16-byte shared load's phase read 32 distinct banks.
+template <int BITS>
+constexpr int SPLIT_WORDS = (sizeof(FixedVector<BITS>) / 4 + 4 + 7) / 8 * 8 - 4;
+template <int BITS>
+struct alignas(16) SharedFixed {
+  FixedVector<BITS> f;
+  unsigned padding[SPLIT_WORDS<BITS> - sizeof(FixedVector<BITS>) / 4];
+};
+// moe_decode.SPLIT_BYTES_PER_VECTOR reserves this much a vector.
+static_assert(sizeof(SharedFixed<4>) <= 128 && sizeof(SharedFixed<8>) <= 128, "a vector's split within its reserved bytes");
+
+// The gate+up block's activation row split once for all its warps (SHARED_SPLIT), where each
+// warp split every vector itself: at Qwen3's and Mixtral's shapes the split was a third of the
+// GEMV's instructions. A vector a thread, the last threads first: the routed gate+up's first
+// warp routes meanwhile.
+template <int BITS, typename T>
+__device__ __forceinline__ void split_row(SharedFixed<BITS>* split, const T* row, int vectors) {
+  for (int v = blockDim.x - 1 - threadIdx.x; v < vectors; v += blockDim.x) load_fixed_vector(split[v].f, row, v);
+}
+
+// The gate+up's shared memory as split vectors (SHARED_SPLIT launches only).
+template <int BITS>
+__device__ __forceinline__ SharedFixed<BITS>* shared_split() {
+  extern __shared__ __align__(16) unsigned char decode_shared[];
+  return reinterpret_cast<SharedFixed<BITS>*>(decode_shared);
+}
+
 // One expert's quantized matrix: packed rows and per-group scales and affine biases.
 template <typename S>
 struct QuantizedRows {
@@ -218,7 +246,8 @@ struct QuantizedRows {
 
 // Dot products of RPW consecutive rows (first_row on, each past last_row reading last_row) of
 // each of M matrices with an activation row, summed over the warp: out[m * RPW + r]. A = 1: one
-// row for every matrix; A = M: matrix m's is activations[m] (the fixed-point path only). Each lane
+// row for every matrix; A = M: matrix m's is activations[m] (the fixed-point path only);
+// SHARED_SPLIT: the one row's vectors already split, in `split` (fixed point, A = 1). Each lane
 // takes whole 16-byte vectors; a vector never straddles a quantization group (GROUP >= 32
 // values >= one vector's values). Rows are addressed from the matrices' bases, so that the
 // warp keeps M bases and RPW row offsets live rather than 3 M RPW pointers. A lane issues the
@@ -228,10 +257,12 @@ struct QuantizedRows {
 // scales loaded apart from the weights, a tensor-core loop with a third of the instructions,
 // the vectors staged through shared memory with the next stage in flight, more warps an SM;
 // docs/decode-attribution.md, sections 14-15.)
-template <int BITS, int GROUP, int M, int RPW, int A, typename S, typename T>
+template <int BITS, int GROUP, int M, int RPW, int A, bool SHARED_SPLIT = false, typename S, typename T>
 __device__ __forceinline__ void rows_dot(
-    float* out, const QuantizedRows<S> (&m)[M], int first_row, int last_row, const T* const (&activations)[A], int in_dim, int lane) {
+    float* out, const QuantizedRows<S> (&m)[M], int first_row, int last_row, const T* const (&activations)[A], int in_dim, int lane,
+    const SharedFixed<BITS>* split = nullptr) {
   static_assert(A == 1 || (A == M && FIXED_POINT<BITS, T>), "one activation row, or one a matrix in fixed point");
+  static_assert(!SHARED_SPLIT || (A == 1 && FIXED_POINT<BITS, T>), "a shared split of one row, in fixed point");
   constexpr int N = VALUES<BITS>;
   constexpr int LOADS_AHEAD = 8;
   constexpr int UNROLL = M * RPW >= LOADS_AHEAD ? 1 : LOADS_AHEAD / (M * RPW);
@@ -267,7 +298,11 @@ __device__ __forceinline__ void rows_dot(
         FixedVector<BITS> f;
 #pragma unroll
         for (int i = 0; i < M * RPW; ++i) {
-          if (i % (M * RPW / A) == 0) load_fixed_vector(f, activations[i / (M * RPW / A)], v);  // one split live at a time
+          if constexpr (SHARED_SPLIT) {
+            if (i == 0) f = split[v].f;
+          } else if (i % (M * RPW / A) == 0) {
+            load_fixed_vector(f, activations[i / (M * RPW / A)], v);  // one split live at a time
+          }
           const float dot = static_cast<float>(dot_fixed(packed[u][i], f)) * f.unscale;
           acc[i] += static_cast<float>(scale[u][i]) * dot + static_cast<float>(bias[u][i]) * f.sum;
         }
@@ -292,11 +327,13 @@ __device__ __forceinline__ void rows_dot(
 // A warp's RPW rows (from first_row) of one pair's hidden row: the gate and up GEMVs of its
 // expert on the token's `activations`, additive biases, the gate scale, the activation.
 // `gate_matrices` / `up_matrices` hold every expert's. GATED false: an MLP's first projection:
-// only `up_matrices` is read.
-template <int BITS, int GROUP, int RPW, bool GATED, bool HAS_BIAS, typename T, typename S, typename GB, typename UB, typename SC>
+// only `up_matrices` is read. SHARED_SPLIT: `activations` also split in `split` (split_row).
+template <int BITS, int GROUP, int RPW, bool GATED, bool HAS_BIAS, bool SHARED_SPLIT, typename T, typename S, typename GB, typename UB,
+          typename SC>
 __device__ __forceinline__ void gate_up_rows(
-    T* hidden, int pair, size_t expert, int first_row, const T* activations, QuantizedRows<S> gate_matrices, QuantizedRows<S> up_matrices,
-    const GB* gate_bias, const UB* up_bias, const SC* gate_scale, const Dims& d, const float* params) {
+    T* hidden, int pair, size_t expert, int first_row, const T* activations, const SharedFixed<BITS>* split,
+    QuantizedRows<S> gate_matrices, QuantizedRows<S> up_matrices, const GB* gate_bias, const UB* up_bias, const SC* gate_scale,
+    const Dims& d, const float* params) {
   static_assert(bias_signature_matches<HAS_BIAS, S, const GB*> && bias_signature_matches<HAS_BIAS, S, const UB*>,
                 "HAS_BIAS disagrees with the bias inputs");
   const int lane = threadIdx.x % 32;
@@ -308,10 +345,10 @@ __device__ __forceinline__ void gate_up_rows(
   float dots[2 * RPW];
   if (GATED) {
     const QuantizedRows<S> matrices[2] = {up_rows, {gate_matrices.w + words, gate_matrices.s + groups, gate_matrices.b + groups}};
-    rows_dot<BITS, GROUP, 2, RPW, 1>(dots, matrices, first_row, d.out_dim - 1, {activations}, d.in_dim, lane);
+    rows_dot<BITS, GROUP, 2, RPW, 1, SHARED_SPLIT>(dots, matrices, first_row, d.out_dim - 1, {activations}, d.in_dim, lane, split);
   } else {
     const QuantizedRows<S> matrices[1] = {up_rows};
-    rows_dot<BITS, GROUP, 1, RPW, 1>(dots, matrices, first_row, d.out_dim - 1, {activations}, d.in_dim, lane);
+    rows_dot<BITS, GROUP, 1, RPW, 1, SHARED_SPLIT>(dots, matrices, first_row, d.out_dim - 1, {activations}, d.in_dim, lane, split);
   }
   // Every lane holds every row's sums: lane r writes row first_row + r.
 #pragma unroll
@@ -433,15 +470,23 @@ struct RoutingTail {
 // inputs: x [N, IN_DIM], indices [N * TOP_K], gate_w / up_w [E, OUT_DIM, IN_DIM * BITS / 32],
 //         gate_s, gate_b, up_s, up_b [E, OUT_DIM, IN_DIM / GROUP], gate_bias, up_bias [E, OUT_DIM],
 //         gate_scale [E], dims, params;  output: hidden [N * TOP_K, OUT_DIM]
-// One block per (pair, WARPS x RPW output rows).
+// One block per (pair, WARPS x RPW output rows); SHARED_SPLIT: the pair's activation row split
+// once a block (split_row).
 {
   using namespace moe_decode;
   const Dims d(dims);
   const int pair = blockIdx.y;
+  const T* activations = x + (size_t)(pair / d.top_k) * d.in_dim;
+  SharedFixed<BITS>* split = nullptr;
+  if constexpr (SHARED_SPLIT) {
+    split = shared_split<BITS>();
+    split_row<BITS>(split, activations, d.in_dim / VALUES<BITS>);
+    __syncthreads();
+  }
   const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
   if (first_row >= d.out_dim) return;
-  gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, T, S>(
-      hidden, pair, indices[pair], first_row, x + (size_t)(pair / d.top_k) * d.in_dim,
+  gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, SHARED_SPLIT, T, S>(
+      hidden, pair, indices[pair], first_row, activations, split,
       {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
 }
 

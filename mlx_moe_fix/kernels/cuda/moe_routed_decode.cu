@@ -23,6 +23,7 @@
   const int experts = dims[7];
   const int pair = blockIdx.y;
   const int token = pair / d.top_k;
+  const T* activations = x + (size_t)token * d.in_dim;
   // One warp routes for the block (all its warps share the pair): the routing is the same
   // arithmetic in every block. The others wait at the barrier meanwhile: at Qwen3's shape a
   // quarter of the kernel's warp time (ncu), hence moe_router's top-k by redux.
@@ -42,10 +43,15 @@
       }
     }
   }
+  SharedFixed<BITS>* split = nullptr;
+  if constexpr (SHARED_SPLIT) {  // the other warps split the activation row meanwhile
+    split = shared_split<BITS>();
+    split_row<BITS>(split, activations, d.in_dim / VALUES<BITS>);
+  }
   __syncthreads();
   const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
   if (first_row >= d.out_dim) return;
-  gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, T, S>(
-      hidden, pair, block_expert, first_row, x + (size_t)token * d.in_dim,
+  gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, SHARED_SPLIT, T, S>(
+      hidden, pair, block_expert, first_row, activations, split,
       {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
 }
