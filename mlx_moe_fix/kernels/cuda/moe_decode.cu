@@ -115,9 +115,9 @@ __device__ __forceinline__ float dot_vector(const uint4& packed, const float* pr
 // within 2^11; for 8-bit weights 2^10 and 2^7), split into bytes, and a row's dot product is dp4a
 // sums of its weight bytes against them, exact in 32 bits, converted to fp32 once a vector: ~0.75
 // dp4a and 0.4 mask a 4-bit value a row, 0.75 dp4a an 8-bit one. The split is made once a vector
-// and shared by every row the warp reads. (On the H200 it cut the routed decode's kernel time by a
-// quarter at Mixtral's 4-bit shape: docs/benchmarks.md, twenty-second session; 8-bit weights not
-// yet measured.)
+// and shared by every row the warp reads (by every warp of a gate+up block: split_row). (On the
+// H200 it cut the routed decode's kernel time by a quarter at Mixtral's 4-bit shape and by 15-17%
+// at 8 bits: docs/benchmarks.md, twenty-second and twenty-third sessions.)
 template <int BITS, typename T>
 constexpr bool FIXED_POINT = sizeof(T) == 2;
 
