@@ -221,9 +221,9 @@ struct alignas(16) SharedFixed {
 static_assert(sizeof(SharedFixed<4>) <= 128 && sizeof(SharedFixed<8>) <= 128, "a vector's split within its reserved bytes");
 
 // The gate+up block's activation row split once for all its warps (SHARED_SPLIT), where each
-// warp split every vector itself: at Qwen3's and Mixtral's shapes the split was a third of the
-// GEMV's instructions. A vector a thread, the last threads first: the routed gate+up's first
-// warp routes meanwhile.
+// warp split every vector itself (by the source's count a third of the GEMV's instructions; on the
+// H200 Qwen3's routed gate+up went from 9.3 to 8.7 µs: docs/benchmarks.md, twenty-third session).
+// A vector a thread, the last threads first: the routed gate+up's first warp routes meanwhile.
 template <int BITS, typename T>
 __device__ __forceinline__ void split_row(SharedFixed<BITS>* split, const T* row, int vectors) {
   for (int v = blockDim.x - 1 - threadIdx.x; v < vectors; v += blockDim.x) load_fixed_vector(split[v].f, row, v);

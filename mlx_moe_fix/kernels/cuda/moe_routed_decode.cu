@@ -25,8 +25,9 @@
   const int token = pair / d.top_k;
   const T* activations = x + (size_t)token * d.in_dim;
   // One warp routes for the block (all its warps share the pair): the routing is the same
-  // arithmetic in every block. The others wait at the barrier meanwhile: at Qwen3's shape a
-  // quarter of the kernel's warp time (ncu), hence moe_router's top-k by redux.
+  // arithmetic in every block. The others split the activation row meanwhile (SHARED_SPLIT), else
+  // wait at the barrier: at Qwen3's shape waiting was a quarter of the kernel's warp time (ncu),
+  // hence moe_router's top-k by redux.
   if (threadIdx.x < 32) {
     int index;
     float weight;
