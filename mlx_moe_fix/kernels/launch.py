@@ -152,8 +152,13 @@ def quantized_experts_reason(experts: MoEExperts):
             return "unquantized experts: the kernels read affine-quantized weights"
         if p.scales.dtype != first.scales.dtype or (p.bias is not None and p.bias.dtype != p.scales.dtype):
             return "projections with scales / bias of different dtypes"
-    if len(experts.projections) == 3 and (experts.projections[0].bias is None) != (experts.projections[1].bias is None):
-        return "a bias on only one of gate and up"
+    if len(experts.projections) == 3:
+        gate, up = experts.projections[:2]
+        if (gate.bias is None) != (up.bias is None):
+            return "a bias on only one of gate and up"
+        if (gate.bits, gate.group_size) != (up.bits, up.group_size):
+            return (f"gate ({gate.bits}-bit, group {gate.group_size}) and up ({up.bits}-bit, group {up.group_size}) "
+                    "quantized differently: the gate+up kernels read both with one")
     scales = [s for s in (experts.gate_scale, experts.out_scale) if s is not None]
     if len({s.dtype for s in scales}) > 1:
         return "gate_scale and out_scale of different dtypes"

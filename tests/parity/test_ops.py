@@ -99,6 +99,22 @@ def test_unsupported_quantization_is_reported():
     assert "mxfp4" in reason
 
 
+def test_gate_and_up_quantized_differently_are_left_to_stock():
+    # Both CUDA gate+up kernels (decode GEMV, prefill GEMM) read gate and up with one BITS and
+    # GROUP: a layer whose two differ must not reach them.
+    from mlx_moe_fix.kernels.launch import quantized_experts_reason
+
+    def linear(bits, group, shape=(2, 64, 128)):
+        q, scales, biases = mx.quantize(mx.random.normal(shape), group_size=group, bits=bits)
+        return ExpertLinear(q, scales, biases, group_size=group, bits=bits)
+
+    down = linear(8, 32, (2, 128, 64))  # the down launch has its own BITS and GROUP
+    assert quantized_experts_reason(MoEExperts((linear(4, 64), linear(4, 64), down), Activation("swiglu"))) is None
+    for gate in (linear(8, 64), linear(4, 32)):
+        reason = quantized_experts_reason(MoEExperts((gate, linear(4, 64), down), Activation("swiglu")))
+        assert "quantized differently" in reason
+
+
 @pytest.mark.parametrize(
     "projections, activation",
     [(2, Activation("swiglu")), (3, Activation("gelu")), (1, Activation("gelu")), (3, None)],
