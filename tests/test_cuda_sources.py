@@ -163,7 +163,7 @@ def registers(usage: str) -> int:
 def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bits):
     # Every decode launch as production builds it (moe_decode.decode_launch_bounds, the routed
     # module's too): the bound must hold 16 warps an SM without spilling, whichever GEMV path (the
-    # fixed-point one for 4-bit weights and 16-bit activations, else the fp32 loop) a variant takes.
+    # fixed-point one for 16-bit activations, else the fp32 loop) a variant takes.
     threads, blocks = DECODE.decode_launch_bounds()
     base = {"BITS": bits, "GROUP": 64, "WARPS": threads // 32, "RPW": DECODE.ROWS_PER_WARP, "HAS_BIAS": False}
     split = {"SHARED_SPLIT": t != "float"}  # what shared_split_bytes gives at these shapes' rows

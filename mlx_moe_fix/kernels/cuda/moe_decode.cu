@@ -1,6 +1,6 @@
 // Fused decode MoE for mx.fast.cuda_kernel: one warp per (pair or token, output row), 16-byte
-// loads of packed affine-quantized weights, dot products in registers (4-bit weights against
-// 16-bit activations in fixed point with dp4a, the others dequantised to fp32), fp32 sums.
+// loads of packed affine-quantized weights, dot products in registers (against 16-bit
+// activations in fixed point with dp4a, against fp32 ones dequantised to fp32), fp32 sums.
 //
 // Sections are split on "//// <name>" lines: `header` goes into cuda_kernel's header, the others
 // are kernel bodies. Template constants and types (set from Python; few, since each distinct
@@ -118,11 +118,11 @@ __device__ __forceinline__ float dot_vector(const uint4& packed, const float* pr
 // and shared by every row the warp reads (by every warp of a gate+up block: split_row). (On the
 // H200 it cut the routed decode's kernel time by a quarter at Mixtral's 4-bit shape and by 15-17%
 // at 8 bits: docs/benchmarks.md, twenty-second and twenty-third sessions.)
-template <int BITS, typename T>
+template <typename T>
 constexpr bool FIXED_POINT = sizeof(T) == 2;
 
-// One activation vector split for dot_fixed. Entry e's byte b multiplies the weight byte b of
-// `weight_bytes(packed, e)`: for 4-bit weights the nibbles (word e / 2 >> 4 (e % 2)) & 0x0F0F0F0F,
+// One activation vector split for dot_fixed. Entry e's byte b multiplies byte b of the weight
+// word dot_fixed takes for e: for 4-bit weights the nibbles (word e / 2 >> 4 (e % 2)) & 0x0F0F0F0F,
 // values 8 (e / 2) + e % 2 + 2b; for 8-bit ones word e itself, values 4e + b. lo[e], mid[e],
 // hi[e]: bytes 0, 1 (unsigned) and 2 (signed) of those values' X.
 template <int BITS>
@@ -220,20 +220,22 @@ struct alignas(16) SharedFixed {
 // moe_decode.SPLIT_BYTES_PER_VECTOR reserves this much a vector.
 static_assert(sizeof(SharedFixed<4>) <= 128 && sizeof(SharedFixed<8>) <= 128, "a vector's split within its reserved bytes");
 
-// The gate+up block's activation row split once for all its warps (SHARED_SPLIT), where each
-// warp split every vector itself (by the source's count a third of the GEMV's instructions; on the
-// H200 Qwen3's routed gate+up went from 9.3 to 8.7 µs: docs/benchmarks.md, twenty-third session).
-// A vector a thread, the last threads first: the routed gate+up's first warp routes meanwhile.
-template <int BITS, typename T>
-__device__ __forceinline__ void split_row(SharedFixed<BITS>* split, const T* row, int vectors) {
-  for (int v = blockDim.x - 1 - threadIdx.x; v < vectors; v += blockDim.x) load_fixed_vector(split[v].f, row, v);
-}
-
-// The gate+up's shared memory as split vectors (SHARED_SPLIT launches only).
-template <int BITS>
-__device__ __forceinline__ SharedFixed<BITS>* shared_split() {
-  extern __shared__ __align__(16) unsigned char decode_shared[];
-  return reinterpret_cast<SharedFixed<BITS>*>(decode_shared);
+// The gate+up block's activation `row` split once for all its warps into the launch's shared
+// memory (SHARED_SPLIT; nullptr otherwise), where each warp split every vector itself (by the
+// source's count a third of the GEMV's instructions; on the H200 Qwen3's routed gate+up went from
+// 9.3 to 8.7 µs: docs/benchmarks.md, twenty-third session). A vector a thread, the last threads
+// first: the routed gate+up's first warp routes meanwhile. The caller's barrier makes the split
+// visible to every warp.
+template <int BITS, bool SHARED_SPLIT, typename T>
+__device__ __forceinline__ SharedFixed<BITS>* split_row(const T* row, int in_dim) {
+  if constexpr (!SHARED_SPLIT) {
+    return nullptr;
+  } else {
+    extern __shared__ __align__(16) unsigned char decode_shared[];
+    SharedFixed<BITS>* split = reinterpret_cast<SharedFixed<BITS>*>(decode_shared);
+    for (int v = blockDim.x - 1 - threadIdx.x; v < in_dim / VALUES<BITS>; v += blockDim.x) load_fixed_vector(split[v].f, row, v);
+    return split;
+  }
 }
 
 // One expert's quantized matrix: packed rows and per-group scales and affine biases.
@@ -261,8 +263,8 @@ template <int BITS, int GROUP, int M, int RPW, int A, bool SHARED_SPLIT = false,
 __device__ __forceinline__ void rows_dot(
     float* out, const QuantizedRows<S> (&m)[M], int first_row, int last_row, const T* const (&activations)[A], int in_dim, int lane,
     const SharedFixed<BITS>* split = nullptr) {
-  static_assert(A == 1 || (A == M && FIXED_POINT<BITS, T>), "one activation row, or one a matrix in fixed point");
-  static_assert(!SHARED_SPLIT || (A == 1 && FIXED_POINT<BITS, T>), "a shared split of one row, in fixed point");
+  static_assert(A == 1 || (A == M && FIXED_POINT<T>), "one activation row, or one a matrix in fixed point");
+  static_assert(!SHARED_SPLIT || (A == 1 && FIXED_POINT<T>), "a shared split of one row, in fixed point");
   constexpr int N = VALUES<BITS>;
   constexpr int LOADS_AHEAD = 8;
   constexpr int UNROLL = M * RPW >= LOADS_AHEAD ? 1 : LOADS_AHEAD / (M * RPW);
@@ -294,7 +296,7 @@ __device__ __forceinline__ void rows_dot(
     for (int u = 0; u < UNROLL; ++u) {
       const int v = first + 32 * u;
       if (u > 0 && v >= vectors) break;
-      if constexpr (FIXED_POINT<BITS, T>) {
+      if constexpr (FIXED_POINT<T>) {
         FixedVector<BITS> f;
 #pragma unroll
         for (int i = 0; i < M * RPW; ++i) {
@@ -420,7 +422,7 @@ __device__ __forceinline__ void down_rows(
   // Two pairs at once where the fixed-point GEMV takes an activation row a matrix: their weights
   // are then in flight together, where one pair after the other cost a round trip to memory each
   // (at Qwen3's shape a warp has two of its token's eight pairs).
-  constexpr int PAIRS_AT_ONCE = FIXED_POINT<BITS, T> && BITS == 4 ? 2 : 1;  // 8-bit: two spill at the bound
+  constexpr int PAIRS_AT_ONCE = FIXED_POINT<T> && BITS == 4 ? 2 : 1;  // 8-bit: two spill at the bound
   for (int j = pair_slot; active && j < pairs; j += PAIRS_AT_ONCE * pair_slots) {
     if constexpr (PAIRS_AT_ONCE == 2) {
       if (j + pair_slots < pairs) {
@@ -477,12 +479,8 @@ struct RoutingTail {
   const Dims d(dims);
   const int pair = blockIdx.y;
   const T* activations = x + (size_t)(pair / d.top_k) * d.in_dim;
-  SharedFixed<BITS>* split = nullptr;
-  if constexpr (SHARED_SPLIT) {
-    split = shared_split<BITS>();
-    split_row<BITS>(split, activations, d.in_dim / VALUES<BITS>);
-    __syncthreads();
-  }
+  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT>(activations, d.in_dim);
+  if (SHARED_SPLIT) __syncthreads();
   const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
   if (first_row >= d.out_dim) return;
   gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, SHARED_SPLIT, T, S>(

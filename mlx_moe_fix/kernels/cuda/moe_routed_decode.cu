@@ -44,11 +44,7 @@
       }
     }
   }
-  SharedFixed<BITS>* split = nullptr;
-  if constexpr (SHARED_SPLIT) {  // the other warps split the activation row meanwhile
-    split = shared_split<BITS>();
-    split_row<BITS>(split, activations, d.in_dim / VALUES<BITS>);
-  }
+  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT>(activations, d.in_dim);
   __syncthreads();
   const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
   if (first_row >= d.out_dim) return;
