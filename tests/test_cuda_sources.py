@@ -174,8 +174,12 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
         (ROUTED, "moe_routed_decode.cu", "routed_gate_up",
          [{**base, **split, "GATED": True, "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True}]),
     ]
+    if t != "float":  # the combining down of one pair a warp (moe_decode.down_block_shape), its own bounds
+        warps, rows = DECODE.ONE_PAIR_A_WARP_DOWN
+        units.append((DECODE, "moe_decode.cu", "routed_down", [{**base, "WARPS": warps, "RPW": rows}]))
     for module, filename, stage, variants in units:
         text = translation_unit(module, filename, [(stage, t, constants) for constants in variants])
+        threads, blocks = DECODE.decode_launch_bounds(variants[0]["WARPS"])
         usage = resource_usage(tmp_path, with_launch_bounds(text, filename, stage, (threads, blocks)))
         used = [int(n) for n in re.findall(r"Used (\d+) registers", usage)]
         assert len(used) == len(variants) and max(used) <= 65536 // (threads * blocks), usage

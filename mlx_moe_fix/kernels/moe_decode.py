@@ -33,6 +33,10 @@ ROWS_PER_WARP = 4
 # room for fewer blocks (nvcc --resource-usage for sm_90a; tests/test_cuda_sources.py checks
 # that no bounded variant spills).
 RESIDENT_WARPS = 16
+# The combining down in fixed point at top-k 8 or more: blocks of 8 warps, a warp one pair's 8
+# rows, where 4-warp blocks gave a warp two pairs' 4 rows: as many warps, one activation split a
+# warp for 8 rows instead of two for 4 each. (warps a block, rows a warp)
+ONE_PAIR_A_WARP_DOWN = (8, 8)
 # Shared memory reserved a vector of the gate+up's activation row split once a block (fixed point:
 # 16-bit activations; SharedFixed in cuda/moe_decode.cu), and the most a launch takes for it: a
 # longer row is split by each warp as it goes.
@@ -40,10 +44,12 @@ SPLIT_BYTES_PER_VECTOR = 128
 MAX_SPLIT_BYTES = 48 * 1024
 
 
-def decode_launch_bounds() -> tuple:
-    """(threads, blocks an SM) of every decode launch, from WARPS_PER_BLOCK and RESIDENT_WARPS as
-    they are when a launch plan is made (benchmarks.decode_ncu sets both)."""
-    return (WARPS_PER_BLOCK * 32, RESIDENT_WARPS // WARPS_PER_BLOCK)
+def decode_launch_bounds(warps: Optional[int] = None) -> tuple:
+    """(threads, blocks an SM) of a decode launch of `warps` a block (default WARPS_PER_BLOCK),
+    RESIDENT_WARPS an SM, as they are when a launch plan is made (benchmarks.decode_ncu sets
+    both)."""
+    warps = warps or WARPS_PER_BLOCK
+    return (warps * 32, RESIDENT_WARPS // warps)
 
 
 def moe_decode_reference(
@@ -66,14 +72,15 @@ INPUTS = {
 }
 OUTPUTS = {"gate_up": ["hidden"], "down": ["out"], "routed_down": ["out"]}
 
-def gpu_kernel(stage: str, backend: str, shared_bytes: int = 0):
+def gpu_kernel(stage: str, backend: str, shared_bytes: int = 0, warps: Optional[int] = None):
     """The kernel object of one stage ("gate_up" or "down") on `backend` ("cuda" or "metal"), or
     None where MLX lacks that backend. The two take the same inputs, templates and grid; CUDA's
-    gate+up also SHARED_SPLIT (with `shared_bytes`)."""
+    gate+up also SHARED_SPLIT (with `shared_bytes`), and CUDA's launches are bounded for their
+    `warps` a block."""
     if backend == "metal":
         return metal_kernel_object("moe_decode.metal", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]))
     return cuda_kernel_object("moe_decode.cu", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]), shared_bytes,
-                              decode_launch_bounds())
+                              decode_launch_bounds(warps))
 
 
 def shared_split_bytes(experts: MoEExperts, dtype, backend: str) -> int:
@@ -90,17 +97,29 @@ def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:
     return quantized_experts_reason(experts)
 
 
-def _grid(rows: int, blocks_y: int, row_warps: Optional[int] = None) -> tuple:
-    """A block of WARPS_PER_BLOCK warps per `row_warps` (default WARPS_PER_BLOCK) x
-    ROWS_PER_WARP rows and per y index."""
-    per_block = WARPS_PER_BLOCK * 32
-    row_warps = row_warps or WARPS_PER_BLOCK
-    return (-(-rows // (row_warps * ROWS_PER_WARP)) * per_block, blocks_y, 1), (per_block, 1, 1)
+def _grid(rows: int, blocks_y: int, row_warps: Optional[int] = None, warps: Optional[int] = None,
+          rows_per_warp: Optional[int] = None) -> tuple:
+    """A block of `warps` (default WARPS_PER_BLOCK) warps per `row_warps` (default `warps`) x
+    `rows_per_warp` (default ROWS_PER_WARP) rows and per y index."""
+    warps = warps or WARPS_PER_BLOCK
+    per_block = warps * 32
+    row_warps = row_warps or warps
+    return (-(-rows // (row_warps * (rows_per_warp or ROWS_PER_WARP))) * per_block, blocks_y, 1), (per_block, 1, 1)
 
 
-def _quant_templates(linear: ExpertLinear, dtype) -> list:
+def _quant_templates(linear: ExpertLinear, dtype, warps: Optional[int] = None, rows_per_warp: Optional[int] = None) -> list:
     return [("T", dtype), ("S", linear.scales.dtype), ("BITS", linear.bits), ("GROUP", linear.group_size),
-            ("WARPS", WARPS_PER_BLOCK), ("RPW", ROWS_PER_WARP)]
+            ("WARPS", warps or WARPS_PER_BLOCK), ("RPW", rows_per_warp or ROWS_PER_WARP)]
+
+
+def down_block_shape(top_k: int, combined: bool, dtype, backend: str) -> tuple:
+    """(warps a block, rows a warp) of a down launch: ONE_PAIR_A_WARP_DOWN for the combining down
+    in fixed point (CUDA, 16-bit activations) at top-k of at least its warps, else WARPS_PER_BLOCK,
+    ROWS_PER_WARP."""
+    warps, rows = ONE_PAIR_A_WARP_DOWN
+    if combined and backend == "cuda" and dtype.size == 2 and top_k >= warps:
+        return warps, rows
+    return WARPS_PER_BLOCK, ROWS_PER_WARP
 
 
 def gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: str) -> Launch:
@@ -128,16 +147,16 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
                  input_per_pair: bool, backend: str) -> Launch:
     combined = weights_dtype is not None
     rows_out = pairs // top_k if combined else pairs
+    warps, rows_per_warp = down_block_shape(top_k, combined, dtype, backend)
     # With the combine, a block's warps split over the token's pairs (cuda/moe_decode.cu, down).
-    grid, block = _grid(linear.output_dims, rows_out,
-                        WARPS_PER_BLOCK // min(top_k, WARPS_PER_BLOCK) if combined else WARPS_PER_BLOCK)
+    grid, block = _grid(linear.output_dims, rows_out, warps // min(top_k, warps) if combined else warps, warps, rows_per_warp)
     return Launch(
-        gpu_kernel("down", backend),
+        gpu_kernel("down", backend, 0, warps),
         [linear.weight, linear.scales, linear.biases,
          linear.bias if linear.bias is not None else absent(),
          out_scale if out_scale is not None else absent(),
          kernel_dims(linear.input_dims, linear.output_dims, top_k, None, linear.bias is not None, out_scale is not None)],
-        _quant_templates(linear, dtype) + [
+        _quant_templates(linear, dtype, warps, rows_per_warp) + [
             ("SC", out_scale.dtype if out_scale is not None else mx.float32),
             ("WT", weights_dtype if combined else mx.float32),
             ("INPUT_PER_PAIR", input_per_pair), ("COMBINE", combined), bias_template(linear)],

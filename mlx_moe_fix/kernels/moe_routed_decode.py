@@ -68,7 +68,8 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
             output_shapes=[(rows * hidden_dims + pairs * (4 + itemsize) // itemsize,)],
         )
         routed_down = down._replace(kernel=cuda_kernel_object("moe_decode.cu", "routed_down", tuple(DECODE_INPUTS["routed_down"]),
-                                                              tuple(DECODE_OUTPUTS["routed_down"]), 0, decode_launch_bounds()),
+                                                              tuple(DECODE_OUTPUTS["routed_down"]), 0,
+                                                              decode_launch_bounds(dict(down.template)["WARPS"])),
                                     output_shapes=[(*leading_shape, experts.output_dims)])
         return routed_gate_up, routed_down
 

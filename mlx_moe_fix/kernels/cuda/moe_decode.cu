@@ -421,8 +421,8 @@ __device__ __forceinline__ void down_rows(
   };
   // Two pairs at once where the fixed-point GEMV takes an activation row a matrix: their weights
   // are then in flight together, where one pair after the other cost a round trip to memory each
-  // (at Qwen3's shape a warp has two of its token's eight pairs).
-  constexpr int PAIRS_AT_ONCE = FIXED_POINT<T> && BITS == 4 ? 2 : 1;  // 8-bit: two spill at the bound
+  // (at 4 rows a warp and top-k 8 a warp has two of its token's eight pairs).
+  constexpr int PAIRS_AT_ONCE = FIXED_POINT<T> && BITS == 4 && RPW <= 4 ? 2 : 1;  // more: two spill at the bound
   for (int j = pair_slot; active && j < pairs; j += PAIRS_AT_ONCE * pair_slots) {
     if constexpr (PAIRS_AT_ONCE == 2) {
       if (j + pair_slots < pairs) {
