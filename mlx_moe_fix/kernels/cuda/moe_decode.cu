@@ -244,6 +244,14 @@ struct QuantizedRows {
   const uint32_t* w;
   const S* s;
   const S* b;
+
+  // Expert `expert`'s matrix, where these are every expert's [E, out_dim, in_dim] ones.
+  template <int BITS, int GROUP>
+  __device__ QuantizedRows of_expert(size_t expert, const Dims& d) const {
+    const size_t rows_before = expert * d.out_dim;
+    const size_t groups = rows_before * (d.in_dim / GROUP);
+    return {w + rows_before * (d.in_dim * BITS / 32), s + groups, b + groups};
+  }
 };
 
 // Dot products of RPW consecutive rows (first_row on, each past last_row reading last_row) of
@@ -341,12 +349,10 @@ __device__ __forceinline__ void gate_up_rows(
   const int lane = threadIdx.x % 32;
   // This warp's RPW rows of the expert's matrices, up then gate (rows past OUT_DIM read the last
   // row and are not written).
-  const size_t rows_before = expert * d.out_dim;
-  const size_t words = rows_before * (d.in_dim * BITS / 32), groups = rows_before * (d.in_dim / GROUP);
-  const QuantizedRows<S> up_rows{up_matrices.w + words, up_matrices.s + groups, up_matrices.b + groups};
+  const QuantizedRows<S> up_rows = up_matrices.template of_expert<BITS, GROUP>(expert, d);
   float dots[2 * RPW];
   if (GATED) {
-    const QuantizedRows<S> matrices[2] = {up_rows, {gate_matrices.w + words, gate_matrices.s + groups, gate_matrices.b + groups}};
+    const QuantizedRows<S> matrices[2] = {up_rows, gate_matrices.template of_expert<BITS, GROUP>(expert, d)};
     rows_dot<BITS, GROUP, 2, RPW, 1, SHARED_SPLIT>(dots, matrices, first_row, d.out_dim - 1, {activations}, d.in_dim, lane, split);
   } else {
     const QuantizedRows<S> matrices[1] = {up_rows};
@@ -397,9 +403,7 @@ __device__ __forceinline__ void down_rows(
 #pragma unroll
     for (int p = 0; p < P; ++p) {
       const int pair = first_pair + j + p * pair_slots;
-      const size_t rows_before = (size_t)indices[pair] * d.out_dim;
-      matrices[p] = {matrices_of_all.w + rows_before * (d.in_dim * BITS / 32), matrices_of_all.s + rows_before * (d.in_dim / GROUP),
-                     matrices_of_all.b + rows_before * (d.in_dim / GROUP)};
+      matrices[p] = matrices_of_all.template of_expert<BITS, GROUP>(indices[pair], d);
       activations[p] = hidden + (size_t)(INPUT_PER_PAIR ? pair : pair / d.top_k) * d.in_dim;
     }
     float dots[P * RPW];

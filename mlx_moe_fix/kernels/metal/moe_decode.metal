@@ -61,6 +61,14 @@ struct QuantizedRows {
   const device uint32_t* w;
   const device S* s;
   const device S* b;
+
+  // Expert `expert`'s matrix, where these are every expert's [E, out_dim, in_dim] ones.
+  template <int BITS, int GROUP>
+  QuantizedRows of_expert(ulong expert, thread const Dims& d) const {
+    const ulong rows_before = expert * d.out_dim;
+    const ulong groups = rows_before * (d.in_dim / GROUP);
+    return {w + rows_before * (d.in_dim * BITS / 32), s + groups, b + groups};
+  }
 };
 
 // Dot products of RPW consecutive rows (first_row on, each past last_row reading last_row) of
@@ -102,11 +110,9 @@ inline void gate_up_rows(device T* hidden, int pair, ulong expert, int first_row
                          const device float* params, uint lane) {
   // This simdgroup's RPW rows of the expert's matrices, up then gate (rows past OUT_DIM read the
   // last row and are not written).
-  const ulong rows_before = expert * d.out_dim;
-  const ulong words = rows_before * (d.in_dim * BITS / 32), groups = rows_before * (d.in_dim / GROUP);
   float dots[2 * RPW];
-  const QuantizedRows<S> matrices[2] = {{up_matrices.w + words, up_matrices.s + groups, up_matrices.b + groups},
-                                        {gate_matrices.w + words, gate_matrices.s + groups, gate_matrices.b + groups}};
+  const QuantizedRows<S> matrices[2] = {up_matrices.template of_expert<BITS, GROUP>(expert, d),
+                                        gate_matrices.template of_expert<BITS, GROUP>(expert, d)};
   if (GATED) {
     rows_dot<BITS, GROUP, 2, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
   } else {
@@ -172,9 +178,7 @@ inline void gate_up_rows(device T* hidden, int pair, ulong expert, int first_row
   for (int j = pair_slot; active && j < pairs; j += pair_slots) {
     const int pair = first_pair + j;
     const ulong expert = indices[pair];
-    const ulong rows_before = expert * d.out_dim;
-    const QuantizedRows<S> matrices[1] = {
-        {w + rows_before * (d.in_dim * BITS / 32), s + rows_before * (d.in_dim / GROUP), b + rows_before * (d.in_dim / GROUP)}};
+    const QuantizedRows<S> matrices[1] = {QuantizedRows<S>{w, s, b}.template of_expert<BITS, GROUP>(expert, d)};
     const auto activations = hidden + ulong(INPUT_PER_PAIR ? pair : pair / d.top_k) * d.in_dim;
     float dots[RPW];
     rows_dot<BITS, GROUP, 1, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
