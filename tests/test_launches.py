@@ -81,9 +81,9 @@ def test_a_16_bit_gate_up_splits_its_activation_row_once_a_block_where_it_fits(m
     assert ("routed_gate_up", 256 * 4 // 128 * decode.SPLIT_BYTES_PER_VECTOR) in objects
 
 
-def test_the_combining_down_at_top_k_8_takes_one_pair_a_warp_in_8_warp_blocks(monkeypatch):
-    # moe_decode.down_block_shape: in fixed point (CUDA, 16-bit activations) the combining down at
-    # top-k >= 8 runs blocks of 8 warps, each one pair's 8 rows, bounded for 8-warp blocks; the
+def test_the_combining_down_of_4_bit_experts_at_top_k_8_takes_one_pair_a_warp_in_8_warp_blocks(monkeypatch):
+    # moe_decode.down_block_shape: in fixed point (CUDA, 16-bit activations) the combining down of
+    # 4-bit experts at top-k >= 8 runs blocks of 8 warps, each one pair's 8 rows, bounded for 8-warp blocks; the
     # other downs keep 4-warp blocks of 4 rows a warp. Either way one block's warps cover the
     # token's pairs, and the grid covers every output row.
     decode = sys.modules["mlx_moe_fix.kernels.moe_decode"]
@@ -94,8 +94,8 @@ def test_the_combining_down_at_top_k_8_takes_one_pair_a_warp_in_8_warp_blocks(mo
                             bounds.__setitem__(section, bound) or Recorder(section))
     monkeypatch.setattr(decode, "metal_kernel_object", lambda *a: Recorder("metal"))
 
-    def down(dtype, top_k, backend="cuda", out=256):
-        case = make_case(dtype, (4, 64), True, "swiglu", None, False, out, 128, 8, top_k, 1, 1)
+    def down(dtype, top_k, backend="cuda", out=256, bits=4):
+        case = make_case(dtype, (bits, 64), True, "swiglu", None, False, out, 128, 8, top_k, 1, 1)
         launch = decode.decode_launches(case.experts, top_k, 2 * top_k, dtype, dtype, backend)[1]
         template = dict(launch.template)
         return (template["WARPS"], template["RPW"]), launch.grid, launch.threadgroup
@@ -103,9 +103,10 @@ def test_the_combining_down_at_top_k_8_takes_one_pair_a_warp_in_8_warp_blocks(mo
     assert down(mx.bfloat16, 8) == ((8, 8), (256 // 8 * 256, 2, 1), (256, 1, 1))
     assert bounds["down"] == (256, 2) == decode.decode_launch_bounds(8)
     assert down(mx.float16, 8, out=320) == ((8, 8), (320 // 8 * 256, 2, 1), (256, 1, 1))
-    for dtype, top_k, backend in ((mx.bfloat16, 2, "cuda"), (mx.float32, 8, "cuda"), (mx.bfloat16, 8, "metal")):
+    for dtype, top_k, backend, bits in ((mx.bfloat16, 2, "cuda", 4), (mx.float32, 8, "cuda", 4), (mx.bfloat16, 8, "metal", 4),
+                                        (mx.bfloat16, 8, "cuda", 8)):
         # 4 warps of 4 rows: the pairs over min(top_k, 4) warps, the rest over rows
-        assert down(dtype, top_k, backend) == ((4, 4), (256 // (4 // min(top_k, 4) * 4) * 128, 2, 1), (128, 1, 1))
+        assert down(dtype, top_k, backend, bits=bits) == ((4, 4), (256 // (4 // min(top_k, 4) * 4) * 128, 2, 1), (128, 1, 1))
     case = make_case(mx.bfloat16, (4, 64), True, "swiglu", None, False, 256, 128, 8, 8, 1, 1)
     from mlx_moe_fix.kernels.moe_router import Routing
     routed._launches(case.experts, Routing("softmax_topk", 8, True), (1, 1), mx.bfloat16)

@@ -33,9 +33,11 @@ ROWS_PER_WARP = 4
 # room for fewer blocks (nvcc --resource-usage for sm_90a; tests/test_cuda_sources.py checks
 # that no bounded variant spills).
 RESIDENT_WARPS = 16
-# The combining down in fixed point at top-k 8 or more: blocks of 8 warps, a warp one pair's 8
-# rows, where 4-warp blocks gave a warp two pairs' 4 rows: as many warps, one activation split a
-# warp for 8 rows instead of two for 4 each. (warps a block, rows a warp)
+# The combining down of 4-bit experts in fixed point at top-k 8 or more: blocks of 8 warps, a warp
+# one pair's 8 rows, where 4-warp blocks gave a warp two pairs' 4 rows: as many warps, one
+# activation split a warp for 8 rows instead of two for 4 each. (warps a block, rows a warp.) On
+# the H200 at Qwen3-30B-A3B's shape: 4-bit 6.88 -> 6.26 us, 8-bit 8.00 -> 8.54 (docs/benchmarks.md,
+# twenty-fourth session), so 8-bit experts keep 4 x 4.
 ONE_PAIR_A_WARP_DOWN = (8, 8)
 # Shared memory reserved a vector of the gate+up's activation row split once a block (fixed point:
 # 16-bit activations; SharedFixed in cuda/moe_decode.cu), and the most a launch takes for it: a
@@ -112,12 +114,12 @@ def _quant_templates(linear: ExpertLinear, dtype, warps: Optional[int] = None, r
             ("WARPS", warps or WARPS_PER_BLOCK), ("RPW", rows_per_warp or ROWS_PER_WARP)]
 
 
-def down_block_shape(top_k: int, combined: bool, dtype, backend: str) -> tuple:
+def down_block_shape(top_k: int, combined: bool, bits: int, dtype, backend: str) -> tuple:
     """(warps a block, rows a warp) of a down launch: ONE_PAIR_A_WARP_DOWN for the combining down
-    in fixed point (CUDA, 16-bit activations) at top-k of at least its warps, else WARPS_PER_BLOCK,
-    ROWS_PER_WARP."""
+    of 4-bit experts in fixed point (CUDA, 16-bit activations) at top-k of at least its warps, else
+    WARPS_PER_BLOCK, ROWS_PER_WARP."""
     warps, rows = ONE_PAIR_A_WARP_DOWN
-    if combined and backend == "cuda" and dtype.size == 2 and top_k >= warps:
+    if combined and bits == 4 and backend == "cuda" and dtype.size == 2 and top_k >= warps:
         return warps, rows
     return WARPS_PER_BLOCK, ROWS_PER_WARP
 
@@ -147,7 +149,7 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
                  input_per_pair: bool, backend: str) -> Launch:
     combined = weights_dtype is not None
     rows_out = pairs // top_k if combined else pairs
-    warps, rows_per_warp = down_block_shape(top_k, combined, dtype, backend)
+    warps, rows_per_warp = down_block_shape(top_k, combined, linear.bits, dtype, backend)
     # With the combine, a block's warps split over the token's pairs (cuda/moe_decode.cu, down).
     grid, block = _grid(linear.output_dims, rows_out, warps // min(top_k, warps) if combined else warps, warps, rows_per_warp)
     return Launch(
