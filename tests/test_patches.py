@@ -215,6 +215,25 @@ def test_described_layer_is_redescribed_when_its_weights_change():
     assert second is not first and second.projections[0].scales.dtype == mx.float16
 
 
+@pytest.mark.parametrize("part", ["biases", "bias"])
+def test_a_patched_layer_follows_a_replaced_quantization_bias_or_additive_bias(part):
+    # describe() keeps a layer's description while its arrays are the same objects: an array
+    # replaced alone, a projection's quantization biases or its additive bias, must reach the ops.
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    layer = SwitchGLU(64, 64, 4, bias=True)
+    nn.quantize(layer, group_size=32, bits=4)
+    x = mx.random.normal((1, 3, 64))
+    indices = mx.array([[[0, 1], [2, 3], [1, 2]]], dtype=mx.uint32)
+    with mlx_moe_fix.patched():
+        before = layer(x, indices)
+        layer.down_proj[part] = layer.down_proj[part] + 1.0
+        out = layer(x, indices)
+    expected = layer(x, indices)
+    assert not mx.array_equal(expected, before).item()
+    assert mx.array_equal(out, expected).item()
+
+
 def test_quantized_switch_linear_called_positionally():
     """sorted_indices given positionally, as a caller may: same output as stock."""
     layer = quantized_glu()

@@ -32,15 +32,20 @@ def bind(args: tuple, kwargs: dict, names: tuple) -> list:
 _CACHE_ATTRIBUTE = "_mlx_moe_fix_described"
 
 
+# The arrays of a projection that its ExpertLinear holds.
+_PROJECTION_ARRAYS = ("weight", "scales", "biases", "bias")
+
+
 def describe(layer, projection_names: tuple, gate_scale=None, out_scale=None):
     """(MoEExperts, None) for a layer the ops can run, else (None, why not).
 
-    Cached on the layer while its activation, weights, scales and per-expert scales are the same
-    objects: describing costs more host time per decode step than the GPU spends on a layer."""
+    Cached on the layer while its activation, per-expert scales and every projection array
+    (weight, scales, quantization biases, additive bias) are the same objects: describing costs
+    more host time per decode step than the GPU spends on a layer."""
     parts = [layer.get("activation"), gate_scale, out_scale]
     for name in projection_names:
         projection = layer.get(name)
-        parts += (None, None) if projection is None else (projection.get("weight"), projection.get("scales"))
+        parts += (None,) * len(_PROJECTION_ARRAYS) if projection is None else map(projection.get, _PROJECTION_ARRAYS)
     identities = tuple(map(id, parts))
     cached = layer.__dict__.get(_CACHE_ATTRIBUTE)
     if cached is not None and cached[0] == identities:
