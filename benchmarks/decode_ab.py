@@ -4,7 +4,7 @@ decode (one token), where the figure is the expert weights' bandwidth.
 
     mkdir -p scratch/main && git archive main mlx_moe_fix | tar -x -C scratch/main   # here; carry scratch/
     python3 -m benchmarks.decode_ab --other scratch/main --shapes qwen3,mixtral
-    python3 -m benchmarks.decode_ab --other scratch/main --rows-per-warp 2          # this tree's ROWS_PER_WARP
+    python3 -m benchmarks.decode_ab --other scratch/main --rows-per-warp 2          # this tree's rows a warp
 
 Per shape: --layers distinct SwitchGLU layers (4-bit g64, bf16 random weights, so that no layer's
 experts are still in L2 when it runs: Qwen3's 8 routed experts are 20 MB, the H200's L2 50 MB),
@@ -99,14 +99,17 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8), help="the experts' quantization bits")
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--rows-per-warp", type=int, help="this tree's moe_decode.ROWS_PER_WARP (default: its own)")
+    parser.add_argument("--rows-per-warp", type=int,
+                        help="rows a warp of this tree's gate+up and plain down (moe_decode.GATE_UP_BLOCK, DOWN_BLOCK)")
     args = parser.parse_args(argv)
     if not mx.cuda.is_available():
         raise SystemExit("decode_ab times the CUDA decode kernels: run it on a CUDA GPU")
     with tempfile.TemporaryDirectory() as into:
         kernels = {"this": importlib.import_module("mlx_moe_fix.kernels"), "other": load_other(args.other, into)}
         if args.rows_per_warp:
-            importlib.import_module("mlx_moe_fix.kernels.moe_decode").ROWS_PER_WARP = args.rows_per_warp
+            decode = importlib.import_module("mlx_moe_fix.kernels.moe_decode")
+            for constant in ("GATE_UP_BLOCK", "DOWN_BLOCK"):
+                setattr(decode, constant, getattr(decode, constant)._replace(rows=args.rows_per_warp))
         columns = ["shape", "MB a layer", "other µs (GB/s)", "this µs (GB/s)", "this / other (median)", "range", "same output"]
         rows = []
         for shape in args.shapes.split(","):

@@ -11,9 +11,10 @@ One quantized mlx-lm SwitchGLU at Qwen3-30B-A3B's expert shape (2048 -> 768, 128
 softmax then top-k) or Mixtral-8x7B's (4096 -> 14336, 8 experts, top-2, top-k then softmax), 4-bit
 g64 bf16, one token. Each variant makes --calls decode calls: `routed` (moe_routed_decode: the
 routing inside the gate+up launch) or `unrouted` (moe_router's launch, then moe_decode's two),
-with optional `:rows=R` (ROWS_PER_WARP), `:warps=W` (WARPS_PER_BLOCK) and `:resident=N`
-(RESIDENT_WARPS: every decode launch bounded to N warps an SM), set on moe_decode before a fresh
-launch plan; its last
+with optional `:rows=R` and `:warps=W` (the rows a warp and warps a block of moe_decode's
+GATE_UP_BLOCK and DOWN_BLOCK), `:resident=N` (every decode launch bounded to N warps an SM) and
+`:shapes=STAGE=WxRxN+...` (benchmarks/block_shapes.py, `+` for its commas), set on moe_decode
+before a fresh launch plan; its last
 output is checked against the fp32 reference. Then, as yardsticks over the gate+up's bytes, an
 MLX sum (a plain read) and MLX's dense quantized GEMV over as many rows. ncu flushes the caches
 before each kernel; the table leaves each kernel's first call out and keys kernels by name
@@ -21,7 +22,6 @@ before each kernel; the table leaves each kernel's first call out and keys kerne
 
 import argparse
 import csv
-import importlib
 import io
 import re
 import statistics
@@ -32,17 +32,17 @@ import mlx.core as mx
 from mlx_moe_fix.kernels import Routing, moe_router
 from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode, moe_routed_decode_reference
 
+from . import block_shapes
 from .switch_glu import experts_of, quantized_switch_glu
 
-# importlib: the package's kernels/__init__ exports each op's dispatcher under its module's name
-decode_module = importlib.import_module("mlx_moe_fix.kernels.moe_decode")
+decode_module = block_shapes.decode_module
 
 SHAPES = {
     "qwen3": (SimpleNamespace(hidden=2048, ffn=768, experts=128, top_k=8), Routing("softmax_topk", 8, normalize=True)),
     "mixtral": (SimpleNamespace(hidden=4096, ffn=14336, experts=8, top_k=2), Routing("topk_softmax", 2)),
     "smoke": (SimpleNamespace(hidden=128, ffn=64, experts=8, top_k=2), Routing("softmax_topk", 2, normalize=True)),
 }
-KNOBS = {"rows": "ROWS_PER_WARP", "warps": "WARPS_PER_BLOCK", "resident": "RESIDENT_WARPS"}
+KNOBS = ("rows", "warps", "resident", "shapes")
 
 
 def parse_variant(text: str) -> tuple:
@@ -53,18 +53,30 @@ def parse_variant(text: str) -> tuple:
     knobs = {}
     for setting in settings:
         name, _, value = setting.partition("=")
-        if name not in KNOBS or not value.isdigit():
-            raise ValueError(f"unknown setting {setting!r} (rows=, warps=, resident=)")
-        knobs[name] = int(value)
+        if name == "shapes":
+            knobs[name] = block_shapes.parse(value.replace("+", ","))
+        elif name in KNOBS and value.isdigit():
+            knobs[name] = int(value)
+        else:
+            raise ValueError(f"unknown setting {setting!r} (rows=, warps=, resident=, shapes=)")
     return kind, knobs
+
+
+def shapes_of(knobs: dict) -> dict:
+    """The block shapes (block_shapes' {constant: BlockShape}) a variant's knobs set: rows= and warps=
+    on the gate+up's and the plain down's, resident= on every decode launch's, then shapes=."""
+    shapes = {}
+    for constant in block_shapes.STAGES.values():
+        shape = getattr(decode_module, constant)
+        if constant != "ONE_PAIR_A_WARP_DOWN":
+            shape = shape._replace(rows=knobs.get("rows", shape.rows), warps=knobs.get("warps", shape.warps))
+        shapes[constant] = shape._replace(resident=knobs.get("resident", shape.resident))
+    return {**shapes, **knobs.get("shapes", {})}
 
 
 def run_variant(layer, x, logits, routing: Routing, kind: str, knobs: dict, calls: int) -> float:
     """`calls` decode calls of one variant; the last output's max |error| against fp32."""
-    defaults = {name: getattr(decode_module, constant) for name, constant in KNOBS.items()}
-    try:
-        for name, constant in KNOBS.items():
-            setattr(decode_module, constant, knobs.get(name, defaults[name]))
+    with block_shapes.block_shapes(shapes_of(knobs)):
         experts = experts_of(layer)  # a fresh memo of launch plans
         for _ in range(calls):
             if kind == "routed":
@@ -73,9 +85,6 @@ def run_variant(layer, x, logits, routing: Routing, kind: str, knobs: dict, call
                 indices, weights = moe_router(logits, routing)
                 y = decode_module.moe_decode(x, indices, experts, weights)
             mx.eval(y)
-    finally:
-        for name, constant in KNOBS.items():
-            setattr(decode_module, constant, defaults[name])
     expected = moe_routed_decode_reference(x.astype(mx.float32), logits.astype(mx.float32), routing, experts)
     return mx.abs(y.astype(mx.float32) - expected).max().item()
 

@@ -4,7 +4,7 @@
     python3 -m benchmarks.decode_roofline --shape qwen3 --warps 4,8
 
 A warp takes 4 rows of each of 2 matrices (gate and up) of a pair's expert, as the kernel's warps
-do (ROWS_PER_WARP, WARPS_PER_BLOCK), over --layers layers of the shape's routed pairs (Mixtral:
+do (moe_decode.GATE_UP_BLOCK), over --layers layers of the shape's routed pairs (Mixtral:
 2 pairs, 4096 -> 14336; Qwen3: 8 pairs, 2048 -> 768), 4-bit g64 with bf16 scales and biases, one
 bf16 activation row a pair; no routing; the shape's sizes as template constants. Three variants of the same loop, with moe_decode.cu's own
 device code (load_vector, prescale, dot_vector):

@@ -6,6 +6,8 @@ ones included), beside the host's build and evaluation of the same work. Needs t
     python3 -m benchmarks.gpu_timeline                                # decode blocks, then qwen3_moe's token
     python3 -m benchmarks.gpu_timeline --parts blocks --shapes qwen3  # one shape's blocks only
     python3 -m benchmarks.gpu_timeline --parts tokens --model inkling --deepseek-layers 6
+    python3 -m benchmarks.gpu_timeline --parts blocks --shapes qwen3 --block-shapes gate_up=4x2x24
+                                       # production's block shapes, then these (benchmarks/block_shapes.py)
 
 The host's build and evaluation are timed while traced, and CUPTI adds host time to each launch:
 they are upper bounds, and busy / evaluation a lower bound of the GPU's busy share (benchmarks.
@@ -88,10 +90,14 @@ def summary(label: str, phases: list, kernels: list, reps: int, per: int, nbytes
     return row, lines[:TOP_KERNELS]
 
 
-def blocks_part(shapes: list, layers: int, reps: int, bits: int = 4) -> list:
+def blocks_part(shapes: list, layers: int, reps: int, bits: int = 4, variants: tuple = ({},)) -> list:
+    """Per shape, the chained routed decode blocks at each of `variants` (benchmarks/block_shapes.py's
+    {constant: BlockShape}, {} for production's), the layers built once; each variant's first
+    layer is checked against the fp32 reference (the error in its label)."""
     from mlx_moe_fix import kernels as this_tree
-    from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode_kernel
+    from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode_kernel, moe_routed_decode_reference
 
+    from . import block_shapes
     from .decode_ab import routed_layers
     from .prefill_ab import SHAPES
     from .switch_glu import experts_of
@@ -99,19 +105,25 @@ def blocks_part(shapes: list, layers: int, reps: int, bits: int = 4) -> list:
     results = []
     for shape in shapes:
         built, logits, routing, nbytes = routed_layers(shape, layers, this_tree, bits)
-        experts = [experts_of(layer) for layer in built]
         x0 = (mx.random.normal((1, SHAPES[shape][0])) * 0.5).astype(mx.bfloat16)
         mx.eval(x0)
+        for variant in variants:
+            with block_shapes.block_shapes(variant):
+                experts = [experts_of(layer) for layer in built]  # fresh launch plans
+                first = moe_routed_decode_kernel(x0, logits[0], routing, experts[0]).astype(mx.float32)
+                expected = moe_routed_decode_reference(x0.astype(mx.float32), logits[0].astype(mx.float32), routing, experts[0])
+                error = (mx.abs(first - expected).max() / mx.abs(expected).max()).item()
 
-        def chained():
-            x, outputs = x0, []
-            for lg, e in zip(logits, experts):
-                x = moe_routed_decode_kernel(x, lg, routing, e)
-                outputs.append(x)
-            return outputs
+                def chained(experts=experts):
+                    x, outputs = x0, []
+                    for lg, e in zip(logits, experts):
+                        x = moe_routed_decode_kernel(x, lg, routing, e)
+                        outputs.append(x)
+                    return outputs
 
-        phases, kernels = traced(chained, reps)
-        results.append(summary(f"{shape}, a layer", phases, kernels, reps, layers, nbytes))
+                phases, kernels = traced(chained, reps)
+            label = f"{shape}, a layer" + ("" if not variant else f" [{block_shapes.label(variant)}; max rel. error {error:.1e}]")
+            results.append(summary(label, phases, kernels, reps, layers, nbytes))
     return results
 
 
@@ -138,7 +150,7 @@ def tokens_part(args, reps: int) -> list:
 
 
 def main(argv=None):
-    from . import models
+    from . import block_shapes, models
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="blocks,tokens", help="blocks and / or tokens")
@@ -146,6 +158,8 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=16, help="chained decode blocks a traced graph holds")
     parser.add_argument("--reps", type=int, default=5, help="traced calls a part")
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8), help="the blocks' experts' quantization bits")
+    parser.add_argument("--block-shapes", action="append", default=[], metavar="STAGE=WxRxN,...",
+                        help="blocks: one more variant with these decode block shapes (benchmarks/block_shapes.py; repeatable)")
     models.add_decode_pair_arguments(parser)
     args = parser.parse_args(argv)
     args.smoke = False
@@ -159,7 +173,8 @@ def main(argv=None):
     results = []
     parts = args.parts.split(",")
     if "blocks" in parts:
-        results += blocks_part(args.shapes.split(","), args.layers, args.reps, args.bits)
+        variants = ({},) + tuple(block_shapes.parse(text) for text in args.block_shapes)
+        results += blocks_part(args.shapes.split(","), args.layers, args.reps, args.bits, variants)
     if "tokens" in parts:
         results += tokens_part(args, args.reps)
     print(f"MLX {mx.__version__}, {mx.default_device()}; medians of {args.reps} traced calls; µs a layer or token")

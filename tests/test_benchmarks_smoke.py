@@ -222,6 +222,25 @@ def test_decode_timeline_runs_a_patched_variant_per_switch_setting_with_that_swi
         decode_timeline.main(["--smoke", "--patched-with", "MLX_MOE_FIX_NOT_A_SWITCH=0"])
 
 
+def test_block_shapes_parse_and_set_the_decode_launches_block_shapes():
+    import mlx.core as mx
+
+    from benchmarks import block_shapes
+
+    decode = block_shapes.decode_module
+    shapes = block_shapes.parse("gate_up=4x2x24,one_pair_down=8x4x16")
+    assert shapes == {"GATE_UP_BLOCK": decode.BlockShape(4, 2, 24), "ONE_PAIR_A_WARP_DOWN": decode.BlockShape(8, 4, 16)}
+    assert block_shapes.parse(block_shapes.label(shapes)) == shapes and block_shapes.label({}) == "production"
+    for bad in ("gate=4x2x24", "gate_up=4x2", "gate_up=4x2x18", "down=0x4x16"):
+        with pytest.raises(ValueError):
+            block_shapes.parse(bad)
+    production = decode.GATE_UP_BLOCK
+    with block_shapes.block_shapes(shapes):
+        assert decode.gate_up_block_shape() == decode.BlockShape(4, 2, 24)
+        assert decode.down_block_shape(8, True, 4, mx.bfloat16, "cuda").rows == 4
+    assert decode.gate_up_block_shape() is production
+
+
 def test_prefill_forward_smoke_times_every_variant(tmp_path):
     path = str(tmp_path / "forward.json")
     out = run_module("benchmarks.prefill_forward", "--smoke", "--json", path)

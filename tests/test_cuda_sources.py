@@ -161,25 +161,29 @@ def registers(usage: str) -> int:
 @pytest.mark.parametrize("t", ["__nv_bfloat16", "__half", "float"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bits):
-    # Every decode launch as production builds it (moe_decode.decode_launch_bounds, the routed
-    # module's too): the bound must hold 16 warps an SM without spilling, whichever GEMV path (the
-    # fixed-point one for 16-bit activations, else the fp32 loop) a variant takes.
-    threads, blocks = DECODE.decode_launch_bounds()
-    base = {"BITS": bits, "GROUP": 64, "WARPS": threads // 32, "RPW": DECODE.ROWS_PER_WARP, "HAS_BIAS": False}
+    # Every decode launch as production builds it (its moe_decode.BlockShape's launch bounds, the
+    # routed module's too): the bound must hold the shape's resident warps an SM without spilling,
+    # whichever GEMV path (the fixed-point one for 16-bit activations, else the fp32 loop) a
+    # variant takes.
+    base = {"BITS": bits, "GROUP": 64, "HAS_BIAS": False}
     split = {"SHARED_SPLIT": t != "float"}  # what shared_split_bytes gives at these shapes' rows
+
+    def shaped(shape, variants):
+        return shape, [{**v, "WARPS": shape.warps, "RPW": shape.rows} for v in variants]
+
     units = [
-        (DECODE, "moe_decode.cu", "gate_up", [{**base, **split, "GATED": gated} for gated in (True, False)]),
-        (DECODE, "moe_decode.cu", "down", [{**base, "INPUT_PER_PAIR": True, "COMBINE": combine} for combine in (True, False)]),
-        (DECODE, "moe_decode.cu", "routed_down", [base]),
+        (DECODE, "moe_decode.cu", "gate_up", *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": gated} for gated in (True, False)])),
+        (DECODE, "moe_decode.cu", "down",
+         *shaped(DECODE.DOWN_BLOCK, [{**base, "INPUT_PER_PAIR": True, "COMBINE": combine} for combine in (True, False)])),
+        (DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.DOWN_BLOCK, [base])),
         (ROUTED, "moe_routed_decode.cu", "routed_gate_up",
-         [{**base, **split, "GATED": True, "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True}]),
+         *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": True, "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True}])),
     ]
     if t != "float" and bits == 4:  # the combining down of one pair a warp (moe_decode.down_block_shape), its own bounds
-        warps, rows = DECODE.ONE_PAIR_A_WARP_DOWN
-        units.append((DECODE, "moe_decode.cu", "routed_down", [{**base, "WARPS": warps, "RPW": rows}]))
-    for module, filename, stage, variants in units:
+        units.append((DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [base])))
+    for module, filename, stage, shape, variants in units:
         text = translation_unit(module, filename, [(stage, t, constants) for constants in variants])
-        threads, blocks = DECODE.decode_launch_bounds(variants[0]["WARPS"])
+        threads, blocks = shape.launch_bounds()
         usage = resource_usage(tmp_path, with_launch_bounds(text, filename, stage, (threads, blocks)))
         used = [int(n) for n in re.findall(r"Used (\d+) registers", usage)]
         assert len(used) == len(variants) and max(used) <= 65536 // (threads * blocks), usage

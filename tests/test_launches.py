@@ -101,7 +101,7 @@ def test_the_combining_down_of_4_bit_experts_at_top_k_8_takes_one_pair_a_warp_in
         return (template["WARPS"], template["RPW"]), launch.grid, launch.threadgroup
 
     assert down(mx.bfloat16, 8) == ((8, 8), (256 // 8 * 256, 2, 1), (256, 1, 1))
-    assert bounds["down"] == (256, 2) == decode.decode_launch_bounds(8)
+    assert bounds["down"] == (256, 2) == decode.ONE_PAIR_A_WARP_DOWN.launch_bounds()
     assert down(mx.float16, 8, out=320) == ((8, 8), (320 // 8 * 256, 2, 1), (256, 1, 1))
     for dtype, top_k, backend, bits in ((mx.bfloat16, 2, "cuda", 4), (mx.float32, 8, "cuda", 4), (mx.bfloat16, 8, "metal", 4),
                                         (mx.bfloat16, 8, "cuda", 8)):
@@ -111,3 +111,27 @@ def test_the_combining_down_of_4_bit_experts_at_top_k_8_takes_one_pair_a_warp_in
     from mlx_moe_fix.kernels.moe_router import Routing
     routed._launches(case.experts, Routing("softmax_topk", 8, True), (1, 1), mx.bfloat16)
     assert bounds["routed_down"] == (256, 2) and bounds["routed_gate_up"] == (128, 4)
+
+
+def test_a_gate_up_block_shape_reaches_the_plain_and_the_routed_gate_up_launch(monkeypatch):
+    # moe_decode.GATE_UP_BLOCK, read at each launch plan (benchmarks/block_shapes.py sets it): its
+    # warps and rows a warp in the template and the grid, its resident warps in the launch bounds,
+    # for both gate+up launches; the downs keep theirs.
+    decode = sys.modules["mlx_moe_fix.kernels.moe_decode"]
+    routed = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
+    from mlx_moe_fix.kernels.moe_router import Routing
+
+    bounds = {}
+    for module in (decode, routed):
+        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bound:
+                            bounds.__setitem__(section, bound) or Recorder(section))
+    monkeypatch.setattr(decode, "GATE_UP_BLOCK", decode.BlockShape(4, 2, 24))
+    case = make_case(mx.bfloat16, (4, 64), True, "swiglu", None, False, 256, 128, 8, 8, 1, 1)
+    gate_up, down = routed._launches(case.experts, Routing("softmax_topk", 8, True), (1, 1), mx.bfloat16)
+    plain = decode.gate_up_launch(case.experts, 8, 8, mx.bfloat16, "cuda")
+    for launch in (gate_up, plain):
+        template = dict(launch.template)
+        assert (template["WARPS"], template["RPW"]) == (4, 2)
+        assert launch.grid == (128 // (4 * 2) * 128, 8, 1) and launch.threadgroup == (128, 1, 1)  # 128 hidden rows a pair
+    assert bounds["routed_gate_up"] == bounds["gate_up"] == (128, 6)
+    assert (dict(down.template)["WARPS"], dict(down.template)["RPW"]) == (8, 8) and bounds["routed_down"] == (256, 2)

@@ -83,7 +83,7 @@ def test_metal_sources_have_the_cuda_sources_sections():
 def test_metal_decode_kernels_type_check_as_cpp(tmp_path, t):
     variants = []
     for bits, group in ((4, 64), (8, 32)):
-        base = {"BITS": bits, "GROUP": group, "WARPS": DECODE.WARPS_PER_BLOCK, "RPW": DECODE.ROWS_PER_WARP, "HAS_BIAS": bits == 8}
+        base = {"BITS": bits, "GROUP": group, "WARPS": DECODE.GATE_UP_BLOCK.warps, "RPW": DECODE.GATE_UP_BLOCK.rows, "HAS_BIAS": bits == 8}
         variants += [("gate_up", t, {**base, "GATED": gated}) for gated in (True, False)]
         variants += [("down", t, {**base, "INPUT_PER_PAIR": p, "COMBINE": c}) for p in (True, False) for c in (True, False)]
     path = tmp_path / "kernels.cpp"

@@ -10,7 +10,7 @@ warp, the same launchers; not yet run on Apple hardware, so off unless MLX_MOE_F
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -20,38 +20,45 @@ from .launch import (Launch, absent, bias_template, cuda_kernel_object, kernel_d
                      metal_kernel_object, per_pair, quantized_experts_reason)
 from .reference import combine, expert_chain
 
-# Small blocks spread a decode GEMV's few warps evenly over the SMs: at Qwen3-30B-A3B's shape the
-# gate+up has 192 blocks of 8 warps for 132 SMs, so half the SMs ran two and set its time; in
-# blocks of 4 the routed gate+up took 15.2 µs where 8 took 16.4 (ncu, docs/benchmarks.md).
-WARPS_PER_BLOCK = 4
-# Output rows per warp (RPW in cuda/moe_decode.cu): a warp loads each activation vector once for
-# all its rows (on the H200, 4 read Mixtral's experts at 1466 GB/s
-# where 1 read them at 1209: docs/benchmarks.md).
-ROWS_PER_WARP = 4
-# Every decode launch's bounds: 16 resident warps an SM (128 registers a thread). Unbounded, the
-# fixed-point GEMV's down launch took 140 and the routed gate+up a few more than the plain one:
-# room for fewer blocks (nvcc --resource-usage for sm_90a; tests/test_cuda_sources.py checks
-# that no bounded variant spills).
-RESIDENT_WARPS = 16
+
+
+class BlockShape(NamedTuple):
+    """How a decode launch lays out its blocks: `warps` a block, `rows` output rows a warp (RPW in
+    cuda/moe_decode.cu: a warp loads each activation vector once for all its rows), and the
+    `resident` warps an SM its launch bounds leave registers for (CUDA)."""
+
+    warps: int
+    rows: int
+    resident: int
+
+    def launch_bounds(self) -> tuple:
+        """(threads a block, blocks an SM), as cuda_kernel_object takes them."""
+        return (self.warps * 32, self.resident // self.warps)
+
+
+# The gate+up's blocks, and the down's where ONE_PAIR_A_WARP_DOWN does not apply.
+# - 4 warps: small blocks spread a decode GEMV's few warps evenly over the SMs: at Qwen3-30B-A3B's
+#   shape the gate+up has 192 blocks of 8 warps for 132 SMs, so half the SMs ran two and set its
+#   time; in blocks of 4 the routed gate+up took 15.2 µs where 8 took 16.4 (ncu, docs/benchmarks.md).
+# - 4 rows a warp: on the H200, 4 read Mixtral's experts at 1466 GB/s where 1 read them at 1209
+#   (docs/benchmarks.md).
+# - 16 resident warps an SM (128 registers a thread): unbounded, the fixed-point GEMV's down
+#   launch took 140 and the routed gate+up a few more than the plain one: room for fewer blocks
+#   (nvcc --resource-usage for sm_90a; tests/test_cuda_sources.py checks that no bounded variant
+#   spills).
+GATE_UP_BLOCK = BlockShape(4, 4, 16)
+DOWN_BLOCK = BlockShape(4, 4, 16)
 # The combining down of 4-bit experts in fixed point at top-k 8 or more: blocks of 8 warps, a warp
 # one pair's 8 rows, where 4-warp blocks gave a warp two pairs' 4 rows: as many warps, one
-# activation split a warp for 8 rows instead of two for 4 each. (warps a block, rows a warp.) On
-# the H200 at Qwen3-30B-A3B's shape: 4-bit 6.88 -> 6.26 us, 8-bit 8.00 -> 8.54 (docs/benchmarks.md,
-# twenty-fourth session), so 8-bit experts keep 4 x 4.
-ONE_PAIR_A_WARP_DOWN = (8, 8)
+# activation split a warp for 8 rows instead of two for 4 each. On the H200 at Qwen3-30B-A3B's
+# shape: 4-bit 6.88 -> 6.26 us, 8-bit 8.00 -> 8.54 (docs/benchmarks.md, twenty-fourth session), so
+# 8-bit experts keep DOWN_BLOCK.
+ONE_PAIR_A_WARP_DOWN = BlockShape(8, 8, 16)
 # Shared memory reserved a vector of the gate+up's activation row split once a block (fixed point:
 # 16-bit activations; SharedFixed in cuda/moe_decode.cu), and the most a launch takes for it: a
 # longer row is split by each warp as it goes.
 SPLIT_BYTES_PER_VECTOR = 128
 MAX_SPLIT_BYTES = 48 * 1024
-
-
-def decode_launch_bounds(warps: Optional[int] = None) -> tuple:
-    """(threads, blocks an SM) of a decode launch of `warps` a block (default WARPS_PER_BLOCK),
-    RESIDENT_WARPS an SM, as they are when a launch plan is made (benchmarks.decode_ncu sets
-    both)."""
-    warps = warps or WARPS_PER_BLOCK
-    return (warps * 32, RESIDENT_WARPS // warps)
 
 
 def moe_decode_reference(
@@ -74,15 +81,15 @@ INPUTS = {
 }
 OUTPUTS = {"gate_up": ["hidden"], "down": ["out"], "routed_down": ["out"]}
 
-def gpu_kernel(stage: str, backend: str, shared_bytes: int = 0, warps: Optional[int] = None):
+def gpu_kernel(stage: str, backend: str, shape: BlockShape, shared_bytes: int = 0):
     """The kernel object of one stage ("gate_up" or "down") on `backend` ("cuda" or "metal"), or
     None where MLX lacks that backend. The two take the same inputs, templates and grid; CUDA's
     gate+up also SHARED_SPLIT (with `shared_bytes`), and CUDA's launches are bounded for their
-    `warps` a block."""
+    block `shape`."""
     if backend == "metal":
         return metal_kernel_object("moe_decode.metal", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]))
     return cuda_kernel_object("moe_decode.cu", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]), shared_bytes,
-                              decode_launch_bounds(warps))
+                              shape.launch_bounds())
 
 
 def shared_split_bytes(experts: MoEExperts, dtype, backend: str) -> int:
@@ -99,46 +106,49 @@ def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:
     return quantized_experts_reason(experts)
 
 
-def _grid(rows: int, blocks_y: int, row_warps: Optional[int] = None, warps: Optional[int] = None,
-          rows_per_warp: Optional[int] = None) -> tuple:
-    """A block of `warps` (default WARPS_PER_BLOCK) warps per `row_warps` (default `warps`) x
-    `rows_per_warp` (default ROWS_PER_WARP) rows and per y index."""
-    warps = warps or WARPS_PER_BLOCK
-    per_block = warps * 32
-    row_warps = row_warps or warps
-    return (-(-rows // (row_warps * (rows_per_warp or ROWS_PER_WARP))) * per_block, blocks_y, 1), (per_block, 1, 1)
+def _grid(rows: int, blocks_y: int, shape: BlockShape, row_warps: Optional[int] = None) -> tuple:
+    """Blocks of `shape`, each `row_warps` (default all its warps) x its rows a warp rows, and per
+    y index."""
+    per_block = shape.warps * 32
+    row_warps = row_warps or shape.warps
+    return (-(-rows // (row_warps * shape.rows)) * per_block, blocks_y, 1), (per_block, 1, 1)
 
 
-def _quant_templates(linear: ExpertLinear, dtype, warps: Optional[int] = None, rows_per_warp: Optional[int] = None) -> list:
+def _quant_templates(linear: ExpertLinear, dtype, shape: BlockShape) -> list:
     return [("T", dtype), ("S", linear.scales.dtype), ("BITS", linear.bits), ("GROUP", linear.group_size),
-            ("WARPS", warps or WARPS_PER_BLOCK), ("RPW", rows_per_warp or ROWS_PER_WARP)]
+            ("WARPS", shape.warps), ("RPW", shape.rows)]
 
 
-def down_block_shape(top_k: int, combined: bool, bits: int, dtype, backend: str) -> tuple:
-    """(warps a block, rows a warp) of a down launch: ONE_PAIR_A_WARP_DOWN for the combining down
-    of 4-bit experts in fixed point (CUDA, 16-bit activations) at top-k of at least its warps, else
-    WARPS_PER_BLOCK, ROWS_PER_WARP."""
-    warps, rows = ONE_PAIR_A_WARP_DOWN
-    if combined and bits == 4 and backend == "cuda" and dtype.size == 2 and top_k >= warps:
-        return warps, rows
-    return WARPS_PER_BLOCK, ROWS_PER_WARP
+def gate_up_block_shape() -> BlockShape:
+    """The blocks of a gate+up launch, routed or not: GATE_UP_BLOCK (read at each launch plan, so
+    that benchmarks/block_shapes.py can set it)."""
+    return GATE_UP_BLOCK
+
+
+def down_block_shape(top_k: int, combined: bool, bits: int, dtype, backend: str) -> BlockShape:
+    """The blocks of a down launch: ONE_PAIR_A_WARP_DOWN for the combining down of 4-bit experts in
+    fixed point (CUDA, 16-bit activations) at top-k of at least its warps, else DOWN_BLOCK."""
+    if combined and bits == 4 and backend == "cuda" and dtype.size == 2 and top_k >= ONE_PAIR_A_WARP_DOWN.warps:
+        return ONE_PAIR_A_WARP_DOWN
+    return DOWN_BLOCK
 
 
 def gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: str) -> Launch:
     gated = len(experts.projections) == 3
     gate, up = experts.projections[:2] if gated else (experts.projections[0],) * 2
     has_scale = experts.gate_scale is not None
-    grid, block = _grid(up.output_dims, pairs)
+    shape = gate_up_block_shape()
+    grid, block = _grid(up.output_dims, pairs, shape)
     split_bytes = shared_split_bytes(experts, dtype, backend)
     return Launch(
-        gpu_kernel("gate_up", backend, split_bytes),
+        gpu_kernel("gate_up", backend, shape, split_bytes),
         [gate.weight, gate.scales, gate.biases, up.weight, up.scales, up.biases,
          gate.bias if gate.bias is not None else absent(),
          up.bias if up.bias is not None else absent(),
          experts.gate_scale if has_scale else absent(),
          kernel_dims(up.input_dims, up.output_dims, top_k, experts.activation, up.bias is not None, has_scale),
          kernel_params(experts.activation)],
-        _quant_templates(up, dtype) + [("SC", experts.gate_scale.dtype if has_scale else mx.float32), ("GATED", gated),
+        _quant_templates(up, dtype, shape) + [("SC", experts.gate_scale.dtype if has_scale else mx.float32), ("GATED", gated),
                                        bias_template(up)]
         + ([("SHARED_SPLIT", split_bytes > 0)] if backend == "cuda" else []),
         grid, block, [(pairs, up.output_dims)], [dtype],
@@ -149,16 +159,16 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
                  input_per_pair: bool, backend: str) -> Launch:
     combined = weights_dtype is not None
     rows_out = pairs // top_k if combined else pairs
-    warps, rows_per_warp = down_block_shape(top_k, combined, linear.bits, dtype, backend)
+    shape = down_block_shape(top_k, combined, linear.bits, dtype, backend)
     # With the combine, a block's warps split over the token's pairs (cuda/moe_decode.cu, down).
-    grid, block = _grid(linear.output_dims, rows_out, warps // min(top_k, warps) if combined else warps, warps, rows_per_warp)
+    grid, block = _grid(linear.output_dims, rows_out, shape, shape.warps // min(top_k, shape.warps) if combined else None)
     return Launch(
-        gpu_kernel("down", backend, 0, warps),
+        gpu_kernel("down", backend, shape),
         [linear.weight, linear.scales, linear.biases,
          linear.bias if linear.bias is not None else absent(),
          out_scale if out_scale is not None else absent(),
          kernel_dims(linear.input_dims, linear.output_dims, top_k, None, linear.bias is not None, out_scale is not None)],
-        _quant_templates(linear, dtype, warps, rows_per_warp) + [
+        _quant_templates(linear, dtype, shape) + [
             ("SC", out_scale.dtype if out_scale is not None else mx.float32),
             ("WT", weights_dtype if combined else mx.float32),
             ("INPUT_PER_PAIR", input_per_pair), ("COMBINE", combined), bias_template(linear)],

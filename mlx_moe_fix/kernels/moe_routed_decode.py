@@ -27,7 +27,7 @@ from .launch import cuda_kernel_object, int_array
 from .moe_decode import decode_launches, gate_up_launch, moe_decode_implementation, moe_decode_reference, shared_split_bytes
 from .moe_decode import INPUTS as DECODE_INPUTS
 from .moe_decode import OUTPUTS as DECODE_OUTPUTS
-from .moe_decode import decode_launch_bounds
+from .moe_decode import down_block_shape, gate_up_block_shape
 from .moe_router import CUDA_KERNEL_SWITCH as ROUTER_SWITCH
 from .moe_router import Routing, moe_router_reference
 from .moe_router import cuda_unsupported_reason as router_unsupported_reason
@@ -56,11 +56,12 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
         gate_up = gate_up_launch(experts, routing.top_k, pairs, dtype, "cuda")
         split_bytes = shared_split_bytes(experts, dtype, "cuda")
         down = decode_launches(experts, routing.top_k, pairs, dtype, dtype, "cuda")[1]
+        down_shape = down_block_shape(routing.top_k, True, experts.projections[-1].bits, dtype, "cuda")  # the plan's
         *weights, dims, params = gate_up.fixed_inputs
         (rows, hidden_dims), itemsize = gate_up.output_shapes[0], dtype.size
         routed_gate_up = gate_up._replace(
             kernel=cuda_kernel_object("moe_routed_decode.cu", "routed_gate_up", tuple(INPUTS["routed_gate_up"]),
-                                      tuple(OUTPUTS["routed_gate_up"]), split_bytes, decode_launch_bounds()),
+                                      tuple(OUTPUTS["routed_gate_up"]), split_bytes, gate_up_block_shape().launch_bounds()),
             fixed_inputs=[*weights, int_array(*dims.tolist(), experts.num_experts), params],
             template=gate_up.template + [("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
                                          ("NORMALIZE", routing.normalize), ("LAST_K", routing.kind != "topk_softmax")],
@@ -69,7 +70,7 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
         )
         routed_down = down._replace(kernel=cuda_kernel_object("moe_decode.cu", "routed_down", tuple(DECODE_INPUTS["routed_down"]),
                                                               tuple(DECODE_OUTPUTS["routed_down"]), 0,
-                                                              decode_launch_bounds(dict(down.template)["WARPS"])),
+                                                              down_shape.launch_bounds()),
                                     output_shapes=[(*leading_shape, experts.output_dims)])
         return routed_gate_up, routed_down
 
