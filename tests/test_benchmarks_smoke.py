@@ -222,6 +222,44 @@ def test_decode_timeline_runs_a_patched_variant_per_switch_setting_with_that_swi
         decode_timeline.main(["--smoke", "--patched-with", "MLX_MOE_FIX_NOT_A_SWITCH=0"])
 
 
+def test_decode_timeline_swaps_each_block_variants_call_for_its_bursts_only(monkeypatch):
+    # On the CPU the decode launches are the reference's (same contract); the compiled step is
+    # absent there, so compiled-step falls back to the patched call.
+    from mlx_lm.models import qwen3, qwen3_moe
+
+    from benchmarks import decode_timeline
+
+    moe_routed_decode = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]  # the package's name is the dispatcher's
+    calls = {"kernel": 0}
+    reference = moe_routed_decode.moe_routed_decode_reference
+    monkeypatch.setattr(moe_routed_decode, "moe_routed_decode_kernel",
+                        lambda *a: calls.__setitem__("kernel", calls["kernel"] + 1) or reference(*a))
+    burst = decode_timeline.Decoder.burst
+    swapped_in = []
+
+    def recording_burst(self, tokens):
+        swapped_in.append((qwen3_moe.Qwen3MoeSparseMoeBlock.__dict__["__call__"], qwen3.MLP.__dict__["__call__"]))
+        return burst(self, tokens)
+
+    monkeypatch.setattr(decode_timeline.Decoder, "burst", recording_burst)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        decode_timeline.main(["--smoke", *[f"--block-variant={v}" for v in decode_timeline.BLOCK_VARIANTS]])
+    labels = [line.split("|")[1].strip() for line in out.getvalue().splitlines() if line.startswith(("| stock", "| patched", "| dense"))]
+    assert labels == ["stock", "patched", "dense equivalent", "patched, moe-identity", "dense equivalent, dense-identity",
+                      "patched, compiled-step", "patched, eager-kernels", "patched, fixed-logits"]
+    # warm-up and the smoke's two cycles: each burst ran with its own variant's calls, and every call is restored after
+    production = swapped_in[0]
+    assert len(swapped_in) == 3 * 8
+    for bursts in (swapped_in[:8], swapped_in[8:16], swapped_in[16:]):
+        assert [b == production for b in bursts] == [True, True, True, False, False, False, False, False]
+        assert bursts[3][1] is production[1] and bursts[4][0] is production[0]  # one class swapped at a time
+    assert (qwen3_moe.Qwen3MoeSparseMoeBlock.__dict__["__call__"], qwen3.MLP.__dict__["__call__"]) == production
+    assert calls["kernel"] > 0  # the eager variants' decode steps went to the (stand-in) kernel
+    with pytest.raises(SystemExit):
+        decode_timeline.main(["--smoke", "--model", "deepseek_v4", "--block-variant", "moe-identity"])
+
+
 def test_block_shapes_parse_and_set_the_decode_launches_block_shapes():
     import mlx.core as mx
 
