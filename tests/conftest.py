@@ -94,3 +94,24 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"MLX_MOE_FIX_SHARD={shard}: want i/n with 0 <= i < n")
     config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % count != index])
     items[:] = items[index::count]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--decode-block-shapes", default="", metavar="STAGE=WxRxN,...",
+                     help="run with these decode block shapes (benchmarks/block_shapes.py) instead of production's: "
+                          "a candidate's parity before it is adopted; the launcher tests that pin production's fail")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def decode_block_shapes(request):
+    """--decode-block-shapes set on moe_decode for the whole run (launch plans are made at first use)."""
+    from benchmarks import block_shapes
+
+    shapes = block_shapes.parse(request.config.getoption("--decode-block-shapes"))
+    with block_shapes.block_shapes(shapes):
+        yield shapes
+
+
+def pytest_report_header(config):
+    text = config.getoption("--decode-block-shapes")
+    return f"decode block shapes: {text}" if text else None
