@@ -10,6 +10,18 @@ from .parity.cases import make_case
 import mlx_moe_fix.kernels  # noqa: F401  loads the op modules (their names are the dispatchers')
 
 PREFILL = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
+DECODE = sys.modules["mlx_moe_fix.kernels.moe_decode"]
+ROUTED = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
+
+
+def recorded_decode_kernels(monkeypatch) -> list:
+    """The decode modules' CUDA kernel objects replaced by Recorders; returns the list of
+    (section, shared bytes, launch bounds) they are asked for, in order."""
+    created = []
+    for module in (DECODE, ROUTED):
+        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bounds:
+                            created.append((section, shared, bounds)) or Recorder(section))
+    return created
 
 
 class Recorder:
@@ -54,17 +66,13 @@ def test_a_16_bit_gate_up_splits_its_activation_row_once_a_block_where_it_fits(m
     # moe_decode.shared_split_bytes: CUDA gate+up launches in fixed point (16-bit activations)
     # get SPLIT_BYTES_PER_VECTOR of shared memory a 128-bit weight vector of the row and
     # SHARED_SPLIT; fp32 activations, a row past MAX_SPLIT_BYTES and Metal get neither.
-    decode = sys.modules["mlx_moe_fix.kernels.moe_decode"]
-    routed = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
-    objects = []
-    for module in (decode, routed):
-        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bounds:
-                            objects.append((section, shared)) or Recorder(section))
+    decode, routed = DECODE, ROUTED
+    created = recorded_decode_kernels(monkeypatch)
 
     def plan(dtype, bits, backend="cuda"):
         case = make_case(dtype, (bits, 64), True, "swiglu", None, False, 256, 128, 8, 2, 1, 1)
         template = dict(decode.gate_up_launch(case.experts, 2, 2, dtype, backend).template)
-        return template.get("SHARED_SPLIT"), objects[-1] if backend == "cuda" else None
+        return template.get("SHARED_SPLIT"), created[-1][:2] if backend == "cuda" else None
 
     assert plan(mx.bfloat16, 4) == (True, ("gate_up", 256 * 4 // 128 * decode.SPLIT_BYTES_PER_VECTOR))
     assert plan(mx.float16, 8) == (True, ("gate_up", 256 * 8 // 128 * decode.SPLIT_BYTES_PER_VECTOR))
@@ -78,7 +86,7 @@ def test_a_16_bit_gate_up_splits_its_activation_row_once_a_block_where_it_fits(m
     case = make_case(mx.bfloat16, (4, 64), True, "swiglu", None, False, 256, 128, 8, 2, 1, 1)
     from mlx_moe_fix.kernels.moe_router import Routing
     routed._launches(case.experts, Routing("softmax_topk", 2, True), (1, 1), mx.bfloat16)
-    assert ("routed_gate_up", 256 * 4 // 128 * decode.SPLIT_BYTES_PER_VECTOR) in objects
+    assert ("routed_gate_up", 256 * 4 // 128 * decode.SPLIT_BYTES_PER_VECTOR) in [c[:2] for c in created]
 
 
 def test_the_combining_down_of_4_bit_experts_at_top_k_8_takes_one_pair_a_warp_in_8_warp_blocks(monkeypatch):
@@ -86,12 +94,8 @@ def test_the_combining_down_of_4_bit_experts_at_top_k_8_takes_one_pair_a_warp_in
     # 4-bit experts at top-k >= 8 runs blocks of 8 warps, each one pair's 8 rows, bounded for 8-warp blocks; the
     # other downs keep 4-warp blocks of 4 rows a warp. Either way one block's warps cover the
     # token's pairs, and the grid covers every output row.
-    decode = sys.modules["mlx_moe_fix.kernels.moe_decode"]
-    routed = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
-    bounds = {}
-    for module in (decode, routed):
-        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bound:
-                            bounds.__setitem__(section, bound) or Recorder(section))
+    decode, routed = DECODE, ROUTED
+    created = recorded_decode_kernels(monkeypatch)
     monkeypatch.setattr(decode, "metal_kernel_object", lambda *a: Recorder("metal"))
 
     def down(dtype, top_k, backend="cuda", out=256, bits=4):
@@ -101,7 +105,7 @@ def test_the_combining_down_of_4_bit_experts_at_top_k_8_takes_one_pair_a_warp_in
         return (template["WARPS"], template["RPW"]), launch.grid, launch.threadgroup
 
     assert down(mx.bfloat16, 8) == ((8, 8), (256 // 8 * 256, 2, 1), (256, 1, 1))
-    assert bounds["down"] == (256, 2) == decode.ONE_PAIR_A_WARP_DOWN.launch_bounds()
+    assert created[-1] == ("down", 0, (256, 2)) and decode.ONE_PAIR_A_WARP_DOWN.launch_bounds() == (256, 2)
     assert down(mx.float16, 8, out=320) == ((8, 8), (320 // 8 * 256, 2, 1), (256, 1, 1))
     for dtype, top_k, backend, bits in ((mx.bfloat16, 2, "cuda", 4), (mx.float32, 8, "cuda", 4), (mx.bfloat16, 8, "metal", 4),
                                         (mx.bfloat16, 8, "cuda", 8)):
@@ -110,6 +114,7 @@ def test_the_combining_down_of_4_bit_experts_at_top_k_8_takes_one_pair_a_warp_in
     case = make_case(mx.bfloat16, (4, 64), True, "swiglu", None, False, 256, 128, 8, 8, 1, 1)
     from mlx_moe_fix.kernels.moe_router import Routing
     routed._launches(case.experts, Routing("softmax_topk", 8, True), (1, 1), mx.bfloat16)
+    bounds = {section: bound for section, _, bound in created}
     assert bounds["routed_down"] == (256, 2) and bounds["routed_gate_up"] == (128, 4)
 
 
@@ -117,14 +122,10 @@ def test_a_gate_up_block_shape_reaches_the_plain_and_the_routed_gate_up_launch(m
     # moe_decode.GATE_UP_BLOCK, read at each launch plan (benchmarks/block_shapes.py sets it): its
     # warps and rows a warp in the template and the grid, its resident warps in the launch bounds,
     # for both gate+up launches; the downs keep theirs.
-    decode = sys.modules["mlx_moe_fix.kernels.moe_decode"]
-    routed = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
     from mlx_moe_fix.kernels.moe_router import Routing
 
-    bounds = {}
-    for module in (decode, routed):
-        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bound:
-                            bounds.__setitem__(section, bound) or Recorder(section))
+    decode, routed = DECODE, ROUTED
+    created = recorded_decode_kernels(monkeypatch)
     monkeypatch.setattr(decode, "GATE_UP_BLOCK", decode.BlockShape(4, 2, 24))
     case = make_case(mx.bfloat16, (4, 64), True, "swiglu", None, False, 256, 128, 8, 8, 1, 1)
     gate_up, down = routed._launches(case.experts, Routing("softmax_topk", 8, True), (1, 1), mx.bfloat16)
@@ -133,5 +134,6 @@ def test_a_gate_up_block_shape_reaches_the_plain_and_the_routed_gate_up_launch(m
         template = dict(launch.template)
         assert (template["WARPS"], template["RPW"]) == (4, 2)
         assert launch.grid == (128 // (4 * 2) * 128, 8, 1) and launch.threadgroup == (128, 1, 1)  # 128 hidden rows a pair
+    bounds = {section: bound for section, _, bound in created}
     assert bounds["routed_gate_up"] == bounds["gate_up"] == (128, 6)
     assert (dict(down.template)["WARPS"], dict(down.template)["RPW"]) == (8, 8) and bounds["routed_down"] == (256, 2)
