@@ -42,16 +42,20 @@ def experts_skipped(self, x, indices, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def replaced_calls(classes, replacement: Callable) -> Iterator[None]:
-    """`replacement` as the __call__ of each class in `classes` within the block."""
-    saved = [(cls, cls.__dict__["__call__"]) for cls in classes]
+def replaced_calls(classes, replacement: Callable, around: bool = False) -> Iterator[None]:
+    """`replacement` as the __call__ of each class in `classes` within the block; with `around`,
+    `replacement(the class's own call)` is. A class that inherits its call inherits it again after."""
+    saved = [(cls, cls.__dict__.get("__call__"), cls.__call__) for cls in classes]
     try:
-        for cls in classes:
-            cls.__call__ = replacement
+        for cls, _, call in saved:
+            cls.__call__ = replacement(call) if around else replacement
         yield
     finally:
-        for cls, call in saved:
-            cls.__call__ = call
+        for cls, own, _ in saved:
+            if own is None:
+                del cls.__call__
+            else:
+                cls.__call__ = own
 
 
 def moe_block_classes(model) -> set:
@@ -64,7 +68,8 @@ def switch_classes(model) -> set:
 
 
 def mlp_classes(model) -> set:
-    return {type(layer.mlp) for layer in model.layers}
+    """The classes of a dense model's MLPs (mlx-lm's `mlp`; DeepSeek-V4's decoder block names it `ffn`)."""
+    return {type(layer["mlp"] if "mlp" in layer else layer["ffn"]) for layer in model.layers}
 
 
 def variants(model, moe: bool) -> Dict[str, Callable[[], contextlib.AbstractContextManager]]:

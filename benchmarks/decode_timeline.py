@@ -22,18 +22,17 @@ every token but each burst's first (its build had nothing to overlap), µs per t
 per burst, and `/ dense` the median over cycles of a burst's tok/s over the dense burst's of the
 same cycle.
 
---block-variant swaps a layer's call, by its class, for one variant's bursts (qwen3_moe and
-mixtral, whose blocks moe_routed_decode takes at decode): `moe-identity` (each MoE block returns
-its input) and `dense-identity` (each dense MLP of the dense equivalent does) give what the rest
-of each model costs; `compiled-step` calls the patched block's last compiled step directly (no
-wrapper); `eager-kernels` builds the router and the two decode launches in Python (no wrapper, no
-compiled step); `fixed-logits` the launches alone, with constant router logits (no router node).
-Calls other than a decode step's (the prompt) run the block as patched.
+--block-variant swaps a layer's call, by its class, for one variant's bursts: `moe-identity` (each
+MoE block returns its input) and `dense-identity` (each dense MLP of the dense equivalent does)
+give what the rest of each model costs; `compiled-step` calls the patched block's last compiled
+step directly (no wrapper); for qwen3_moe and mixtral, whose blocks moe_routed_decode takes at
+decode, `eager-kernels` builds the router and the two decode launches in Python (no wrapper, no
+compiled step) and `fixed-logits` the launches alone, with constant router logits (no router
+node). Calls other than a decode step's (the prompt) run the block as patched.
 """
 
 import argparse
 import contextlib
-import importlib
 import statistics
 import time
 
@@ -44,20 +43,63 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_moe_fix import env
 
 from . import models
+from .decode_attribution import identity, mlp_classes, moe_block_classes, replaced_calls
 from .decode_split import switched
 from .timing import log, markdown_table
 
 # label: (the dense equivalent?, models.set_mode's mode, (switch, value) set for its bursts or None)
 VARIANTS = {"stock": (False, "stock", None), "patched": (False, "patched", None), "dense equivalent": (True, "stock", None)}
 PHASES = ("build", "submit", "wait")
-# --model: (its MoE block class, its dense equivalent's MLP class, the block's Routing), for --block-variant
-ROUTED_BLOCKS = {
-    "qwen3_moe": ("mlx_lm.models.qwen3_moe:Qwen3MoeSparseMoeBlock", "mlx_lm.models.qwen3:MLP",
-                  lambda block: ("softmax_topk", block.top_k, bool(block.norm_topk_prob))),
-    "mixtral": ("mlx_lm.models.mixtral:MixtralSparseMoeBlock", "mlx_lm.models.llama:MLP",
-                lambda block: ("topk_softmax", block.num_experts_per_tok)),
-}
+# --block-variant: what a variant swaps, and the routing of the blocks whose calls eager-kernels and
+# fixed-logits rebuild (those moe_routed_decode takes at decode), by --model
 BLOCK_VARIANTS = ("moe-identity", "dense-identity", "compiled-step", "eager-kernels", "fixed-logits")
+ROUTINGS = {
+    "qwen3_moe": lambda block: ("softmax_topk", block.top_k, bool(block.norm_topk_prob)),
+    "mixtral": lambda block: ("topk_softmax", block.num_experts_per_tok),
+}
+
+
+def block_variant(variant: str, model_name: str, built: dict) -> tuple:
+    """(the dense equivalent?, the classes whose __call__ the variant swaps, make(a class's own
+    call) -> its replacement) for a --block-variant."""
+    from mlx_moe_fix.kernels import Routing
+    from mlx_moe_fix.patches import compiled
+
+    from .switch_glu import experts_of
+
+    if variant == "dense-identity":
+        return True, mlp_classes(built[True]), lambda own: identity
+    if variant == "moe-identity":
+        return False, moe_block_classes(built[False]), lambda own: identity
+    if variant == "compiled-step":
+        def make(own):
+            def compiled_step(self, x, *args, **kwargs):
+                last = self.__dict__.get(compiled._LAST_STEP)
+                if args or kwargs or last is None or last.shape != x.shape:
+                    return own.__get__(self, type(self))(x, *args, **kwargs)
+                return last.step((x,), {})
+            return compiled_step
+        return False, moe_block_classes(built[False]), make
+    # eager-kernels, fixed-logits: the router and the decode launches called here
+    from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode_kernel
+
+    plans = {}
+
+    def plan(block, x):
+        if id(block) not in plans:
+            logits = block.gate(x)
+            mx.eval(logits)
+            plans[id(block)] = (experts_of(block.switch_mlp), Routing(*ROUTINGS[model_name](block)), logits)
+        return plans[id(block)]
+
+    def make(own):
+        def launches(self, x):
+            if x.shape[-2] != 1:
+                return own.__get__(self, type(self))(x)
+            experts, routing, fixed_logits = plan(self, x)
+            return moe_routed_decode_kernel(x, fixed_logits if variant == "fixed-logits" else self.gate(x), routing, experts)
+        return launches
+    return False, moe_block_classes(built[False]), make
 
 
 def with_setting(setting):
@@ -71,73 +113,6 @@ def switch_setting(text: str) -> tuple:
     if name not in env.SWITCHES or value not in ("0", "1"):
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=0 or NAME=1, NAME one of {', '.join(env.SWITCHES)}")
     return name, value
-
-
-def _class(path: str):
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def block_call(model_name: str, variant: str) -> tuple:
-    """(the class whose __call__ a --block-variant replaces, the replacement, the dense equivalent?)."""
-    from mlx_moe_fix.kernels import Routing
-    from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode_kernel
-    from mlx_moe_fix.patches import compiled
-
-    from .switch_glu import experts_of
-
-    block_path, mlp_path, routing_of = ROUTED_BLOCKS[model_name]
-    if variant == "dense-identity":
-        return _class(mlp_path), lambda self, x: x, True
-    block_class = _class(block_path)
-    patched_call = block_class.__call__
-    if variant == "moe-identity":
-        return block_class, lambda self, x: x, False
-    plans, logits_of = {}, {}
-
-    def plan(block):
-        if id(block) not in plans:
-            plans[id(block)] = (experts_of(block.switch_mlp), Routing(*routing_of(block)))
-        return plans[id(block)]
-
-    def compiled_step(self, x):
-        last = self.__dict__.get(compiled._LAST_STEP)
-        if last is None or last.shape != x.shape:
-            return patched_call(self, x)
-        return last.step((x,), {})
-
-    def eager_kernels(self, x):
-        if x.shape[-2] != 1:
-            return patched_call(self, x)
-        experts, routing = plan(self)
-        return moe_routed_decode_kernel(x, self.gate(x), routing, experts)
-
-    def fixed_logits(self, x):
-        if x.shape[-2] != 1:
-            return patched_call(self, x)
-        experts, routing = plan(self)
-        if id(self) not in logits_of:
-            logits_of[id(self)] = self.gate(x)
-            mx.eval(logits_of[id(self)])
-        return moe_routed_decode_kernel(x, logits_of[id(self)], routing, experts)
-
-    calls = {"compiled-step": compiled_step, "eager-kernels": eager_kernels, "fixed-logits": fixed_logits}
-    return block_class, calls[variant], False
-
-
-@contextlib.contextmanager
-def swapped(target):
-    """Within the block, target = (class, call, _)'s class calls `call`; target None: nothing."""
-    if target is None:
-        yield
-        return
-    cls, call, _ = target
-    saved = cls.__dict__["__call__"]
-    cls.__call__ = call
-    try:
-        yield
-    finally:
-        cls.__call__ = saved
 
 
 class Decoder:
@@ -191,36 +166,37 @@ def main(argv=None):
     parser.add_argument("--patched-with", type=switch_setting, action="append", default=[], metavar="NAME=VALUE",
                         help="one more variant: patched with this switch set (repeatable: one variant each)")
     parser.add_argument("--block-variant", action="append", default=[], choices=BLOCK_VARIANTS,
-                        help="one more variant: a layer's call swapped (see above; qwen3_moe and mixtral, on CUDA "
-                             "but for the identities; repeatable)")
+                        help="one more variant: a layer's call swapped (see above; eager-kernels and fixed-logits: "
+                             "qwen3_moe and mixtral on CUDA; repeatable)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.prompt, args.burst, args.cycles = 12, 3, 2
     if args.burst < 2:
         parser.error("--burst must be at least 2 (a burst's first token is left out)")
 
-    if args.block_variant and args.model not in ROUTED_BLOCKS:
-        parser.error(f"--block-variant takes --model {' or '.join(ROUTED_BLOCKS)}")
-    # label: (dense?, mode, switch setting, swapped call or None)
+    rebuilt = {"eager-kernels", "fixed-logits"} & set(args.block_variant)
+    if rebuilt and args.model not in ROUTINGS:
+        parser.error(f"--block-variant {' and '.join(sorted(rebuilt))}: --model {' or '.join(ROUTINGS)} only")
+    spec, built, tokens = models.build_decode_pair(args)
+    # label: (dense?, mode, switch setting, (classes swapped, make) or None)
     variants = {label: (*variant, None) for label, variant in VARIANTS.items()}
     variants.update({f"patched, {name}={value}": (False, "patched", (name, value), None) for name, value in args.patched_with})
     for name in args.block_variant:
-        target = block_call(args.model, name)
-        variants[f"{'dense equivalent' if target[2] else 'patched'}, {name}"] = (target[2], "stock" if target[2] else "patched",
-                                                                               None, target)
-    spec, built, tokens = models.build_decode_pair(args)
+        dense, classes, make = block_variant(name, args.model, built)
+        variants[f"{'dense equivalent' if dense else 'patched'}, {name}"] = (dense, "stock" if dense else "patched", None,
+                                                                           (classes, make))
     layers = spec.config["num_hidden_layers"]
     prompt = mx.array(tokens)
     decoders, phases, rates = {}, {label: [] for label in variants}, {label: [] for label in variants}
-    for label, (dense, mode, setting, target) in variants.items():
+    for label, (dense, mode, setting, swap) in variants.items():
         models.set_mode(mode)
-        with with_setting(setting), swapped(target):
+        with with_setting(setting), replaced_calls(*(swap or ((), None)), around=True):
             decoders[label] = Decoder(built[dense], prompt)
             decoders[label].burst(args.burst)  # warm-up at exactly the timed shapes (compiled steps traced)
     for cycle in range(args.cycles):
-        for label, (dense, mode, setting, target) in variants.items():
+        for label, (dense, mode, setting, swap) in variants.items():
             models.set_mode(mode)
-            with with_setting(setting), swapped(target):
+            with with_setting(setting), replaced_calls(*(swap or ((), None)), around=True):
                 run = decoders[label].burst(args.burst)
             phases[label] += run[1:]
             rates[label].append((args.burst - 1) / sum(map(sum, run[1:])))

@@ -256,8 +256,25 @@ def test_decode_timeline_swaps_each_block_variants_call_for_its_bursts_only(monk
         assert bursts[3][1] is production[1] and bursts[4][0] is production[0]  # one class swapped at a time
     assert (qwen3_moe.Qwen3MoeSparseMoeBlock.__dict__["__call__"], qwen3.MLP.__dict__["__call__"]) == production
     assert calls["kernel"] > 0  # the eager variants' decode steps went to the (stand-in) kernel
-    with pytest.raises(SystemExit):
-        decode_timeline.main(["--smoke", "--model", "deepseek_v4", "--block-variant", "moe-identity"])
+    with pytest.raises(SystemExit):  # no moe_routed_decode for DeepSeek-V4's blocks
+        decode_timeline.main(["--smoke", "--model", "deepseek_v4", "--block-variant", "eager-kernels"])
+
+
+def test_decode_timeline_block_variants_restore_an_inherited_call():
+    # DeepSeek-V4's MoE block inherits its __call__ (its decoder block names it, and the dense
+    # equivalent's MLP, `ffn`): the identities swap both in for their bursts, and the block inherits again after.
+    from mlx_vlm.models.deepseek_v4 import language
+
+    from benchmarks import decode_timeline
+
+    assert "__call__" not in language.DeepseekV4MoE.__dict__
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        decode_timeline.main(["--smoke", "--model", "deepseek_v4", "--block-variant", "moe-identity",
+                              "--block-variant", "dense-identity"])
+    rows = {line.split("|")[1].strip(): line for line in out.getvalue().splitlines() if line.startswith(("| patched", "| dense"))}
+    assert {"patched, moe-identity", "dense equivalent, dense-identity"} <= set(rows), out.getvalue()
+    assert "__call__" not in language.DeepseekV4MoE.__dict__
 
 
 def test_block_shapes_parse_and_set_the_decode_launches_block_shapes():
