@@ -1,15 +1,18 @@
-"""Every CUDA kernel launch the patched prefill path makes, recorded on any machine (no GPU): the
-CUDA path taken and each kernel object replaced by a recorder of its call (kernel, inputs' shapes
-and dtypes and the values of small ones, templates, grid, block, outputs). For refactors of the
-launchers that must not change what the GPU is given: record before and after, compare.
+"""Every CUDA kernel launch the patched prefill and decode paths make, recorded on any machine (no
+GPU): the CUDA path taken and each kernel object replaced by a recorder of its call (kernel with its
+shared memory and launch bounds, inputs' shapes and dtypes and the values of small ones, templates,
+grid, block, outputs). For refactors of the launchers that must not change what the GPU is given:
+record before and after, compare.
 
     PYTHONPATH=. python scripts/record_launches.py /tmp/before.json   # (on the old commit)
     PYTHONPATH=. python scripts/record_launches.py /tmp/after.json
     cmp /tmp/before.json /tmp/after.json
 
-Cases: each zoo family at 4 and 8 bits (a 40-token prompt through the patched model), and direct
-moe_prefill_kernel calls (SwitchMLP experts, a scaled GLU, a GLU with biases, a lone projection;
-with and without routing weights). Compiled calls are off, so that every call is built."""
+Cases: each zoo family at 4 and 8 bits (a 40-token prompt, then one token, through the patched
+model), direct moe_prefill_kernel calls (SwitchMLP experts, a scaled GLU, a GLU with biases, a lone
+projection; with and without routing weights), and direct decode calls at top-k 2 and 8 (4 and 8
+bits; bf16, fp16, fp32; moe_decode_kernel with and without routing weights, moe_routed_decode_kernel).
+Compiled calls are off, so that every call is built."""
 
 import json
 import os
@@ -70,6 +73,9 @@ def main(path):
             calls.clear()
             mx.eval(zoo.logits_of(model(mx.array([zoo.prompt_for(family, 40)]))))
             recorded[f"{family}-{bits}"] = list(calls)
+            calls.clear()
+            mx.eval(zoo.logits_of(model(mx.array([zoo.prompt_for(family, 1)]))))
+            recorded[f"{family}-{bits} decode"] = list(calls)
     prefill = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
     for glu, kind, scaled, bias in ((False, "gelu", False, True), (True, "swiglu", True, False), (True, "swiglu_oai", False, True)):
         for with_weights in (False, True):
@@ -81,6 +87,22 @@ def main(path):
                 calls.clear()
                 mx.eval(prefill.moe_prefill_kernel(x, case.indices, experts, case.weights))
                 recorded[f"direct {label}-{with_weights}"] = list(calls)
+    decode = sys.modules["mlx_moe_fix.kernels.moe_decode"]
+    routed = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
+    from mlx_moe_fix.kernels import Routing
+    for top_k in (2, 8):
+        for bits in (4, 8):
+            for dtype in (mx.bfloat16, mx.float16, mx.float32):
+                case = make_case(dtype, (bits, 64), True, "swiglu", None, False, 256, 128, 8, top_k, 1, 1, with_weights=True)
+                label = f"decode top-{top_k} {bits}-bit {dtype}"
+                logits = mx.zeros((1, 1, 8), dtype)
+                for name, call in (("unweighted", lambda: decode.moe_decode_kernel(case.x, case.indices, case.experts)),
+                                   ("weighted", lambda: decode.moe_decode_kernel(case.x, case.indices, case.experts, case.weights)),
+                                   ("routed", lambda: routed.moe_routed_decode_kernel(
+                                       case.x, logits, Routing("softmax_topk", top_k, True), case.experts))):
+                    calls.clear()
+                    mx.eval(call())
+                    recorded[f"direct {label} {name}"] = list(calls)
     with open(path, "w") as f:
         json.dump(recorded, f, indent=0, sort_keys=True)
     print(f"{sum(map(len, recorded.values()))} launches of {len(recorded)} cases written to {path}")
