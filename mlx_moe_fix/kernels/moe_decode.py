@@ -21,7 +21,6 @@ from .launch import (Launch, absent, bias_template, cuda_kernel_object, kernel_d
 from .reference import combine, expert_chain
 
 
-
 class BlockShape(NamedTuple):
     """How a decode launch lays out its blocks: `warps` a block, `rows` output rows a warp (RPW in
     cuda/moe_decode.cu: a warp loads each activation vector once for all its rows), and the
@@ -148,8 +147,8 @@ def gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: 
          experts.gate_scale if has_scale else absent(),
          kernel_dims(up.input_dims, up.output_dims, top_k, experts.activation, up.bias is not None, has_scale),
          kernel_params(experts.activation)],
-        _quant_templates(up, dtype, shape) + [("SC", experts.gate_scale.dtype if has_scale else mx.float32), ("GATED", gated),
-                                       bias_template(up)]
+        _quant_templates(up, dtype, shape) + [("SC", experts.gate_scale.dtype if has_scale else mx.float32),
+                                              ("GATED", gated), bias_template(up)]
         + ([("SHARED_SPLIT", split_bytes > 0)] if backend == "cuda" else []),
         grid, block, [(pairs, up.output_dims)], [dtype],
     )
