@@ -388,9 +388,17 @@ def test_record_launches_writes_every_case_s_launches(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     with open(path) as f:
         recorded = json.load(f)
-    assert len(recorded) == 26 and all(recorded.values())
+    # 7 zoo families x 2 bits x (prompt, decode step), 12 direct prefill calls, 36 direct decode calls
+    assert len(recorded) == 76 and all(recorded.values())
     grouped = [call for calls in recorded.values() for call in calls if call["kernel"][1] == "grouped"]
     assert grouped and all(len(call["inputs"]) == 14 and call["grid"][1] > 0 for call in grouped)
+    sections = {case: [call["kernel"][1] for call in calls] for case, calls in recorded.items()}
+    assert sections["direct decode top-8 4-bit mlx.core.bfloat16 routed"] == ["routed_gate_up", "routed_down"]
+    assert sections["direct decode top-2 8-bit mlx.core.float32 weighted"] == ["gate_up", "down"]
+    # each kernel object's launch bounds: the one-pair-a-warp down's 8-warp blocks where it applies
+    bounds = {case: [call["kernel"][5] for call in calls] for case, calls in recorded.items()}
+    assert bounds["direct decode top-8 4-bit mlx.core.bfloat16 routed"] == [[128, 4], [256, 2]]
+    assert bounds["direct decode top-8 8-bit mlx.core.bfloat16 routed"] == [[128, 4], [128, 4]]
 
 
 def test_decode_ncu_runs_each_variant_and_checks_it():
