@@ -31,6 +31,18 @@ def parse(text: str) -> dict:
     return shapes
 
 
+def varied(rows=None, warps=None, resident=None) -> dict:
+    """Production's shapes with `rows` a warp and `warps` a block on the gate+up's and the plain
+    down's (the one-pair down keeps its own) and `resident` warps an SM on all three, where given."""
+    shapes = {}
+    for constant in STAGES.values():
+        shape = getattr(decode_module, constant)
+        if constant != "ONE_PAIR_A_WARP_DOWN":
+            shape = shape._replace(rows=rows or shape.rows, warps=warps or shape.warps)
+        shapes[constant] = shape._replace(resident=resident or shape.resident)
+    return shapes
+
+
 def label(shapes: dict) -> str:
     """The shapes as parse() reads them, or 'production' where none is set."""
     names = {constant: stage for stage, constant in STAGES.items()}

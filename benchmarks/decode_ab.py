@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
+from . import block_shapes
 from .prefill_ab import SHAPES, alternating_rounds, load_other
 from .switch_glu import experts_of, quantized_switch_glu
 from .timing import bench, fmt, markdown_table
@@ -106,14 +107,12 @@ def main(argv=None):
         raise SystemExit("decode_ab times the CUDA decode kernels: run it on a CUDA GPU")
     with tempfile.TemporaryDirectory() as into:
         kernels = {"this": importlib.import_module("mlx_moe_fix.kernels"), "other": load_other(args.other, into)}
-        if args.rows_per_warp:
-            decode = importlib.import_module("mlx_moe_fix.kernels.moe_decode")
-            for constant in ("GATE_UP_BLOCK", "DOWN_BLOCK"):
-                setattr(decode, constant, getattr(decode, constant)._replace(rows=args.rows_per_warp))
+        shapes = block_shapes.varied(rows=args.rows_per_warp) if args.rows_per_warp else {}
         columns = ["shape", "MB a layer", "other µs (GB/s)", "this µs (GB/s)", "this / other (median)", "range", "same output"]
         rows = []
         for shape in args.shapes.split(","):
-            rows.append(time_shape(shape, kernels, args.layers, args.rounds, args.reps, args.bits))
+            with block_shapes.block_shapes(shapes):
+                rows.append(time_shape(shape, kernels, args.layers, args.rounds, args.reps, args.bits))
             print(markdown_table(columns, rows[-1:]), flush=True)
         print(markdown_table(columns, rows))
 

@@ -63,15 +63,9 @@ def parse_variant(text: str) -> tuple:
 
 
 def shapes_of(knobs: dict) -> dict:
-    """The block shapes (block_shapes' {constant: BlockShape}) a variant's knobs set: rows= and warps=
-    on the gate+up's and the plain down's, resident= on every decode launch's, then shapes=."""
-    shapes = {}
-    for constant in block_shapes.STAGES.values():
-        shape = getattr(decode_module, constant)
-        if constant != "ONE_PAIR_A_WARP_DOWN":
-            shape = shape._replace(rows=knobs.get("rows", shape.rows), warps=knobs.get("warps", shape.warps))
-        shapes[constant] = shape._replace(resident=knobs.get("resident", shape.resident))
-    return {**shapes, **knobs.get("shapes", {})}
+    """The block shapes (block_shapes' {constant: BlockShape}) a variant's knobs set: rows=, warps=
+    and resident= as block_shapes.varied takes them, then shapes=."""
+    return {**block_shapes.varied(knobs.get("rows"), knobs.get("warps"), knobs.get("resident")), **knobs.get("shapes", {})}
 
 
 def run_variant(layer, x, logits, routing: Routing, kind: str, knobs: dict, calls: int) -> float:

@@ -289,6 +289,11 @@ def test_block_shapes_parse_and_set_the_decode_launches_block_shapes():
     for bad in ("gate=4x2x24", "gate_up=4x2", "gate_up=4x2x18", "down=0x4x16"):
         with pytest.raises(ValueError):
             block_shapes.parse(bad)
+    # rows= / warps= (decode_ab, decode_ncu) on the gate+up's and the plain down's, resident= on all three
+    varied = block_shapes.varied(rows=2, resident=24)
+    assert varied["GATE_UP_BLOCK"] == decode.GATE_UP_BLOCK._replace(rows=2, resident=24)
+    assert varied["DOWN_BLOCK"] == decode.DOWN_BLOCK._replace(rows=2, resident=24)
+    assert varied["ONE_PAIR_A_WARP_DOWN"] == decode.ONE_PAIR_A_WARP_DOWN._replace(resident=24)
     production = decode.GATE_UP_BLOCK
     with block_shapes.block_shapes(shapes):
         assert decode.gate_up_block_shape() == decode.BlockShape(4, 2, 24)
