@@ -41,6 +41,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_moe_fix import env
+from mlx_moe_fix.patches import moe_blocks
 
 from . import models
 from .decode_attribution import identity, mlp_classes, moe_block_classes, replaced_calls
@@ -53,16 +54,12 @@ PHASES = ("build", "submit", "wait")
 # --block-variant: what a variant swaps, and the routing of the blocks whose calls eager-kernels and
 # fixed-logits rebuild (those moe_routed_decode takes at decode), by --model
 BLOCK_VARIANTS = ("moe-identity", "dense-identity", "compiled-step", "eager-kernels", "fixed-logits")
-ROUTINGS = {
-    "qwen3_moe": lambda block: ("softmax_topk", block.top_k, bool(block.norm_topk_prob)),
-    "mixtral": lambda block: ("topk_softmax", block.num_experts_per_tok),
-}
+ROUTINGS = {"qwen3_moe": moe_blocks.qwen3_moe_routing, "mixtral": moe_blocks.mixtral_routing}
 
 
 def block_variant(variant: str, model_name: str, built: dict) -> tuple:
     """(the dense equivalent?, the classes whose __call__ the variant swaps, make(a class's own
     call) -> its replacement) for a --block-variant."""
-    from mlx_moe_fix.kernels import Routing
     from mlx_moe_fix.patches import compiled
 
     from .switch_glu import experts_of
@@ -89,7 +86,7 @@ def block_variant(variant: str, model_name: str, built: dict) -> tuple:
         if id(block) not in plans:
             logits = block.gate(x)
             mx.eval(logits)
-            plans[id(block)] = (experts_of(block.switch_mlp), Routing(*ROUTINGS[model_name](block)), logits)
+            plans[id(block)] = (experts_of(block.switch_mlp), ROUTINGS[model_name](block), logits)
         return plans[id(block)]
 
     def make(own):

@@ -61,9 +61,21 @@ def routed_block(routing_of, router: str = "gate", experts: str = "switch_mlp"):
     return unsharded_compiled(routed)
 
 
-# mlx_lm.models.qwen3_moe.Qwen3MoeSparseMoeBlock: softmax, top-k, optional renormalisation.
-qwen3_moe = routed_block(lambda block: routing("softmax_topk", block.top_k, bool(block.norm_topk_prob)))
-# mlx_lm.models.mixtral.MixtralSparseMoeBlock: top-k logits, softmax over them.
-mixtral = routed_block(lambda block: routing("topk_softmax", block.num_experts_per_tok))
-# mlx_lm.models.gpt_oss.MLPBlock: the same through gpt-oss's mlx_topk, with a biased router.
-gpt_oss = routed_block(lambda block: routing("topk_softmax_last", block.num_experts_per_tok), "router", "experts")
+def qwen3_moe_routing(block) -> Routing:
+    """mlx_lm.models.qwen3_moe.Qwen3MoeSparseMoeBlock's: softmax, top-k, optional renormalisation."""
+    return routing("softmax_topk", block.top_k, bool(block.norm_topk_prob))
+
+
+def mixtral_routing(block) -> Routing:
+    """mlx_lm.models.mixtral.MixtralSparseMoeBlock's: top-k logits, softmax over them."""
+    return routing("topk_softmax", block.num_experts_per_tok)
+
+
+def gpt_oss_routing(block) -> Routing:
+    """mlx_lm.models.gpt_oss.MLPBlock's: mixtral's through gpt-oss's mlx_topk, with a biased router."""
+    return routing("topk_softmax_last", block.num_experts_per_tok)
+
+
+qwen3_moe = routed_block(qwen3_moe_routing)
+mixtral = routed_block(mixtral_routing)
+gpt_oss = routed_block(gpt_oss_routing, "router", "experts")
