@@ -58,6 +58,13 @@ def recorder(filename, section, input_names, output_names, shared, bounds=()):
     return Recorder([filename, section, list(input_names), list(output_names), shared, list(bounds)])
 
 
+def launches_of(compute) -> list:
+    """The launches that evaluating compute()'s arrays records."""
+    calls.clear()
+    mx.eval(compute())
+    return list(calls)
+
+
 def main(path):
     for name, module in list(sys.modules.items()):
         if name.startswith("mlx_moe_fix"):
@@ -70,12 +77,8 @@ def main(path):
     for family in zoo.FAMILIES:
         for bits in (4, 8):
             model = zoo.build(family, bits, dtype=mx.bfloat16)
-            calls.clear()
-            mx.eval(zoo.logits_of(model(mx.array([zoo.prompt_for(family, 40)]))))
-            recorded[f"{family}-{bits}"] = list(calls)
-            calls.clear()
-            mx.eval(zoo.logits_of(model(mx.array([zoo.prompt_for(family, 1)]))))
-            recorded[f"{family}-{bits} decode"] = list(calls)
+            for label, tokens in ((f"{family}-{bits}", 40), (f"{family}-{bits} decode", 1)):
+                recorded[label] = launches_of(lambda: zoo.logits_of(model(mx.array([zoo.prompt_for(family, tokens)]))))
     prefill = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
     for glu, kind, scaled, bias in ((False, "gelu", False, True), (True, "swiglu", True, False), (True, "swiglu_oai", False, True)):
         for with_weights in (False, True):
@@ -84,9 +87,8 @@ def main(path):
             lone = MoEExperts(case.experts.projections[-1:])
             for label, experts, x in ((f"{glu}-{kind}-{scaled}-{bias}", case.experts, case.x),
                                       (f"lone-{glu}-{kind}", lone, mx.zeros((1, 48, lone.input_dims), mx.bfloat16))):
-                calls.clear()
-                mx.eval(prefill.moe_prefill_kernel(x, case.indices, experts, case.weights))
-                recorded[f"direct {label}-{with_weights}"] = list(calls)
+                recorded[f"direct {label}-{with_weights}"] = launches_of(
+                    lambda: prefill.moe_prefill_kernel(x, case.indices, experts, case.weights))
     decode = sys.modules["mlx_moe_fix.kernels.moe_decode"]
     routed = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
     from mlx_moe_fix.kernels import Routing
@@ -100,9 +102,7 @@ def main(path):
                                    ("weighted", lambda: decode.moe_decode_kernel(case.x, case.indices, case.experts, case.weights)),
                                    ("routed", lambda: routed.moe_routed_decode_kernel(
                                        case.x, logits, Routing("softmax_topk", top_k, True), case.experts))):
-                    calls.clear()
-                    mx.eval(call())
-                    recorded[f"direct {label} {name}"] = list(calls)
+                    recorded[f"direct {label} {name}"] = launches_of(call)
     with open(path, "w") as f:
         json.dump(recorded, f, indent=0, sort_keys=True)
     print(f"{sum(map(len, recorded.values()))} launches of {len(recorded)} cases written to {path}")
