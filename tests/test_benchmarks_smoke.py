@@ -123,6 +123,17 @@ def test_decode_blocks_smoke_prints_every_row(family, rows):
     assert len(printed) == rows, out
 
 
+def test_decode_blocks_times_the_compiled_step_and_mlx_compiled_call_apart(monkeypatch, capsys):
+    # compiled steps are CUDA's only; here the CPU takes them (their references traced)
+    from benchmarks import decode_blocks
+    from mlx_moe_fix.patches import compiled
+
+    monkeypatch.setattr(compiled, "BACKENDS", ("cpu",))
+    decode_blocks.main(["--layers", "2", "--reps", "2", "--scale", "32"])
+    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert "the compiled step alone (no wrapper)" in rows and "a compiled x * 2 with each step's captured inputs" in rows, rows
+
+
 def test_decode_graph_patched_adds_no_primitives_to_a_decode_step():
     """The patched layers' default path (the references) asks MLX for no more work per decode
     token than stock: a fused-activation regression (7 more primitives per gpt-oss layer before
