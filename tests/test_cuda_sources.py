@@ -2,10 +2,12 @@
 from the launchers' input names: syntax and type errors show up here, before GPU time is spent.
 Needs nvcc (skipped, with the reason, where there is none); nothing runs."""
 
+import os
 import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -58,21 +60,39 @@ def translation_unit(module, filename, variants):
     return text
 
 
+# Variants a translation unit holds at most: a stage's many variants in a few units, which
+# compile_all builds side by side (nvcc uses one core; ptxas takes most of its time).
+UNIT_VARIANTS = 6
+
+
 def translation_units(module, filename, variants):
-    """A translation_unit per stage: each stage's header keeps only the declarations it reaches."""
+    """Each stage's variants as translation_unit texts of at most UNIT_VARIANTS variants: a
+    stage's header keeps only the declarations it reaches."""
     stages = dict.fromkeys(variant[0] for variant in variants)
-    return [translation_unit(module, filename, [v for v in variants if v[0] == stage]) for stage in stages]
+    units = []
+    for stage in stages:
+        of_stage = [v for v in variants if v[0] == stage]
+        units += [translation_unit(module, filename, of_stage[i:i + UNIT_VARIANTS]) for i in range(0, len(of_stage), UNIT_VARIANTS)]
+    return units
 
 
-def compile_ok(tmp_path, texts):
-    for i, text in enumerate(texts):
+def compile_all(tmp_path, texts, *options) -> list:
+    """nvcc's output (stdout, then stderr) for each text compiled for sm_90a with `options`, as
+    many at once as there are cores; fails on the first that does not compile."""
+
+    def build(i):
         path = tmp_path / f"kernels{i}.cu"
-        path.write_text(text)
-        done = subprocess.run(
-            [NVCC, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-c", "-o", str(tmp_path / f"kernels{i}.o"), str(path)],
+        path.write_text(texts[i])
+        return subprocess.run(
+            [NVCC, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-c", *options, "-o", str(tmp_path / f"kernels{i}.o"), str(path)],
             capture_output=True, text=True, timeout=300,
         )
-        assert done.returncode == 0, done.stderr[-4000:]
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        done = list(pool.map(build, range(len(texts))))
+    for result in done:
+        assert result.returncode == 0, result.stderr[-4000:]
+    return [result.stdout + result.stderr for result in done]
 
 
 @pytest.mark.parametrize("t", ["__nv_bfloat16", "__half", "float"])
@@ -84,7 +104,7 @@ def test_decode_kernels_compile(tmp_path, t):
                      for gated in (True, False) for split in (False, t != "float")]
         variants += [("down", t, {**base, "INPUT_PER_PAIR": p, "COMBINE": c}) for p in (True, False) for c in (True, False)]
         variants.append(("routed_down", t, base))
-    compile_ok(tmp_path, translation_units(DECODE, "moe_decode.cu", variants))
+    compile_all(tmp_path, translation_units(DECODE, "moe_decode.cu", variants))
 
 
 def test_a_kernel_compiles_with_its_header_included_from_its_file(tmp_path, monkeypatch):
@@ -101,7 +121,7 @@ def test_a_kernel_compiles_with_its_header_included_from_its_file(tmp_path, monk
         text = translation_unit(ROUTED, "moe_routed_decode.cu", [("routed_gate_up", "__nv_bfloat16", constants)])
         directive = cuda_header_directive(header)
         assert directive.startswith("#include") and text.count(header) == 1
-        compile_ok(tmp_path, [text.replace(header, directive)])
+        compile_all(tmp_path, [text.replace(header, directive)])
     finally:
         cuda_header_directive.cache_clear()
 
@@ -118,7 +138,7 @@ def test_prefill_kernel_compiles(tmp_path, t):
     ]
     variants.append(("route", t, {"TILE": 128, "MAX_EXPERTS": PREFILL.ROUTE_MAX_EXPERTS}))
     variants.append(("combine", t, {}))
-    compile_ok(tmp_path, translation_units(PREFILL, "moe_prefill.cu", variants))
+    compile_all(tmp_path, translation_units(PREFILL, "moe_prefill.cu", variants))
 
 
 @pytest.mark.parametrize("t", ["__nv_bfloat16", "__half", "float"])
@@ -126,7 +146,7 @@ def test_router_kernel_compiles(tmp_path, t):
     variants = [("topk", t, {"SOFTMAX_FIRST": first, "NORMALIZE": first and normalize, "LAST_K": last_k})
                 for first in (True, False) for normalize in (True, False) for last_k in (True, False)]
     variants.append(("sigmoid_topk", t, {}))
-    compile_ok(tmp_path, translation_units(ROUTER, "moe_router.cu", variants))
+    compile_all(tmp_path, translation_units(ROUTER, "moe_router.cu", variants))
 
 
 @pytest.mark.parametrize("t", ["__nv_bfloat16", "__half", "float"])
@@ -135,16 +155,11 @@ def test_routed_decode_kernel_compiles(tmp_path, t):
                                        "GATED": gated, "SHARED_SPLIT": t != "float" and first,
                                        "SOFTMAX_FIRST": first, "NORMALIZE": first, "LAST_K": first})
                 for bits, group in ((4, 64), (8, 32)) for gated in (True, False) for first in (True, False)]
-    compile_ok(tmp_path, translation_units(ROUTED, "moe_routed_decode.cu", variants))
+    compile_all(tmp_path, translation_units(ROUTED, "moe_routed_decode.cu", variants))
 
 
 def resource_usage(tmp_path, text) -> str:
-    path = tmp_path / "kernels.cu"
-    path.write_text(text)
-    done = subprocess.run([NVCC, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-c", "--resource-usage", "-o", str(tmp_path / "k.o"), str(path)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout + done.stderr
+    return compile_all(tmp_path, [text], "--resource-usage")[0]
 
 
 def with_launch_bounds(text, filename, stage, bounds):
@@ -181,10 +196,11 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
     ]
     if t != "float" and bits == 4:  # the combining down of one pair a warp (moe_decode.down_block_shape), its own bounds
         units.append((DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [base])))
-    for module, filename, stage, shape, variants in units:
-        text = translation_unit(module, filename, [(stage, t, constants) for constants in variants])
+    texts = [with_launch_bounds(translation_unit(module, filename, [(stage, t, constants) for constants in variants]),
+                                filename, stage, shape.launch_bounds())
+             for module, filename, stage, shape, variants in units]
+    for (module, filename, stage, shape, variants), usage in zip(units, compile_all(tmp_path, texts, "--resource-usage")):
         threads, blocks = shape.launch_bounds()
-        usage = resource_usage(tmp_path, with_launch_bounds(text, filename, stage, (threads, blocks)))
         used = [int(n) for n in re.findall(r"Used (\d+) registers", usage)]
         assert len(used) == len(variants) and max(used) <= 65536 // (threads * blocks), usage
         assert re.findall(r"(\d+) bytes spill stores", usage) == ["0"] * len(variants), usage
