@@ -155,14 +155,14 @@ def gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: 
 
 
 def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype, weights_dtype,
-                 input_per_pair: bool, backend: str) -> Launch:
+                 input_per_pair: bool, backend: str, stage: str = "down") -> Launch:
     combined = weights_dtype is not None
     rows_out = pairs // top_k if combined else pairs
     shape = down_block_shape(top_k, combined, linear.bits, dtype, backend)
     # With the combine, a block's warps split over the token's pairs (cuda/moe_decode.cu, down).
     grid, block = _grid(linear.output_dims, rows_out, shape, shape.warps // min(top_k, shape.warps) if combined else None)
     return Launch(
-        gpu_kernel("down", backend, shape),
+        gpu_kernel(stage, backend, shape),
         [linear.weight, linear.scales, linear.biases,
          linear.bias if linear.bias is not None else absent(),
          out_scale if out_scale is not None else absent(),
@@ -187,6 +187,14 @@ def decode_launches(experts: MoEExperts, top_k: int, pairs: int, dtype, weights_
         )
 
     return experts.memo(("decode launches", backend, top_k, pairs, dtype, weights_dtype), plan)
+
+
+def routed_down_launch(experts: MoEExperts, top_k: int, pairs: int, dtype) -> Launch:
+    """The combining down after moe_routed_decode's gate+up (CUDA): decode_launches' down with
+    weights of `dtype`, as the `routed_down` section, which reads each pair's expert and weight
+    from its hidden input's RoutingTail."""
+    return _down_launch(experts.projections[-1], experts.out_scale, top_k, pairs, dtype, dtype,
+                        input_per_pair=True, backend="cuda", stage="routed_down")
 
 
 def moe_decode_kernel(

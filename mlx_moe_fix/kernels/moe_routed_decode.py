@@ -24,10 +24,9 @@ from ..env import flag
 from .backend import Implementation, choose
 from .experts import MoEExperts
 from .launch import cuda_kernel_object, int_array
-from .moe_decode import decode_launches, gate_up_launch, moe_decode_implementation, moe_decode_reference, shared_split_bytes
+from .moe_decode import gate_up_block_shape, gate_up_launch, moe_decode_implementation, moe_decode_reference
+from .moe_decode import routed_down_launch, shared_split_bytes
 from .moe_decode import INPUTS as DECODE_INPUTS
-from .moe_decode import OUTPUTS as DECODE_OUTPUTS
-from .moe_decode import down_block_shape, gate_up_block_shape
 from .moe_router import CUDA_KERNEL_SWITCH as ROUTER_SWITCH
 from .moe_router import Routing, moe_router_reference
 from .moe_router import cuda_unsupported_reason as router_unsupported_reason
@@ -55,8 +54,6 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
         pairs = tokens * routing.top_k
         gate_up = gate_up_launch(experts, routing.top_k, pairs, dtype, "cuda")
         split_bytes = shared_split_bytes(experts, dtype, "cuda")
-        down = decode_launches(experts, routing.top_k, pairs, dtype, dtype, "cuda")[1]
-        down_shape = down_block_shape(routing.top_k, True, experts.projections[-1].bits, dtype, "cuda")  # the plan's
         *weights, dims, params = gate_up.fixed_inputs
         (rows, hidden_dims), itemsize = gate_up.output_shapes[0], dtype.size
         routed_gate_up = gate_up._replace(
@@ -68,10 +65,8 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
             # each pair's row, then its expert (uint32) and weight (dtype): RoutingTail in the source
             output_shapes=[(rows * hidden_dims + pairs * (4 + itemsize) // itemsize,)],
         )
-        routed_down = down._replace(kernel=cuda_kernel_object("moe_decode.cu", "routed_down", tuple(DECODE_INPUTS["routed_down"]),
-                                                              tuple(DECODE_OUTPUTS["routed_down"]), 0,
-                                                              down_shape.launch_bounds()),
-                                    output_shapes=[(*leading_shape, experts.output_dims)])
+        routed_down = routed_down_launch(experts, routing.top_k, pairs, dtype)._replace(
+            output_shapes=[(*leading_shape, experts.output_dims)])
         return routed_gate_up, routed_down
 
     return experts.memo(("routed decode launches", routing, leading_shape, dtype), plan)
