@@ -28,7 +28,11 @@ give what the rest of each model costs; `compiled-step` calls the patched block'
 step directly (no wrapper); for qwen3_moe and mixtral, whose blocks moe_routed_decode takes at
 decode, `eager-kernels` builds the router and the two decode launches in Python (no wrapper, no
 compiled step) and `fixed-logits` the launches alone, with constant router logits (no router
-node). Calls other than a decode step's (the prompt) run the block as patched.
+node). `shared-launches` and `layer-launches` build the same router node and launches inside an
+`mx.compile`d function of the token and the block's weights: one function for all layers (one
+compiled graph replayed by every layer), or one a layer (as the patched block's compiled steps
+are); the difference is what sharing the compiled graph saves the host. Calls other than a
+decode step's (the prompt) run the block as patched.
 """
 
 import argparse
@@ -53,7 +57,9 @@ VARIANTS = {"stock": (False, "stock", None), "patched": (False, "patched", None)
 PHASES = ("build", "submit", "wait")
 # --block-variant: what a variant swaps, and the routing of the blocks whose calls eager-kernels and
 # fixed-logits rebuild (those moe_routed_decode takes at decode), by --model
-BLOCK_VARIANTS = ("moe-identity", "dense-identity", "compiled-step", "eager-kernels", "fixed-logits")
+BLOCK_VARIANTS = ("moe-identity", "dense-identity", "compiled-step", "eager-kernels", "fixed-logits",
+                  "shared-launches", "layer-launches")
+REBUILT = ("eager-kernels", "fixed-logits", "shared-launches", "layer-launches")
 ROUTINGS = {"qwen3_moe": moe_blocks.qwen3_moe_routing, "mixtral": moe_blocks.mixtral_routing}
 
 
@@ -77,8 +83,11 @@ def block_variant(variant: str, model_name: str, built: dict) -> tuple:
                 return last.step((x,), {})
             return compiled_step
         return False, moe_block_classes(built[False]), make
-    # eager-kernels, fixed-logits: the router and the decode launches called here
+    # the router and the decode launches called here
     from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode_kernel
+
+    if variant in ("shared-launches", "layer-launches"):
+        return False, moe_block_classes(built[False]), compiled_launches(variant == "shared-launches", model_name)
 
     plans = {}
 
@@ -97,6 +106,56 @@ def block_variant(variant: str, model_name: str, built: dict) -> tuple:
             return moe_routed_decode_kernel(x, fixed_logits if variant == "fixed-logits" else self.gate(x), routing, experts)
         return launches
     return False, moe_block_classes(built[False]), make
+
+
+def _weights(experts) -> list:
+    return [getattr(p, name) for p in experts.projections for name in ("weight", "scales", "biases", "bias")
+            if getattr(p, name) is not None]
+
+
+def _with_weights(experts, arrays: list):
+    """`experts` with its projections' arrays taken in _weights' order from `arrays`."""
+    from dataclasses import replace
+
+    arrays = iter(arrays)
+    projections = tuple(replace(p, **{name: next(arrays) for name in ("weight", "scales", "biases", "bias")
+                                      if getattr(p, name) is not None}) for p in experts.projections)
+    return replace(experts, projections=projections)
+
+
+def compiled_launches(shared: bool, model_name: str):
+    """make(own) for shared-launches (one compiled function for every layer) and layer-launches (one
+    a layer): the router's quantized matmul and moe_routed_decode's launches, the block's weights
+    as the function's arguments."""
+    from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode_kernel
+
+    from .switch_glu import experts_of
+
+    functions, descriptions = {}, {}
+
+    def step_of(block):
+        key = "every layer" if shared else id(block)
+        if key not in functions:
+            gate, experts, routing = block.gate, experts_of(block.switch_mlp), ROUTINGS[model_name](block)
+            config = dict(transpose=True, group_size=gate.group_size, bits=gate.bits, mode=getattr(gate, "mode", "affine"))
+
+            def step(x, gate_arrays, expert_arrays):
+                logits = mx.quantized_matmul(x, *gate_arrays, **config)
+                return moe_routed_decode_kernel(x, logits, routing, _with_weights(experts, expert_arrays))
+            functions[key] = mx.compile(step)
+        if id(block) not in descriptions:
+            descriptions[id(block)] = experts_of(block.switch_mlp)
+        return functions[key], descriptions[id(block)]
+
+    def make(own):
+        def launches(self, x):
+            if x.shape[-2] != 1:
+                return own.__get__(self, type(self))(x)
+            step, experts = step_of(self)
+            gate = self.gate
+            return step(x, [gate["weight"], gate["scales"], gate["biases"]], _weights(experts))
+        return launches
+    return make
 
 
 def with_setting(setting):
@@ -163,7 +222,7 @@ def main(argv=None):
     parser.add_argument("--patched-with", type=switch_setting, action="append", default=[], metavar="NAME=VALUE",
                         help="one more variant: patched with this switch set (repeatable: one variant each)")
     parser.add_argument("--block-variant", action="append", default=[], choices=BLOCK_VARIANTS,
-                        help="one more variant: a layer's call swapped (see above; eager-kernels and fixed-logits: "
+                        help="one more variant: a layer's call swapped (see above; " + ", ".join(REBUILT) + ": "
                              "qwen3_moe and mixtral on CUDA; repeatable)")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -171,7 +230,7 @@ def main(argv=None):
     if args.burst < 2:
         parser.error("--burst must be at least 2 (a burst's first token is left out)")
 
-    rebuilt = {"eager-kernels", "fixed-logits"} & set(args.block_variant)
+    rebuilt = set(REBUILT) & set(args.block_variant)
     if rebuilt and args.model not in ROUTINGS:
         parser.error(f"--block-variant {' and '.join(sorted(rebuilt))}: --model {' or '.join(ROUTINGS)} only")
     spec, built, tokens = models.build_decode_pair(args)
