@@ -18,6 +18,15 @@ per phase where its switch is on: MLX_MOE_FIX_COMPILED_DECODE and MLX_MOE_FIX_CO
 (each on unless 0). A trace is keyed by everything the patched call decides on besides the weights:
 the arguments' shapes and dtypes, the switches and phases, the identity of the layer's children
 and its scalar attributes; the weights themselves are the compiled graph's inputs.
+
+Layers of one structure share one compiled function (its trace made by the first of them to be
+traced): their calls then replay one graph, which costs the host about half what one graph per
+layer costs at batch-1 decode (qwen3_moe 1.03 of its dense equivalent against 0.96;
+docs/benchmarks.md, twenty-seventh session). The structure is everything a trace can depend on
+besides the weights' values: the classes of the layer's module tree, its arrays' shapes and dtypes,
+every attribute of every module (scalars by value, other objects by identity, held by weak
+reference so that an identity is never reused while it counts); a layer with an array outside its
+module tree (which a trace would keep as a constant) shares with no other.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import functools
 import threading
 import types
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -124,6 +133,77 @@ class _LastStep(NamedTuple):
     step: object
 
 
+_OWN_ATTRIBUTES = "_mlx_moe_fix"  # this package's caches on a layer: derived from the rest
+# Structures' compiled steps kept for layers to share (least recently traced or taken go first).
+MAX_SHARED_STEPS = 256
+_shared_steps = OrderedDict()  # (key, structure) -> (step, weak references to the objects counted by identity)
+
+
+class _Unshareable(Exception):
+    pass
+
+
+def _structure(value, objects: list, attribute: bool = False):
+    """What a trace of a layer's call can depend on in `value` (a layer, a part of its module tree,
+    or with `attribute` one of its modules' attributes) besides its arrays' values; objects
+    counted by identity are appended to `objects`."""
+    kind = type(value)
+    if kind is mx.array:
+        if attribute:
+            raise _Unshareable  # not an input of the compiled graph: its trace keeps it as a constant
+        return value.shape, value.dtype
+    if kind in _SCALAR_TYPES or value is None:
+        return kind, value
+    if kind in (list, tuple):
+        return kind, tuple(_structure(item, objects, attribute) for item in value)
+    if kind in (set, frozenset):
+        return kind, frozenset(value)
+    if isinstance(value, dict) and not attribute:
+        entries = tuple((key, _structure(item, objects)) for key, item in value.items())
+        if kind is dict:
+            return kind, entries
+        attributes = tuple((name, _structure(item, objects, True)) for name, item in vars(value).items()
+                           if not name.startswith(_OWN_ATTRIBUTES))
+        return kind, entries, attributes
+    objects.append(value)
+    return kind, id(value)
+
+
+def _shared_key(instance, key: tuple):
+    """(the key under which layers of this layer's structure share steps, weak references to its
+    objects counted by identity), or None where the layer shares with no other."""
+    objects = []
+    try:
+        shared = (type(instance), key[0], key[3], key[4], _structure(instance, objects))
+        hash(shared)
+        return shared, [weakref.ref(o) for o in objects]
+    except (_Unshareable, TypeError, RecursionError):  # TypeError: an unhashable value, or no weak reference
+        return None
+
+
+def _shared_step(shared):
+    """The traced step shared under `shared` (from _shared_key), or None."""
+    if shared is None:
+        return None
+    entry = _shared_steps.get(shared[0])
+    if entry is None:
+        return None
+    step, references = entry
+    if any(reference() is None for reference in references):  # an identity in the key may now be another object's
+        del _shared_steps[shared[0]]
+        return None
+    _shared_steps.move_to_end(shared[0])
+    return step
+
+
+def _share(shared, step) -> None:
+    if shared is None:
+        return
+    _shared_steps[shared[0]] = (step, shared[1])
+    while len(_shared_steps) > MAX_SHARED_STEPS:
+        _shared_steps.popitem(last=False)
+
+
 def _last_step(instance, args: tuple, kwargs: dict):
     """The step of the layer's last compiled call where this call would take it too (its key and
     its eligibility unchanged), found without building and hashing the key (on the CPU ~2 µs of
@@ -203,7 +283,7 @@ def compiled_per_shape(wrapper):
     def compiled_wrapper(wrapped, instance, args, kwargs):
         step = _last_step(instance, args, kwargs)
         if step is not None:
-            return step(args, kwargs)
+            return step(instance, args, kwargs)
         if nested():
             return wrapper(wrapped, instance, args, kwargs)
         phase = phase_of(args)
@@ -215,6 +295,13 @@ def compiled_per_shape(wrapper):
             steps = {}
             object.__setattr__(instance, _ATTRIBUTE, steps)
         step = steps.get(key)
+        if step is None or step is _TRACE_NEXT:
+            shared = _shared_key(instance, key)
+            found = _shared_step(shared)
+            if found is not None:
+                if step is None:
+                    _make_room(steps)
+                steps[key] = step = found
         if step is None:
             # The first call of a key is built in Python: upstream code may fill a cache by
             # evaluating an array (InklingSwitchGLU.scales_trivial), which a trace cannot do.
@@ -223,21 +310,22 @@ def compiled_per_shape(wrapper):
             with _outer_call():
                 return wrapper(wrapped, instance, args, kwargs)
         if step is _TRACE_NEXT:
-            step = _Step(wrapper, wrapped, instance)
+            step = _Step(wrapper, wrapped)
             try:
-                result = step(args, kwargs)
+                result = step(instance, args, kwargs)
             except ValueError:
-                # MLX refused the trace (an evaluation inside it, or inputs it did not capture):
+                # MLX refused the trace (an evaluation inside it, or arguments it cannot take):
                 # this key's calls stay built in Python.
                 steps[key] = _BUILT_IN_PYTHON
                 return wrapper(wrapped, instance, args, kwargs)
             steps[key] = step
+            _share(shared, step)
             _remember(instance, args, kwargs, key, step)
             return result
         if step is _BUILT_IN_PYTHON:
             return wrapper(wrapped, instance, args, kwargs)
         _remember(instance, args, kwargs, key, step)
-        return step(args, kwargs)
+        return step(instance, args, kwargs)
 
     return compiled_wrapper
 
@@ -247,51 +335,71 @@ _BUILT_IN_PYTHON = "built in Python"
 
 
 class _Step:
-    """One layer's compiled call for one key, and the path records its trace made (replayed into
-    `trace` at every call, so that path counts stay per call).
+    """One compiled call for one key, of one layer or of every layer of one structure (see the
+    module's docstring), and the path records its trace made (replayed into `trace` at every call,
+    so that path counts stay per call).
 
-    The compiled function lives on the layer and captures the layer's children (modules and
-    arrays), which the trace fills with tracers; it holds no reference back to the layer, so that
+    The compiled function takes the calling layer's module tree as an argument, so that its
+    arrays are the graph's inputs; the trace puts its tracers in the layer's places for the
+    wrapper's call and the layer's own arrays back after. It holds no reference to a layer, so that
     a model's layers, weights included, are freed with their last reference and do not wait for
     Python's cycle collector."""
 
-    def __init__(self, wrapper, wrapped, instance):
+    def __init__(self, wrapper, wrapped):
         function = getattr(wrapped, "__func__", None)
         if function is None:
             raise TypeError(f"{wrapped!r} is not a bound method")
-        layer = weakref.ref(instance)
-        # The trace fills `captured` with tracers in place. The children's own arrays are the
-        # tracers then; the layer's direct arrays (Inkling's gate weight) are put in its place
-        # for the trace, so that they too are inputs and not constants.
-        names = list(instance.keys())
-        captured = list(instance.values())
-        direct = [i for i, value in enumerate(captured) if isinstance(value, mx.array)]
         # The trace's records: a holder of its own, as `traced` must not refer to this object
         # (which refers to the compiled function: a cycle).
         self.traces = traces = []
 
-        def traced(*args, **kwargs):
-            owner = layer()
-            originals = {names[i]: owner[names[i]] for i in direct}
-            dict.update(owner, {names[i]: captured[i] for i in direct})
+        def traced(tracers, args, kwargs):
+            owner = _state.tracing
+            originals = []
             before = trace.path_counts()
             try:
+                _put_arrays(owner, tracers, originals)
                 with _outer_call():
                     return wrapper(types.MethodType(function, owner), owner, args, kwargs)
             except BaseException:
                 trace.restore(before)  # the call is then built in Python, and counted there
                 raise
             finally:
-                dict.update(owner, originals)
+                for container, key, array in reversed(originals):
+                    _put(container, key, array)
                 records = Counter(trace.path_counts())
                 records.subtract(before)
                 traces.append(+records)  # the calls this trace made
 
-        self.compiled = mx.compile(traced, inputs=captured)
+        self.compiled = mx.compile(traced)
 
-    def __call__(self, args: tuple, kwargs: dict):
+    def __call__(self, instance, args: tuple, kwargs: dict):
         traced_before = len(self.traces)
-        result = self.compiled(*args, **kwargs)
+        _state.tracing = instance
+        try:
+            result = self.compiled(instance, args, kwargs)
+        finally:
+            _state.tracing = None
         if len(self.traces) == traced_before:  # replayed: count what the trace counted
             trace.replay(self.traces[-1])
         return result
+
+
+def _put(container, key, value) -> None:
+    (dict.__setitem__ if isinstance(container, dict) else list.__setitem__)(container, key, value)
+
+
+def _put_arrays(tree, tracers, originals: list) -> None:
+    """Each array of `tree` (a layer: its modules, dicts and lists) replaced in place by its
+    counterpart in `tracers` (the same tree as mx.compile passes it); (container, key, array)
+    appended to `originals` for each."""
+    keys = tree.keys() if isinstance(tree, dict) else range(len(tree))
+    for key in keys:
+        value = tree[key]
+        if isinstance(value, mx.array):
+            originals.append((tree, key, value))
+            _put(tree, key, tracers[key])
+        elif isinstance(value, (dict, list)):
+            _put_arrays(value, tracers[key], originals)
+        elif isinstance(value, tuple) and any(isinstance(item, (mx.array, dict, list)) for item in value):
+            raise ValueError("a tuple in the module tree: its arrays cannot be replaced in place")

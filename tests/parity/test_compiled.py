@@ -231,3 +231,78 @@ def test_a_layer_takes_its_last_step_only_while_that_steps_key_holds(compiled_st
         built_new_gate = block(x)
     assert mx.array_equal(new_scalar, built_new_scalar).item()
     assert mx.array_equal(new_gate, built_new_gate).item() and not mx.array_equal(new_gate, first).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "inkling"])
+def test_layers_of_one_structure_replay_one_shared_step_each_with_its_own_weights(compiled_steps, family):
+    """Two models of one config, different weights: every MoE layer of both takes the one compiled
+    step of their structure, and each model's tokens and logits are those it builds in Python."""
+    models = [zoo.build(family, 4, seed=seed, dtype=mx.bfloat16) for seed in (0, 1)]
+    compiled._shared_steps.clear()
+    with mlx_moe_fix.patched():
+        compiled_steps(True)
+        replayed = [decode(model, family) for model in models]
+        assert steps_of(models[0]) + steps_of(models[1]) > 2
+        assert len({id(step) for model in models for _, m in model.named_modules()
+                    for step in m.__dict__.get(STEPS, {}).values() if isinstance(step, compiled._Step)}) == 1
+        compiled_steps(False)
+        built = [decode(model, family) for model in models]
+    assert replayed[0][0] != replayed[1][0] or not mx.array_equal(replayed[0][1], replayed[1][1]).item()
+    for shared, own in zip(replayed, built):
+        assert shared[0] == own[0]
+        assert mx.array_equal(shared[1], own[1]).item()
+        assert shared[2] == own[2]
+
+
+def first_blocks(family: str = "qwen3_moe", count: int = 2):
+    model = zoo.build(family, 4, dtype=mx.bfloat16)
+    blocks = [m for _, m in model.named_modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"][:count]
+    assert len(blocks) == count
+    hidden = blocks[0].gate.scales.shape[-1] * blocks[0].gate.group_size
+    return model, blocks, mx.random.normal((1, 1, hidden), key=mx.random.key(5)).astype(mx.bfloat16)
+
+
+def test_a_layer_with_an_array_outside_its_module_tree_shares_no_step(compiled_steps):
+    """An array kept in a module's attributes (not a parameter) would be a constant of the trace:
+    that layer gets a step of its own, the others still share."""
+    model, (odd, *others), x = first_blocks(count=2)
+    object.__setattr__(odd.switch_mlp, "cached_array", mx.zeros((2,)))
+    compiled._shared_steps.clear()
+    with mlx_moe_fix.patched():
+        compiled_steps(True)
+        for block in (odd, *others):
+            for _ in range(3):
+                block(x)
+    steps = [next(s for s in b.__dict__[STEPS].values() if isinstance(s, compiled._Step)) for b in (odd, *others)]
+    assert steps[0] is not steps[1]
+    assert compiled._shared_key(odd, next(iter(odd.__dict__[STEPS]))) is None
+    assert len(compiled._shared_steps) == 1
+
+
+def test_objects_in_a_structure_count_by_identity_while_they_live(compiled_steps):
+    """A non-scalar attribute (a config object) counts by identity: layers holding the same one
+    share, a layer holding an equal but other one does not, and a shared step whose object was
+    freed is not taken (its id may be another object's)."""
+    class Config:
+        pass
+
+    model, blocks, x = first_blocks(count=2)
+    config = Config()
+    for block in blocks:
+        object.__setattr__(block, "config", config)
+    compiled._shared_steps.clear()
+    with mlx_moe_fix.patched():
+        compiled_steps(True)
+        for block in blocks:
+            for _ in range(3):
+                block(x)
+        (key, step), (other_key, other_step) = (next(iter(block.__dict__[STEPS].items())) for block in blocks)
+        assert isinstance(step, compiled._Step) and other_step is step, "the same config: shared"
+        object.__setattr__(blocks[1], "config", Config())
+        assert compiled._shared_step(compiled._shared_key(blocks[1], other_key)) is None, "another config: not shared"
+        shared = compiled._shared_key(blocks[0], key)
+        assert compiled._shared_step(shared) is not None
+        del config
+        object.__setattr__(blocks[0], "config", None)
+        gc.collect()
+        assert compiled._shared_step(shared) is None, "a freed object's step must not be taken"
