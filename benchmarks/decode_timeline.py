@@ -30,8 +30,8 @@ decode, `eager-kernels` builds the router and the two decode launches in Python 
 compiled step) and `fixed-logits` the launches alone, with constant router logits (no router
 node). `shared-launches` and `layer-launches` build the same router node and launches inside an
 `mx.compile`d function of the token and the block's weights: one function for all layers (one
-compiled graph replayed by every layer), or one a layer (as the patched block's compiled steps
-are); the difference is what sharing the compiled graph saves the host. Calls other than a
+compiled graph replayed by every layer), or one a layer; `tree-launches` is shared-launches with
+the block's module tree as the argument (as the patched block's compiled steps take it). Calls other than a
 decode step's (the prompt) run the block as patched.
 """
 
@@ -58,8 +58,8 @@ PHASES = ("build", "submit", "wait")
 # --block-variant: what a variant swaps, and the routing of the blocks whose calls eager-kernels and
 # fixed-logits rebuild (those moe_routed_decode takes at decode), by --model
 BLOCK_VARIANTS = ("moe-identity", "dense-identity", "compiled-step", "eager-kernels", "fixed-logits",
-                  "shared-launches", "layer-launches")
-REBUILT = ("eager-kernels", "fixed-logits", "shared-launches", "layer-launches")
+                  "shared-launches", "layer-launches", "tree-launches")
+REBUILT = ("eager-kernels", "fixed-logits", "shared-launches", "layer-launches", "tree-launches")
 ROUTINGS = {"qwen3_moe": moe_blocks.qwen3_moe_routing, "mixtral": moe_blocks.mixtral_routing}
 
 
@@ -80,14 +80,14 @@ def block_variant(variant: str, model_name: str, built: dict) -> tuple:
                 last = self.__dict__.get(compiled._LAST_STEP)
                 if args or kwargs or last is None or last.shape != x.shape:
                     return own.__get__(self, type(self))(x, *args, **kwargs)
-                return last.step((x,), {})
+                return last.step(self, (x,), {})
             return compiled_step
         return False, moe_block_classes(built[False]), make
     # the router and the decode launches called here
     from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode_kernel
 
-    if variant in ("shared-launches", "layer-launches"):
-        return False, moe_block_classes(built[False]), compiled_launches(variant == "shared-launches", model_name)
+    if variant in ("shared-launches", "layer-launches", "tree-launches"):
+        return False, moe_block_classes(built[False]), compiled_launches(variant, model_name)
 
     plans = {}
 
@@ -123,10 +123,11 @@ def _with_weights(experts, arrays: list):
     return replace(experts, projections=projections)
 
 
-def compiled_launches(shared: bool, model_name: str):
-    """make(own) for shared-launches (one compiled function for every layer) and layer-launches (one
-    a layer): the router's quantized matmul and moe_routed_decode's launches, the block's weights
-    as the function's arguments."""
+def compiled_launches(variant: str, model_name: str):
+    """make(own) for shared-launches (one compiled function for every layer, the block's weights
+    its arguments), layer-launches (the same, one a layer) and tree-launches (shared-launches with
+    the block's module tree as the argument, as the patched block's compiled steps take it): the
+    router's quantized matmul and moe_routed_decode's launches."""
     from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode_kernel
 
     from .switch_glu import experts_of
@@ -134,7 +135,7 @@ def compiled_launches(shared: bool, model_name: str):
     functions, descriptions = {}, {}
 
     def step_of(block):
-        key = "every layer" if shared else id(block)
+        key = id(block) if variant == "layer-launches" else "every layer"
         if key not in functions:
             gate, experts, routing = block.gate, experts_of(block.switch_mlp), ROUTINGS[model_name](block)
             config = dict(transpose=True, group_size=gate.group_size, bits=gate.bits, mode=getattr(gate, "mode", "affine"))
@@ -142,7 +143,13 @@ def compiled_launches(shared: bool, model_name: str):
             def step(x, gate_arrays, expert_arrays):
                 logits = mx.quantized_matmul(x, *gate_arrays, **config)
                 return moe_routed_decode_kernel(x, logits, routing, _with_weights(experts, expert_arrays))
-            functions[key] = mx.compile(step)
+
+            def tree_step(tree, x):
+                gate, switch = tree["gate"], tree["switch_mlp"]
+                return step(x, [gate["weight"], gate["scales"], gate["biases"]],
+                            [switch[p][n] for p in ("gate_proj", "up_proj", "down_proj")
+                             for n in ("weight", "scales", "biases", "bias") if n in switch[p]])
+            functions[key] = mx.compile(tree_step if variant == "tree-launches" else step)
         if id(block) not in descriptions:
             descriptions[id(block)] = experts_of(block.switch_mlp)
         return functions[key], descriptions[id(block)]
@@ -152,6 +159,8 @@ def compiled_launches(shared: bool, model_name: str):
             if x.shape[-2] != 1:
                 return own.__get__(self, type(self))(x)
             step, experts = step_of(self)
+            if variant == "tree-launches":
+                return step(self, x)
             gate = self.gate
             return step(x, [gate["weight"], gate["scales"], gate["biases"]], _weights(experts))
         return launches

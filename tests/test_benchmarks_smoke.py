@@ -131,7 +131,7 @@ def test_decode_blocks_times_the_compiled_step_and_mlx_compiled_call_apart(monke
     monkeypatch.setattr(compiled, "BACKENDS", ("cpu",))
     decode_blocks.main(["--layers", "2", "--reps", "2", "--scale", "32"])
     rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert "the compiled step alone (no wrapper)" in rows and "a compiled x * 2 with each step's captured inputs" in rows, rows
+    assert "the compiled step alone (no wrapper)" in rows and "a compiled x * 2 of each block's module tree and x" in rows, rows
 
 
 def test_decode_graph_patched_adds_no_primitives_to_a_decode_step():
@@ -258,12 +258,13 @@ def test_decode_timeline_swaps_each_block_variants_call_for_its_bursts_only(monk
         decode_timeline.main(["--smoke", *[f"--block-variant={v}" for v in decode_timeline.BLOCK_VARIANTS]])
     labels = [line.split("|")[1].strip() for line in out.getvalue().splitlines() if line.startswith(("| stock", "| patched", "| dense"))]
     assert labels == ["stock", "patched", "dense equivalent", "patched, moe-identity", "dense equivalent, dense-identity",
-                      "patched, compiled-step", "patched, eager-kernels", "patched, fixed-logits"]
+                      "patched, compiled-step", "patched, eager-kernels", "patched, fixed-logits",
+                      "patched, shared-launches", "patched, layer-launches", "patched, tree-launches"]
     # warm-up and the smoke's two cycles: each burst ran with its own variant's calls, and every call is restored after
     production = swapped_in[0]
-    assert len(swapped_in) == 3 * 8
-    for bursts in (swapped_in[:8], swapped_in[8:16], swapped_in[16:]):
-        assert [b == production for b in bursts] == [True, True, True, False, False, False, False, False]
+    assert len(swapped_in) == 3 * 11
+    for bursts in (swapped_in[:11], swapped_in[11:22], swapped_in[22:]):
+        assert [b == production for b in bursts] == [True] * 3 + [False] * 8
         assert bursts[3][1] is production[1] and bursts[4][0] is production[0]  # one class swapped at a time
     assert (qwen3_moe.Qwen3MoeSparseMoeBlock.__dict__["__call__"], qwen3.MLP.__dict__["__call__"]) == production
     assert calls["kernel"] > 0  # the eager variants' decode steps went to the (stand-in) kernel
