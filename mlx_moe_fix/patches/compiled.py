@@ -37,7 +37,6 @@ import threading
 import types
 import weakref
 from collections import Counter, OrderedDict
-from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -118,19 +117,18 @@ def _scalars(instance) -> tuple:
     return tuple([v for v in vars(instance).values() if type(v) in _SCALAR_TYPES])
 
 
-class _LastStep(NamedTuple):
+class _LastStep:
     """A layer's last compiled call of one array argument (a decode step's): its step and all
-    that decided it, as _step_key and eligible() read them."""
+    that decided it, as _step_key and eligible() read them; the layer's attributes by the
+    identity of their values (the scalars among them are in the key; this is stricter, and one
+    tuple of ids to compare)."""
 
-    shape: tuple
-    dtype: object
-    switches: tuple
-    enabled: tuple
-    device: object
-    backends: tuple
-    children: tuple
-    scalars: tuple
-    step: object
+    __slots__ = ("shape", "dtype", "switches", "enabled", "device", "backends", "children", "attributes", "step")
+
+    def __init__(self, x, switches, enabled, children, step):
+        self.shape, self.dtype, self.switches, self.enabled = x.shape, x.dtype, switches, enabled
+        self.device, self.backends, self.children, self.step = mx.default_device(), BACKENDS, children, step
+        self.attributes = None
 
 
 _OWN_ATTRIBUTES = "_mlx_moe_fix"  # this package's caches on a layer: derived from the rest
@@ -213,8 +211,8 @@ def _last_step(instance, args: tuple, kwargs: dict):
         return None
     x = args[0]
     if (type(x) is not mx.array or x.shape != last.shape or x.dtype != last.dtype or snapshot() is not last.switches
-            or options.enabled() != last.enabled or mx.default_device() != last.device or BACKENDS is not last.backends
-            or tuple(map(id, instance.values())) != last.children or _scalars(instance) != last.scalars):
+            or options.enabled() != last.enabled or BACKENDS is not last.backends or mx.default_device() != last.device
+            or tuple(map(id, instance.values())) != last.children or tuple(map(id, vars(instance).values())) != last.attributes):
         return None
     return last.step
 
@@ -222,10 +220,10 @@ def _last_step(instance, args: tuple, kwargs: dict):
 def _remember(instance, args: tuple, kwargs: dict, key: tuple, step) -> None:
     """Make `step`, taken for `key`, the layer's last step (calls of one array argument only)."""
     if not kwargs and len(args) == 1 and type(args[0]) is mx.array:
-        (x,) = args
-        _, children, scalars, switches, enabled = key
-        last = _LastStep(x.shape, x.dtype, switches, enabled, mx.default_device(), BACKENDS, children, scalars, step)
+        _, children, _, switches, enabled = key
+        last = _LastStep(args[0], switches, enabled, children, step)
         object.__setattr__(instance, _LAST_STEP, last)
+        last.attributes = tuple(map(id, vars(instance).values()))  # its own among them
 
 
 _suspensions = [0]

@@ -233,18 +233,21 @@ def test_a_layer_takes_its_last_step_only_while_that_steps_key_holds(compiled_st
     assert mx.array_equal(new_gate, built_new_gate).item() and not mx.array_equal(new_gate, first).item()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "inkling"])
+# deepseek_v4's small layers differ in structure (a hash-routed one) and each of its models has a
+# config object of its own (counted by identity): none of its steps is shared here.
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "deepseek_v4"])
 def test_layers_of_one_structure_replay_one_shared_step_each_with_its_own_weights(compiled_steps, family):
-    """Two models of one config, different weights: every MoE layer of both takes the one compiled
-    step of their structure, and each model's tokens and logits are those it builds in Python."""
+    """Two models of one config, different weights: each layer of the second takes the compiled
+    step of its counterpart in the first (their structures are the same), and each model's tokens
+    and logits are those it builds in Python."""
     models = [zoo.build(family, 4, seed=seed, dtype=mx.bfloat16) for seed in (0, 1)]
     compiled._shared_steps.clear()
     with mlx_moe_fix.patched():
         compiled_steps(True)
         replayed = [decode(model, family) for model in models]
-        assert steps_of(models[0]) + steps_of(models[1]) > 2
-        assert len({id(step) for model in models for _, m in model.named_modules()
-                    for step in m.__dict__.get(STEPS, {}).values() if isinstance(step, compiled._Step)}) == 1
+        steps = [step for model in models for _, m in model.named_modules()
+                 for step in m.__dict__.get(STEPS, {}).values() if isinstance(step, compiled._Step)]
+        assert len(steps) >= 4 and len(set(map(id, steps))) <= len(steps) // 2
         compiled_steps(False)
         built = [decode(model, family) for model in models]
     assert replayed[0][0] != replayed[1][0] or not mx.array_equal(replayed[0][1], replayed[1][1]).item()
