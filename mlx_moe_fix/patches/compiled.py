@@ -26,7 +26,8 @@ docs/benchmarks.md, twenty-seventh session). The structure is everything a trace
 besides the weights' values: the classes of the layer's module tree, its arrays' shapes and dtypes,
 every attribute of every module (scalars by value, other objects by identity, held by weak
 reference so that an identity is never reused while it counts); a layer with an array outside its
-module tree (which a trace would keep as a constant) shares with no other.
+module tree (which a trace would keep as a constant) shares with no other. MLX_MOE_FIX_SHARED_STEPS=0
+gives each layer steps of its own.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from ..kernels.moe_prefill import CUDA_KERNEL_SWITCH as PREFILL_SWITCH
 from . import options
 
 SWITCH = "MLX_MOE_FIX_COMPILED_DECODE"
+SHARE_SWITCH = "MLX_MOE_FIX_SHARED_STEPS"
 PREFILL_COMPILE_SWITCH = "MLX_MOE_FIX_COMPILED_PREFILL"
 DECODE_TOKENS = 32
 # Keys a layer keeps: mlx-lm's BatchGenerator decodes up to 32 sequences by default, each batch
@@ -294,7 +296,7 @@ def compiled_per_shape(wrapper):
             object.__setattr__(instance, _ATTRIBUTE, steps)
         step = steps.get(key)
         if step is None or step is _TRACE_NEXT:
-            shared = _shared_key(instance, key)
+            shared = _shared_key(instance, key) if flag(SHARE_SWITCH) else None
             found = _shared_step(shared)
             if found is not None:
                 if step is None:

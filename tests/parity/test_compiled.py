@@ -309,3 +309,16 @@ def test_objects_in_a_structure_count_by_identity_while_they_live(compiled_steps
         object.__setattr__(blocks[0], "config", None)
         gc.collect()
         assert compiled._shared_step(shared) is None, "a freed object's step must not be taken"
+
+
+def test_shared_steps_switched_off_give_each_layer_its_own(compiled_steps, monkeypatch):
+    model, blocks, x = first_blocks(count=2)
+    monkeypatch.setenv(compiled.SHARE_SWITCH, "0")
+    compiled._shared_steps.clear()
+    with mlx_moe_fix.patched():
+        compiled_steps(True)  # (refreshes the switches)
+        for block in blocks:
+            for _ in range(3):
+                block(x)
+    steps = [next(s for s in b.__dict__[STEPS].values() if isinstance(s, compiled._Step)) for b in blocks]
+    assert steps[0] is not steps[1] and not compiled._shared_steps
