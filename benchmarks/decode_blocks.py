@@ -11,7 +11,7 @@ mlx-vlm's deepseek_v4 and inkling: the MoE blocks and dense MLPs of benchmarks.m
 model and dense equivalent, built with --layers layers; their attention is built too but not
 run): the MoE
 block stock, patched with its decode step compiled (where it is: with its compiled step called
-alone, without the wrapper, and an `mx.compile`d x * 2 of each block's module tree and x, MLX's
+alone, without the wrapper, and an `mx.compile`d x * 2 with the step's captured inputs, MLX's
 compiled call without the step's nodes), patched with the routing in a launch of its
 own (MLX_MOE_FIX_CUDA_ROUTED_DECODE=0; mlx-lm's routed blocks), patched built in Python at every step
 (MLX_MOE_FIX_COMPILED_DECODE=0), and the dense MLP of the block's active width (top-k x expert
@@ -118,13 +118,11 @@ def main(argv=None):
         rows.append(("MoE block, patched (decode step compiled where it is)", split(run(blocks), args.reps)))
         steps = compiled_steps(blocks)
         if steps:  # what MLX's replay of the traced graph costs, without the wrapper around it
-            rows.append(("the compiled step alone (no wrapper)",
-                         split(lambda: [step.compiled(block, (x,), {}) for block, step in steps], args.reps)))
-            # and MLX's compiled call itself: each block's module tree as an argument (flattened at
-            # every call), one elementwise node instead of the step's tape
-            doubled = mx.compile(lambda tree, x: x * 2)
-            rows.append(("a compiled x * 2 of each block's module tree and x",
-                         split(lambda: [doubled(block, x) for block in blocks], args.reps)))
+            rows.append(("the compiled step alone (no wrapper)", split(lambda: [step(block, (x,), {}) for block, step in steps], args.reps)))
+            # and MLX's compiled call itself: the steps' captured inputs (each block's children,
+            # flattened at every call), one elementwise node instead of the step's tape
+            calls = [mx.compile(lambda x: x * 2, inputs=list(block.values())) for block in blocks]
+            rows.append(("a compiled x * 2 with each step's captured inputs", split(lambda: [call(x) for call in calls], args.reps)))
         if args.family in FAMILIES:  # mlx-lm's routed blocks; mlx-vlm's keep their own routing
             with switched(ROUTED_SWITCH, "0"):
                 rows.append(("MoE block, patched, routing in its own launch", split(run(blocks), args.reps)))

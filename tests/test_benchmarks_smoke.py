@@ -131,7 +131,7 @@ def test_decode_blocks_times_the_compiled_step_and_mlx_compiled_call_apart(monke
     monkeypatch.setattr(compiled, "BACKENDS", ("cpu",))
     decode_blocks.main(["--layers", "2", "--reps", "2", "--scale", "32"])
     rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert "the compiled step alone (no wrapper)" in rows and "a compiled x * 2 of each block's module tree and x" in rows, rows
+    assert "the compiled step alone (no wrapper)" in rows and "a compiled x * 2 with each step's captured inputs" in rows, rows
 
 
 def test_decode_graph_patched_adds_no_primitives_to_a_decode_step():

@@ -339,67 +339,55 @@ class _Step:
     module's docstring), and the path records its trace made (replayed into `trace` at every call,
     so that path counts stay per call).
 
-    The compiled function takes the calling layer's module tree as an argument, so that its
-    arrays are the graph's inputs; the trace puts its tracers in the layer's places for the
-    wrapper's call and the layer's own arrays back after. It holds no reference to a layer, so that
-    a model's layers, weights included, are freed with their last reference and do not wait for
-    Python's cycle collector."""
+    The compiled function captures `children`, a list that holds the calling layer's children
+    (modules and arrays) during each call and nothing between calls: MLX flattens it at every
+    call, so that the layer's arrays are the graph's inputs, and fills it with tracers for a
+    trace (its modules' arrays in place; the layer's direct arrays, Inkling's gate weight, are
+    put in the layer's place for the trace). A lock keeps one call at a time in it. It holds no
+    reference to a layer, so that a model's layers, weights included, are freed with their last
+    reference and do not wait for Python's cycle collector. (Captured rather than passed as an
+    argument: MLX hashes each key of a dict argument at every call, ~1 µs more a block here.)"""
 
     def __init__(self, wrapper, wrapped):
         function = getattr(wrapped, "__func__", None)
         if function is None:
             raise TypeError(f"{wrapped!r} is not a bound method")
+        self.children = children = []
+        self.lock = threading.Lock()
         # The trace's records: a holder of its own, as `traced` must not refer to this object
         # (which refers to the compiled function: a cycle).
         self.traces = traces = []
 
-        def traced(tracers, args, kwargs):
+        def traced(*args, **kwargs):
             owner = _state.tracing
-            originals = []
+            direct = {name: tracer for name, tracer in zip(owner.keys(), children) if isinstance(tracer, mx.array)}
+            originals = {name: owner[name] for name in direct}
+            dict.update(owner, direct)
             before = trace.path_counts()
             try:
-                _put_arrays(owner, tracers, originals)
                 with _outer_call():
                     return wrapper(types.MethodType(function, owner), owner, args, kwargs)
             except BaseException:
                 trace.restore(before)  # the call is then built in Python, and counted there
                 raise
             finally:
-                for container, key, array in reversed(originals):
-                    _put(container, key, array)
+                dict.update(owner, originals)
                 records = Counter(trace.path_counts())
                 records.subtract(before)
                 traces.append(+records)  # the calls this trace made
 
-        self.compiled = mx.compile(traced)
+        self.compiled = mx.compile(traced, inputs=children)
 
     def __call__(self, instance, args: tuple, kwargs: dict):
         traced_before = len(self.traces)
-        _state.tracing = instance
-        try:
-            result = self.compiled(instance, args, kwargs)
-        finally:
-            _state.tracing = None
+        with self.lock:
+            self.children[:] = instance.values()
+            _state.tracing = instance
+            try:
+                result = self.compiled(*args, **kwargs)
+            finally:
+                _state.tracing = None
+                self.children.clear()
         if len(self.traces) == traced_before:  # replayed: count what the trace counted
             trace.replay(self.traces[-1])
         return result
-
-
-def _put(container, key, value) -> None:
-    (dict.__setitem__ if isinstance(container, dict) else list.__setitem__)(container, key, value)
-
-
-def _put_arrays(tree, tracers, originals: list) -> None:
-    """Each array of `tree` (a layer: its modules, dicts and lists) replaced in place by its
-    counterpart in `tracers` (the same tree as mx.compile passes it); (container, key, array)
-    appended to `originals` for each."""
-    keys = tree.keys() if isinstance(tree, dict) else range(len(tree))
-    for key in keys:
-        value = tree[key]
-        if isinstance(value, mx.array):
-            originals.append((tree, key, value))
-            _put(tree, key, tracers[key])
-        elif isinstance(value, (dict, list)):
-            _put_arrays(value, tracers[key], originals)
-        elif isinstance(value, tuple) and any(isinstance(item, (mx.array, dict, list)) for item in value):
-            raise ValueError("a tuple in the module tree: its arrays cannot be replaced in place")
