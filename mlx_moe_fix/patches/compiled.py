@@ -276,16 +276,20 @@ def _make_room(steps: dict) -> None:
         del steps[next((key for key, step in steps.items() if not isinstance(step, _Step)), next(iter(steps)))]
 
 
-def compiled_per_shape(wrapper):
+def compiled_per_shape(wrapper, runs_as_is=None):
     """The wrapt wrapper `wrapper(wrapped, instance, args, kwargs)`, with its calls compiled (see
     the module's docstring) from the second call of a key on; patched calls nested in it run as
-    they are."""
+    they are. Where `runs_as_is(instance)`, the layer's call is upstream's, neither wrapped nor
+    compiled (asked where the layer's last step does not hold: that step was taken where it was
+    False, and holds only while the layer's attributes are the same objects)."""
 
     @functools.wraps(wrapper)
     def compiled_wrapper(wrapped, instance, args, kwargs):
         step = _last_step(instance, args, kwargs)
         if step is not None:
             return step(instance, args, kwargs)
+        if runs_as_is is not None and runs_as_is(instance):
+            return wrapped(*args, **kwargs)
         if nested():
             return wrapper(wrapped, instance, args, kwargs)
         phase = phase_of(args)
@@ -356,14 +360,14 @@ class _Step:
         function = getattr(wrapped, "__func__", None)
         if function is None:
             raise TypeError(f"{wrapped!r} is not a bound method")
-        self.children = children = []
+        self.children, self.caller = children, caller = [], [None]  # the calling layer, while it calls
         self.lock = threading.Lock()
         # The trace's records: a holder of its own, as `traced` must not refer to this object
         # (which refers to the compiled function: a cycle).
         self.traces = traces = []
 
         def traced(*args, **kwargs):
-            owner = _state.tracing
+            owner = caller[0]
             direct = {name: tracer for name, tracer in zip(owner.keys(), children) if isinstance(tracer, mx.array)}
             originals = {name: owner[name] for name in direct}
             dict.update(owner, direct)
@@ -386,11 +390,11 @@ class _Step:
         traced_before = len(self.traces)
         with self.lock:
             self.children[:] = instance.values()
-            _state.tracing = instance
+            self.caller[0] = instance
             try:
                 result = self.compiled(*args, **kwargs)
             finally:
-                _state.tracing = None
+                self.caller[0] = None
                 self.children.clear()
         if len(self.traces) == traced_before:  # replayed: count what the trace counted
             trace.replay(self.traces[-1])

@@ -25,14 +25,7 @@ routing = functools.lru_cache(maxsize=None)(Routing)
 def unsharded_compiled(wrapper):
     """`wrapper` with decode steps compiled (patches/compiled.py), except in a block with a
     sharding group: upstream's sharded block sums over its group after the experts."""
-    compiled = compiled_per_shape(wrapper)
-
-    def unsharded(wrapped, instance, args, kwargs):
-        if getattr(instance, "sharding_group", None) is not None:
-            return wrapped(*args, **kwargs)
-        return compiled(wrapped, instance, args, kwargs)
-
-    return unsharded
+    return compiled_per_shape(wrapper, runs_as_is=lambda instance: getattr(instance, "sharding_group", None) is not None)
 
 
 def upstream(wrapped, instance, args, kwargs):

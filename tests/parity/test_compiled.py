@@ -322,3 +322,24 @@ def test_shared_steps_switched_off_give_each_layer_its_own(compiled_steps, monke
                 block(x)
     steps = [next(s for s in b.__dict__[STEPS].values() if isinstance(s, compiled._Step)) for b in blocks]
     assert steps[0] is not steps[1] and not compiled._shared_steps
+
+
+def test_a_block_given_a_sharding_group_after_its_step_was_compiled_runs_upstreams_call(compiled_steps, monkeypatch):
+    """The sharding check is asked only where the layer's last step does not hold: setting the
+    group changes the layer's attributes, so the next call is upstream's (its all_sum runs)."""
+    model, (block,), x = first_blocks(count=1)
+    summed = []
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda y, group=None: summed.append(group) or y)
+    group = object()
+    with mlx_moe_fix.patched():
+        compiled_steps(True)
+        for _ in range(3):
+            block(x)
+        assert compiled._last_step(block, (x,), {}) is not None and not summed
+        block.sharding_group = group
+        monkeypatch.setattr("mlx_lm.models.qwen3_moe.sum_gradients", lambda g: lambda y: y)
+        block(x)
+        assert summed == [group], "upstream's sharded call did not run"
+        block.sharding_group = None
+        block(x)
+        assert summed == [group]
