@@ -20,8 +20,9 @@ the arguments' shapes and dtypes, the switches and phases, the identity of the l
 and its scalar attributes; the weights themselves are the compiled graph's inputs.
 
 Layers of one structure share one compiled function (its trace made by the first of them to be
-traced): their calls then replay one graph, which costs the host about half what one graph per
-layer costs at batch-1 decode (qwen3_moe 1.03 of its dense equivalent against 0.96;
+traced): a model's layers trace once, not once each, and their calls replay one graph, which costs
+the host ~5 µs less a layer at batch-1 decode than one graph a layer (on the H200's host, in one
+process: qwen3_moe 0.883 of its dense equivalent against 0.872, mixtral 1.510 against 1.478;
 docs/benchmarks.md, twenty-seventh session). The structure is everything a trace can depend on
 besides the weights' values: the classes of the layer's module tree, its arrays' shapes and dtypes,
 every attribute of every module (scalars by value, other objects by identity, held by weak
