@@ -46,6 +46,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_moe_fix import env
 from mlx_moe_fix.patches import moe_blocks
+from mlx_moe_fix.patches.switch_layers import _PROJECTION_ARRAYS as PROJECTION_ARRAYS
 
 from . import models
 from .decode_attribution import identity, mlp_classes, moe_block_classes, replaced_calls
@@ -109,8 +110,7 @@ def block_variant(variant: str, model_name: str, built: dict) -> tuple:
 
 
 def _weights(experts) -> list:
-    return [getattr(p, name) for p in experts.projections for name in ("weight", "scales", "biases", "bias")
-            if getattr(p, name) is not None]
+    return [getattr(p, name) for p in experts.projections for name in PROJECTION_ARRAYS if getattr(p, name) is not None]
 
 
 def _with_weights(experts, arrays: list):
@@ -118,8 +118,8 @@ def _with_weights(experts, arrays: list):
     from dataclasses import replace
 
     arrays = iter(arrays)
-    projections = tuple(replace(p, **{name: next(arrays) for name in ("weight", "scales", "biases", "bias")
-                                      if getattr(p, name) is not None}) for p in experts.projections)
+    projections = tuple(replace(p, **{name: next(arrays) for name in PROJECTION_ARRAYS if getattr(p, name) is not None})
+                        for p in experts.projections)
     return replace(experts, projections=projections)
 
 
@@ -135,9 +135,11 @@ def compiled_launches(variant: str, model_name: str):
     functions, descriptions = {}, {}
 
     def step_of(block):
+        if id(block) not in descriptions:
+            descriptions[id(block)] = experts_of(block.switch_mlp)
         key = id(block) if variant == "layer-launches" else "every layer"
         if key not in functions:
-            gate, experts, routing = block.gate, experts_of(block.switch_mlp), ROUTINGS[model_name](block)
+            gate, experts, routing = block.gate, descriptions[id(block)], ROUTINGS[model_name](block)
             config = dict(transpose=True, group_size=gate.group_size, bits=gate.bits, mode=getattr(gate, "mode", "affine"))
 
             def step(x, gate_arrays, expert_arrays):
@@ -147,11 +149,8 @@ def compiled_launches(variant: str, model_name: str):
             def tree_step(tree, x):
                 gate, switch = tree["gate"], tree["switch_mlp"]
                 return step(x, [gate["weight"], gate["scales"], gate["biases"]],
-                            [switch[p][n] for p in ("gate_proj", "up_proj", "down_proj")
-                             for n in ("weight", "scales", "biases", "bias") if n in switch[p]])
+                            [switch[p][n] for p in ("gate_proj", "up_proj", "down_proj") for n in PROJECTION_ARRAYS if n in switch[p]])
             functions[key] = mx.compile(tree_step if variant == "tree-launches" else step)
-        if id(block) not in descriptions:
-            descriptions[id(block)] = experts_of(block.switch_mlp)
         return functions[key], descriptions[id(block)]
 
     def make(own):
