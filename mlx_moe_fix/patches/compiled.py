@@ -388,8 +388,8 @@ class _Step:
         self.compiled = mx.compile(traced, inputs=children)
 
     def __call__(self, instance, args: tuple, kwargs: dict):
-        traced_before = len(self.traces)
-        with self.lock:
+        with self.lock:  # also around the count of traces: another thread's trace must not read as this call's
+            traced_before = len(self.traces)
             self.children[:] = instance.values()
             self.caller[0] = instance
             try:
@@ -397,6 +397,7 @@ class _Step:
             finally:
                 self.caller[0] = None
                 self.children.clear()
-        if len(self.traces) == traced_before:  # replayed: count what the trace counted
+            replayed = len(self.traces) == traced_before
+        if replayed:  # count what the trace counted
             trace.replay(self.traces[-1])
         return result
