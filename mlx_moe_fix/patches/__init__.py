@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
-from typing import Dict, Optional
+from typing import Dict
 
 import wrapt
 
@@ -120,7 +120,3 @@ def target_state(target: Target) -> tuple:
     if not _applied:
         return "not applied", "apply() has not been called (or revert() was)"
     return "deferred", f"patched when {target.module} is imported"
-
-
-def original_of(target_name: str) -> Optional[object]:
-    return _originals.get(target_name)
