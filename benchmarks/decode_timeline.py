@@ -46,7 +46,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_moe_fix import env
 from mlx_moe_fix.patches import moe_blocks
-from mlx_moe_fix.patches.switch_layers import _PROJECTION_ARRAYS as PROJECTION_ARRAYS
+from mlx_moe_fix.patches.switch_layers import PROJECTION_ARRAYS
 
 from . import models
 from .decode_attribution import identity, mlp_classes, moe_block_classes, replaced_calls

@@ -33,7 +33,7 @@ _CACHE_ATTRIBUTE = "_mlx_moe_fix_described"
 
 
 # The arrays of a projection that its ExpertLinear holds.
-_PROJECTION_ARRAYS = ("weight", "scales", "biases", "bias")
+PROJECTION_ARRAYS = ("weight", "scales", "biases", "bias")
 
 
 def describe(layer, projection_names: tuple, gate_scale=None, out_scale=None):
@@ -45,7 +45,7 @@ def describe(layer, projection_names: tuple, gate_scale=None, out_scale=None):
     parts = [layer.get("activation"), gate_scale, out_scale]
     for name in projection_names:
         projection = layer.get(name)
-        parts += (None,) * len(_PROJECTION_ARRAYS) if projection is None else map(projection.get, _PROJECTION_ARRAYS)
+        parts += (None,) * len(PROJECTION_ARRAYS) if projection is None else map(projection.get, PROJECTION_ARRAYS)
     identities = tuple(map(id, parts))
     cached = layer.__dict__.get(_CACHE_ATTRIBUTE)
     if cached is not None and cached[0] == identities:
