@@ -16,7 +16,9 @@ stream, token t+1 built and submitted before token t is waited for), written out
 the three host phases is timed per token. This host's speed drifts by up to 2x over seconds and
 between processes (docs/benchmarks.md), so the variants (the MoE model stock and patched, its
 dense equivalent: benchmarks/models.py) take turns in short bursts of --burst tokens, each model
-with its own cache and its next token pending, for --cycles cycles in one process; a burst ends
+with its own cache and its next token pending, for --cycles cycles in one process (each cycle
+starting one variant further on, so that over a multiple of their number of cycles every variant
+takes every place in the turn equally often); a burst ends
 once its last token is computed, so the next starts on an idle GPU. The table gives medians over
 every token but each burst's first (its build had nothing to overlap), µs per token; tok/s is
 per burst, and `/ dense` the median over cycles of a burst's tok/s over the dense burst's of the
@@ -257,8 +259,13 @@ def main(argv=None):
         with with_setting(setting), replaced_calls(*(swap or ((), None)), around=True):
             decoders[label] = Decoder(built[dense], prompt)
             decoders[label].burst(args.burst)  # warm-up at exactly the timed shapes (compiled steps traced)
+    labels = list(variants)
     for cycle in range(args.cycles):
-        for label, (dense, mode, setting, swap) in variants.items():
+        # each cycle's turns start one variant further on: no variant always follows the same one
+        # (in one process, main's path under two labels, one run after stock's turn and one after
+        # another patched variant's, read 3% apart: docs/benchmarks.md, thirtieth session)
+        for label in labels[cycle % len(labels):] + labels[:cycle % len(labels)]:
+            dense, mode, setting, swap = variants[label]
             models.set_mode(mode)
             with with_setting(setting), replaced_calls(*(swap or ((), None)), around=True):
                 run = decoders[label].burst(args.burst)

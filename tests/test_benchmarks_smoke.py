@@ -227,8 +227,9 @@ def test_decode_timeline_runs_a_patched_variant_per_switch_setting_with_that_swi
         decode_timeline.main(["--smoke", "--patched-with", "MLX_MOE_FIX_CUDA_ROUTED_DECODE=0"])
     labels = [line.split("|")[1].strip() for line in out.getvalue().splitlines() if line.startswith(("| stock", "| patched", "| dense"))]
     assert labels == ["stock", "patched", "dense equivalent", "patched, MLX_MOE_FIX_CUDA_ROUTED_DECODE=0"]
-    # per cycle (and warm-up) the four variants in turn: only the last with the switch off; after, its default again
-    assert seen == [True, True, True, False] * 3 and env.flag("MLX_MOE_FIX_CUDA_ROUTED_DECODE")
+    # the warm-up and each cycle: the four variants in turn, only the fourth with the switch off, each
+    # cycle's turn starting one variant further on; after, the switch at its default again
+    assert seen == [True, True, True, False] * 2 + [True, True, False, True] and env.flag("MLX_MOE_FIX_CUDA_ROUTED_DECODE")
     with pytest.raises(SystemExit):
         decode_timeline.main(["--smoke", "--patched-with", "MLX_MOE_FIX_NOT_A_SWITCH=0"])
 
@@ -260,10 +261,11 @@ def test_decode_timeline_swaps_each_block_variants_call_for_its_bursts_only(monk
     assert labels == ["stock", "patched", "dense equivalent", "patched, moe-identity", "dense equivalent, dense-identity",
                       "patched, compiled-step", "patched, eager-kernels", "patched, fixed-logits",
                       "patched, shared-launches", "patched, layer-launches", "patched, tree-launches"]
-    # warm-up and the smoke's two cycles: each burst ran with its own variant's calls, and every call is restored after
+    # warm-up and the smoke's two cycles (the second's turn starting one variant further on): each
+    # burst ran with its own variant's calls, and every call is restored after
     production = swapped_in[0]
     assert len(swapped_in) == 3 * 11
-    for bursts in (swapped_in[:11], swapped_in[11:22], swapped_in[22:]):
+    for bursts in (swapped_in[:11], swapped_in[11:22], swapped_in[32:] + swapped_in[22:32]):
         assert [b == production for b in bursts] == [True] * 3 + [False] * 8
         assert bursts[3][1] is production[1] and bursts[4][0] is production[0]  # one class swapped at a time
     assert (qwen3_moe.Qwen3MoeSparseMoeBlock.__dict__["__call__"], qwen3.MLP.__dict__["__call__"]) == production
