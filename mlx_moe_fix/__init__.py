@@ -22,7 +22,7 @@ from .trace import path_counts, reset_path_counts
 
 __version__ = "0.1.0"
 
-_DISTRIBUTIONS = ("mlx", "mlx-lm", "mlx-vlm", "wrapt", "mlx-moe-fix")
+_DISTRIBUTIONS = ("mlx", "mlx-lm", "mlx-vlm", "wrapt")
 
 
 def _version(distribution: str):
@@ -56,7 +56,9 @@ def status() -> dict:
         "disabled_by_env": disabled_by_env(),
         "phases": options.current(),
         "backend": current_backend(),
-        "versions": {name: _version(name) for name in _DISTRIBUTIONS},
+        # this package's own: the running code's, which an installed distribution's metadata is not
+        # where the code runs from a checkout (None there)
+        "versions": {**{name: _version(name) for name in _DISTRIBUTIONS}, "mlx-moe-fix": __version__},
         "ops": {name: {"path": impl.path, "reason": impl.reason} for name, impl in implementations.items()},
         "prefill_gate_up_gemm": gemm_state(),
         "compiled_decode_steps": compiled_state("decode"),

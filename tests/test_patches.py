@@ -67,6 +67,14 @@ def test_patched_context_restores_the_previous_state():
     assert mlx_moe_fix.status()["applied"] and mlx_moe_fix.status()["phases"]["decode"] is True
 
 
+def test_the_package_version_is_the_one_pyproject_installs():
+    import re
+    from pathlib import Path
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', pyproject, re.MULTILINE).group(1) == mlx_moe_fix.__version__
+
+
 def test_status_reports_every_target_with_a_reason():
     imported_classes()
     mlx_moe_fix.apply()
@@ -77,6 +85,7 @@ def test_status_reports_every_target_with_a_reason():
     assert all(t["reason"] for t in status["targets"])
     assert status["backend"] in ("cpu", "cuda", "metal")
     assert status["versions"]["mlx"] == mx.__version__
+    assert status["versions"]["mlx-moe-fix"] == mlx_moe_fix.__version__ is not None
     gemm = status["prefill_gate_up_gemm"]
     assert gemm["reason"] and (gemm["gemm"] is None) == (status["ops"]["moe_prefill"]["path"] != "kernel")
     mlx_moe_fix.revert()
