@@ -56,8 +56,8 @@ def status() -> dict:
         "disabled_by_env": disabled_by_env(),
         "phases": options.current(),
         "backend": current_backend(),
-        # this package's own: the running code's, which an installed distribution's metadata is not
-        # where the code runs from a checkout (None there)
+        # this package's own is the running code's: run from a checkout, no installed distribution
+        # names it (its metadata gave None) or one names another copy
         "versions": {**{name: _version(name) for name in _DISTRIBUTIONS}, "mlx-moe-fix": __version__},
         "ops": {name: {"path": impl.path, "reason": impl.reason} for name, impl in implementations.items()},
         "prefill_gate_up_gemm": gemm_state(),
