@@ -1,0 +1,177 @@
+"""Our Metal kernel sources run on a CPU: a stand-in for `mx.fast.metal_kernel` that compiles a
+kernel's source as C++ (g++ or clang++, C++20) and runs its grid with one CPU thread per Metal
+thread, so that the Metal decode kernel's arithmetic, indexing and combine can be checked against
+the pure-MLX reference on machines without Apple hardware.
+
+What the emulation is: bf16 and fp16 are stored and rounded as on the GPU (round to nearest even
+at every conversion to them); a simdgroup is 32 threads and `simd_sum` adds its lanes' values (in
+lane order: Metal leaves the order open) after all have arrived; `threadgroup` memory is one
+array a threadgroup, whose threads run at once; threadgroups run one after another. What it is
+not: a Metal compile (address spaces, attribute rules and Metal's own math library are not
+checked), nor Apple hardware's speed or its order of additions. Outputs start as all-ones bytes
+(NaN in floating point), so an output a kernel fails to write shows as not finite."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import mlx.core as mx
+import numpy as np
+
+CXX = shutil.which("g++") or shutil.which("clang++")
+
+# Metal's types and library calls on a CPU. bfloat16_t / float16_t hold GPU bits and round as the GPU
+# does; simd_sum and threadgroup_barrier meet the other threads through the barriers the launcher
+# gives each thread; `threadgroup` storage is static (shared by the threadgroup running now).
+SHIM = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+typedef unsigned int uint;
+typedef unsigned long ulong;
+struct uint3 { uint x, y, z; };
+struct uint4 { uint x, y, z, w; uint operator[](int i) const { return (&x)[i]; } };
+template <typename To, typename From> To as_type(From f) { To t; std::memcpy(&t, &f, sizeof t); return t; }
+struct bfloat16_t {
+  uint16_t bits;
+  bfloat16_t() = default;
+  bfloat16_t(float f) {
+    uint32_t u; std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { bits = uint16_t((u >> 16) | 0x40u); return; }  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    bits = uint16_t(u >> 16);
+  }
+  operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+struct float16_t {
+  _Float16 v;
+  float16_t() = default;
+  float16_t(float f) : v(static_cast<_Float16>(f)) {}
+  operator float() const { return static_cast<float>(v); }
+};
+struct Lanes {  // one simdgroup
+  std::barrier<> meet{32};
+  float values[32];
+};
+thread_local Lanes* this_simdgroup;
+thread_local uint this_lane;
+thread_local std::barrier<>* this_threadgroup;
+namespace metal {
+using std::fabs; using std::fma; using std::fmax; using std::fmin; using std::max; using std::min;
+namespace precise { using std::exp; using std::tanh; }
+inline float simd_sum(float v) {
+  this_simdgroup->values[this_lane] = v;
+  this_simdgroup->meet.arrive_and_wait();
+  float sum = 0.f;
+  for (int lane = 0; lane < 32; ++lane) sum += this_simdgroup->values[lane];
+  this_simdgroup->meet.arrive_and_wait();
+  return sum;
+}
+enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+}
+inline void threadgroup_barrier(metal::mem_flags) { this_threadgroup->arrive_and_wait(); }
+#define device
+#define constant
+#define threadgroup static
+#define thread
+"""
+
+LAUNCHER = r"""
+#undef device
+#undef constant
+#undef threadgroup
+#undef thread
+extern "C" void launch(void** buffers, unsigned groups_x, unsigned groups_y, unsigned groups_z, unsigned threads) {
+  for (unsigned z = 0; z < groups_z; ++z)
+    for (unsigned y = 0; y < groups_y; ++y)
+      for (unsigned x = 0; x < groups_x; ++x) {
+        std::barrier<> group(threads);
+        std::vector<Lanes> simdgroups(threads / 32);
+        std::vector<std::thread> running;
+        for (unsigned t = 0; t < threads; ++t)
+          running.emplace_back([&, t] {
+            this_simdgroup = &simdgroups[t / 32];
+            this_lane = t % 32;
+            this_threadgroup = &group;
+            kernel(ARGUMENTS, uint3{x, y, z}, t % 32, t / 32);
+            group.arrive_and_drop();  // a returned thread no longer holds the others at a barrier
+            simdgroups[t / 32].meet.arrive_and_drop();
+          });
+        for (auto& thread : running) thread.join();
+      }
+}
+"""
+
+ATTRIBUTES = ("uint3 threadgroup_position_in_grid", "uint thread_index_in_simdgroup", "uint simdgroup_index_in_threadgroup")
+C_TYPES = {mx.bfloat16: "bfloat16_t", mx.float16: "float16_t", mx.float32: "float", mx.uint32: "uint32_t",
+           mx.int32: "int32_t", mx.uint8: "uint8_t"}
+# How each dtype's bits travel to and from numpy (which has no bfloat16).
+STORAGE = {mx.bfloat16: (mx.uint16, np.uint16), mx.float16: (mx.float16, np.float16), mx.float32: (mx.float32, np.float32),
+           mx.uint32: (mx.uint32, np.uint32), mx.int32: (mx.int32, np.int32), mx.uint8: (mx.uint8, np.uint8)}
+
+_libraries = {}
+_lock = threading.Lock()
+
+
+def _template_line(name: str, value) -> str:
+    if isinstance(value, mx.Dtype):
+        return f"  using {name} = {C_TYPES[value]};"
+    if isinstance(value, bool):
+        return f"  constexpr bool {name} = {str(value).lower()};"
+    return f"  constexpr int {name} = {int(value)};"
+
+
+def _library(source: str):
+    """The compiled shared library of `source` (cached by its text)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    with _lock:
+        if digest not in _libraries:
+            folder = tempfile.mkdtemp(prefix="metal-emulation-")
+            path = os.path.join(folder, "kernel.cc")
+            with open(path, "w") as f:
+                f.write(source)
+            built = subprocess.run([CXX, "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread", path, "-o",
+                                    os.path.join(folder, "kernel.so")], capture_output=True, text=True)
+            if built.returncode != 0:
+                raise RuntimeError(f"the Metal source does not compile as C++:\n{built.stderr[-4000:]}")
+            library = ctypes.CDLL(os.path.join(folder, "kernel.so"))
+            library.launch.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_uint] * 4
+            _libraries[digest] = library
+        return _libraries[digest]
+
+
+class EmulatedMetalKernel:
+    """Called as an `mx.fast.metal_kernel` object is (inputs, template, grid in threads,
+    threadgroup, output shapes and dtypes); returns the outputs as MLX arrays."""
+
+    def __init__(self, input_names, output_names, source: str, header: str):
+        self.input_names, self.output_names = list(input_names), list(output_names)
+        self.source, self.header = source, header
+
+    def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **unused):
+        assert not unused, f"the emulation does not take {sorted(unused)}"
+        threads = threadgroup[0] * threadgroup[1] * threadgroup[2]
+        assert threadgroup[1:] == (1, 1) and threads % 32 == 0, "one-dimensional threadgroups of whole simdgroups only"
+        assert all(g % t == 0 for g, t in zip(grid, threadgroup)), "a grid of whole threadgroups only"
+        arrays = [np.ascontiguousarray(np.array(a.view(STORAGE[a.dtype][0]))) for a in inputs]
+        outputs = [np.full(tuple(shape) + (dtype.size,), 0xFF, dtype=np.uint8).view(STORAGE[dtype][1]).reshape(shape)
+                   for shape, dtype in zip(output_shapes, output_dtypes)]
+        parameters = [f"const {C_TYPES[a.dtype]}* {n}" for a, n in zip(inputs, self.input_names)]
+        parameters += [f"{C_TYPES[d]}* {n}" for d, n in zip(output_dtypes, self.output_names)]
+        constants = "\n".join(_template_line(name, value) for name, value in template)
+        arguments = ", ".join(f"({p.rsplit(' ', 1)[0]})buffers[{i}]" for i, p in enumerate(parameters))
+        source = (SHIM + self.header + f"\nvoid kernel({', '.join(parameters + list(ATTRIBUTES))}) {{\n{constants}\n"
+                  + self.source + "\n}\n" + LAUNCHER.replace("ARGUMENTS", arguments))
+        buffers = (ctypes.c_void_p * (len(arrays) + len(outputs)))(*[b.ctypes.data for b in arrays + outputs])
+        _library(source).launch(buffers, grid[0] // threadgroup[0], grid[1], grid[2], threads)
+        return [mx.array(o).view(dtype) if dtype == mx.bfloat16 else mx.array(o) for o, dtype in zip(outputs, output_dtypes)]

@@ -1,0 +1,81 @@
+"""The Metal decode kernel (kernels/metal/moe_decode.metal), run on a CPU through
+tests/metal_emulation.py, against the float32 oracle of its pure-MLX reference: the launches
+moe_decode plans for Metal (grids, template constants, inputs) and the kernel's arithmetic,
+indexing, activations and combine. Not a Metal compile and not Apple hardware (see the
+emulation's docstring): the GPU tests in tests/parity stay the check to run on a Mac."""
+
+import sys
+
+import mlx.core as mx
+import pytest
+
+from mlx_moe_fix.kernels import moe_decode_reference
+from mlx_moe_fix.kernels.sources import sections
+
+from .metal_emulation import CXX, EmulatedMetalKernel
+from .parity.cases import make_case
+from .parity.test_ops import check, float32_oracle
+
+DECODE = sys.modules["mlx_moe_fix.kernels.moe_decode"]  # the package's name is the dispatcher's
+
+pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++ or clang++) to emulate the Metal kernels with")
+
+# make_case's arguments (dtype, quantization, glu, activation, limit, scaled, dims, hidden,
+# experts, top_k, batch, tokens) and keywords: each activation, both bit widths and every group
+# size, the clamp stage binding, additive biases, Inkling's per-expert scales, per-pair outputs
+# and the weighted combine, a top-k that does not divide the down's 4 simdgroups, and top-k 8
+# (two pairs a simdgroup).
+CASES = {
+    "bf16 4-bit/64 swiglu combined": ((mx.bfloat16, (4, 64), True, "swiglu", 50.0, False, 128, 64, 8, 2, 1, 2),
+                                      {"with_weights": True}),
+    "fp16 8-bit/32 limited swiglu (binding) per pair": ((mx.float16, (8, 32), True, "swiglu_limited", 0.25, False, 96, 64,
+                                                         4, 2, 1, 2), {}),
+    "fp32 4-bit/128 gpt-oss swiglu with biases combined": ((mx.float32, (4, 128), True, "swiglu_oai", 7.0, False, 256, 128,
+                                                            4, 3, 1, 2), {"with_weights": True, "bias": True}),
+    "bf16 8-bit/128 gelu (SwitchMLP) combined": ((mx.bfloat16, (8, 128), False, "gelu", 50.0, False, 128, 128, 5, 2, 2, 1),
+                                                  {"with_weights": True}),
+    "bf16 4-bit/32 Inkling scales combined": ((mx.bfloat16, (4, 32), True, "swiglu", 50.0, True, 64, 64, 4, 2, 1, 2),
+                                              {"with_weights": True}),
+    "fp16 4-bit/64 gelu fast per pair": ((mx.float16, (4, 64), False, "gelu_fast", 50.0, False, 64, 128, 3, 1, 1, 3), {}),
+    "fp32 8-bit/64 gelu approx top-3 combined": ((mx.float32, (8, 64), False, "gelu_approx", 50.0, False, 64, 64, 6, 3, 1, 2),
+                                                  {"with_weights": True}),
+    "bf16 4-bit/64 swiglu top-8 combined": ((mx.bfloat16, (4, 64), True, "swiglu", 50.0, False, 64, 64, 8, 8, 1, 1),
+                                             {"with_weights": True, "seed": 5}),
+}
+
+
+@pytest.fixture
+def emulated_metal(monkeypatch):
+    """moe_decode's kernels as on a Metal device, each the emulated kernel of its Metal section."""
+
+    def emulated_kernel_object(filename, section, input_names, output_names):
+        source = sections("metal", filename)
+        return EmulatedMetalKernel(input_names, output_names, source[section], source["header"])
+
+    monkeypatch.setattr(DECODE, "metal_kernel_object", emulated_kernel_object)
+    monkeypatch.setattr(DECODE, "current_backend", lambda: "metal")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_emulated_metal_decode_kernel_matches_ref(emulated_metal, name):
+    arguments, keywords = CASES[name]
+    case = make_case(*arguments, **keywords)
+    check(DECODE.moe_decode_kernel, case, float32_oracle(moe_decode_reference, case))
+
+
+def test_the_emulation_finds_a_wrong_metal_kernel(emulated_metal, monkeypatch):
+    # The same check on a kernel whose activation takes gate and up the wrong way round must fail:
+    # the emulated runs above test the Metal source, not only the launches around it.
+    right = "activate<T>(d.act, d.has_limit, up, gate, params[0], params[1])"
+
+    def swapped_kernel_object(filename, section, input_names, output_names):
+        source = sections("metal", filename)
+        assert right in source["header"]
+        header = source["header"].replace(right, "activate<T>(d.act, d.has_limit, gate, up, params[0], params[1])")
+        return EmulatedMetalKernel(input_names, output_names, source[section], header)
+
+    monkeypatch.setattr(DECODE, "metal_kernel_object", swapped_kernel_object)
+    arguments, keywords = CASES["bf16 4-bit/64 swiglu combined"]
+    case = make_case(*arguments, **keywords)
+    with pytest.raises(AssertionError, match="relative error"):
+        check(DECODE.moe_decode_kernel, case, float32_oracle(moe_decode_reference, case))
