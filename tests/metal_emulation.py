@@ -91,24 +91,43 @@ LAUNCHER = r"""
 #undef constant
 #undef threadgroup
 #undef thread
+#include <memory>
+// The threadgroups one after another, on one CPU thread per Metal thread that lives for the whole
+// launch; each threadgroup gets fresh barriers, which a thread leaves (arrive_and_drop) when it
+// returns, so that it no longer holds back the others.
 extern "C" void launch(void** buffers, unsigned groups_x, unsigned groups_y, unsigned groups_z, unsigned threads) {
+  std::barrier<> start(threads + 1), finish(threads + 1);
+  std::unique_ptr<std::barrier<>> group;
+  std::unique_ptr<Lanes[]> simdgroups;
+  uint3 position{0, 0, 0};
+  bool done = false;
+  std::vector<std::thread> running;
+  for (unsigned t = 0; t < threads; ++t)
+    running.emplace_back([&, t] {
+      this_lane = t % 32;
+      while (true) {
+        start.arrive_and_wait();
+        if (done) return;
+        this_simdgroup = &simdgroups[t / 32];
+        this_threadgroup = group.get();
+        kernel(ARGUMENTS, position, t % 32, t / 32);
+        group->arrive_and_drop();
+        simdgroups[t / 32].meet.arrive_and_drop();
+        finish.arrive_and_wait();
+      }
+    });
   for (unsigned z = 0; z < groups_z; ++z)
     for (unsigned y = 0; y < groups_y; ++y)
       for (unsigned x = 0; x < groups_x; ++x) {
-        std::barrier<> group(threads);
-        std::vector<Lanes> simdgroups(threads / 32);
-        std::vector<std::thread> running;
-        for (unsigned t = 0; t < threads; ++t)
-          running.emplace_back([&, t] {
-            this_simdgroup = &simdgroups[t / 32];
-            this_lane = t % 32;
-            this_threadgroup = &group;
-            kernel(ARGUMENTS, uint3{x, y, z}, t % 32, t / 32);
-            group.arrive_and_drop();  // a returned thread no longer holds the others at a barrier
-            simdgroups[t / 32].meet.arrive_and_drop();
-          });
-        for (auto& thread : running) thread.join();
+        group = std::make_unique<std::barrier<>>(threads);
+        simdgroups.reset(new Lanes[threads / 32]);
+        position = uint3{x, y, z};
+        start.arrive_and_wait();
+        finish.arrive_and_wait();
       }
+  done = true;
+  start.arrive_and_wait();
+  for (auto& thread : running) thread.join();
 }
 """
 

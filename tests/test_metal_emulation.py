@@ -1,20 +1,26 @@
 """The Metal decode kernel (kernels/metal/moe_decode.metal), run on a CPU through
-tests/metal_emulation.py, against the float32 oracle of its pure-MLX reference: the launches
-moe_decode plans for Metal (grids, template constants, inputs) and the kernel's arithmetic,
-indexing, activations and combine. Not a Metal compile and not Apple hardware (see the
-emulation's docstring): the GPU tests in tests/parity stay the check to run on a Mac."""
+tests/metal_emulation.py: against the float32 oracle of its pure-MLX reference (the launches
+moe_decode plans for Metal: grids, template constants, inputs; the kernel's arithmetic, indexing,
+activations and combine), and in every zoo model with the package behaving as on a Mac with the
+kernel switched on (greedy-token parity as tests/parity/test_greedy_tokens.py checks a kernel).
+Not a Metal compile and not Apple hardware (see the emulation's docstring): the GPU tests in
+tests/parity stay the check to run on a Mac."""
 
 import sys
 
 import mlx.core as mx
 import pytest
 
+import mlx_moe_fix
+from mlx_moe_fix import zoo
 from mlx_moe_fix.kernels import moe_decode_reference
 from mlx_moe_fix.kernels.sources import sections
 
 from .metal_emulation import CXX, EmulatedMetalKernel
 from .parity.cases import make_case
+from .parity.test_greedy_tokens import MOE_LAYER, N_TOKENS, assert_tokens_match_stock
 from .parity.test_ops import check, float32_oracle
+from .parity.tolerance import references_only
 
 DECODE = sys.modules["mlx_moe_fix.kernels.moe_decode"]  # the package's name is the dispatcher's
 
@@ -79,3 +85,32 @@ def test_the_emulation_finds_a_wrong_metal_kernel(emulated_metal, monkeypatch):
     case = make_case(*arguments, **keywords)
     with pytest.raises(AssertionError, match="relative error"):
         check(DECODE.moe_decode_kernel, case, float32_oracle(moe_decode_reference, case))
+
+
+@pytest.fixture
+def emulated_metal_backend(emulated_metal, monkeypatch, switch):
+    """The whole package as on a Mac with the Metal decode kernel switched on: every module's
+    current_backend() says "metal", the decode kernel is the emulated one, the other ops run
+    their references (they have no Metal kernel) and Inkling's routing is upstream's."""
+    backend = sys.modules["mlx_moe_fix.kernels.backend"]
+    original = backend.current_backend
+    for module in [m for name, m in sys.modules.items() if name.startswith("mlx_moe_fix")]:
+        if getattr(module, "current_backend", None) is original:
+            monkeypatch.setattr(module, "current_backend", lambda: "metal")
+    switch(DECODE.METAL_KERNEL_SWITCH, "1")
+
+
+@pytest.mark.parametrize("family", zoo.FAMILIES)
+def test_emulated_metal_greedy_tokens_match_stock(emulated_metal_backend, family):
+    # tests/parity/test_greedy_tokens.py's check (teacher-forced, as for any kernel that sums in
+    # another order than stock), in float32 as the CPU runs stock; its decode calls must have
+    # reached the emulated kernel.
+    model = zoo.build(family, 4)
+    prompt = zoo.prompt_for(family)
+    with zoo.recording_routes(model) as stock_routes:
+        stock, stock_logits = zoo.greedy_decode(model, prompt, N_TOKENS)
+    assert mlx_moe_fix.status()["ops"]["moe_decode"]["path"] == "kernel" and not references_only()
+    mlx_moe_fix.reset_path_counts()
+    assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, False, mx.float32)
+    layer = MOE_LAYER.get(family, "SwitchGLU")
+    assert ("decode", "kernel") in {(r.phase, r.path) for r in mlx_moe_fix.path_counts() if r.layer == layer}
