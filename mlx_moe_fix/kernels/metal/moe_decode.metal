@@ -1,7 +1,8 @@
 // Fused decode MoE for mx.fast.metal_kernel, the counterpart of ../cuda/moe_decode.cu: the same
 // sections, stages, template constants and run-time inputs, one simdgroup where CUDA has one warp.
 // Written to the CUDA kernels' contract and NOT compiled or run on Apple hardware by this
-// project (no Metal machine here); the GPU parity tests are written to run on one unchanged.
+// project (no Metal machine here); the GPU parity tests are written to run on one unchanged, and
+// tests/test_metal_emulation.py runs this source, as C++, on a CPU emulation of its grid.
 // Its GEMV loop (rows_dot, dot_vector) is the CUDA one before the twelfth session's tuning for
 // the H200's issue rate (loads issued ahead, values dequantised in place against prescaled
 // activations): those were measured on NVIDIA only, and nothing says they pay on Apple GPUs.
