@@ -142,7 +142,9 @@ _libraries = {}
 _lock = threading.Lock()
 
 
-def _template_line(name: str, value) -> str:
+def template_line(name: str, value) -> str:
+    """A template constant as a declaration at the top of the kernel's body (MLX makes it a
+    template parameter)."""
     if isinstance(value, mx.Dtype):
         return f"  using {name} = {C_TYPES[value]};"
     if isinstance(value, bool):
@@ -187,7 +189,7 @@ class EmulatedMetalKernel:
                    for shape, dtype in zip(output_shapes, output_dtypes)]
         parameters = [f"const {C_TYPES[a.dtype]}* {n}" for a, n in zip(inputs, self.input_names)]
         parameters += [f"{C_TYPES[d]}* {n}" for d, n in zip(output_dtypes, self.output_names)]
-        constants = "\n".join(_template_line(name, value) for name, value in template)
+        constants = "\n".join(template_line(name, value) for name, value in template)
         arguments = ", ".join(f"({p.rsplit(' ', 1)[0]})buffers[{i}]" for i, p in enumerate(parameters))
         source = (SHIM + self.header + f"\nvoid kernel({', '.join(parameters + list(ATTRIBUTES))}) {{\n{constants}\n"
                   + self.source + "\n}\n" + LAUNCHER.replace("ARGUMENTS", arguments))
