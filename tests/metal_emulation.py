@@ -140,6 +140,7 @@ STORAGE = {mx.bfloat16: (mx.uint16, np.uint16), mx.float16: (mx.float16, np.floa
 
 _libraries = {}
 _lock = threading.Lock()
+_folder = tempfile.TemporaryDirectory(prefix="metal-emulation-")  # removed at exit: the builds of this process
 
 
 def template_line(name: str, value) -> str:
@@ -157,15 +158,14 @@ def _library(source: str):
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     with _lock:
         if digest not in _libraries:
-            folder = tempfile.mkdtemp(prefix="metal-emulation-")
-            path = os.path.join(folder, "kernel.cc")
-            with open(path, "w") as f:
+            path = os.path.join(_folder.name, digest)
+            with open(f"{path}.cc", "w") as f:
                 f.write(source)
-            built = subprocess.run([CXX, "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread", path, "-o",
-                                    os.path.join(folder, "kernel.so")], capture_output=True, text=True)
+            built = subprocess.run([CXX, "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread", f"{path}.cc", "-o",
+                                    f"{path}.so"], capture_output=True, text=True)
             if built.returncode != 0:
                 raise RuntimeError(f"the Metal source does not compile as C++:\n{built.stderr[-4000:]}")
-            library = ctypes.CDLL(os.path.join(folder, "kernel.so"))
+            library = ctypes.CDLL(f"{path}.so")
             library.launch.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_uint] * 4
             _libraries[digest] = library
         return _libraries[digest]
