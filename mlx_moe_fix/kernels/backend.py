@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
@@ -18,6 +20,18 @@ def current_backend() -> str:
     if mx.metal.is_available():
         return "metal"
     return "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability() -> Optional[tuple]:
+    """The CUDA GPU's (major, minor) from mx.device_info, once per process; None where MLX does
+    not say."""
+    info = mx.device_info(mx.gpu)
+    major, minor = info.get("compute_capability_major"), info.get("compute_capability_minor")
+    if major is None or minor is None:
+        match = re.fullmatch(r"sm_(\d+)(\d)a?", str(info.get("architecture", "")))
+        return (int(match.group(1)), int(match.group(2))) if match else None
+    return major, minor
 
 
 class Implementation(NamedTuple):

@@ -20,14 +20,12 @@ launch of 4-bit experts at 64-row tiles, which takes Hopper's warpgroup MMA (`gr
 
 from __future__ import annotations
 
-import functools
-import re
 from typing import Optional
 
 import mlx.core as mx
 
 from ..env import flag
-from .backend import Implementation, choose
+from .backend import Implementation, choose, compute_capability
 from .experts import MoEExperts
 from .launch import (ACTIVATION_CODES, Launch, absent, bias_template, cuda_kernel_object, int_array, kernel_dims,
                      kernel_params, per_pair, quantized_experts_reason)
@@ -99,16 +97,10 @@ def threads(tile: int, gemm: str = "grouped") -> int:
     return WGMMA_THREADS if gemm == "grouped_wgmma" else max(tile // 64, 1) * 4 * 32
 
 
-@functools.lru_cache(maxsize=None)
 def wgmma_device() -> bool:
     """Whether the GPU has wgmma: compute capability 9.0 (Hopper: the instruction is sm_90a's;
-    neither earlier GPUs nor Blackwell have it), from mx.device_info once per process."""
-    info = mx.device_info(mx.gpu)
-    major, minor = info.get("compute_capability_major"), info.get("compute_capability_minor")
-    if major is None or minor is None:
-        match = re.fullmatch(r"sm_(\d+)(\d)a?", str(info.get("architecture", "")))
-        major, minor = (int(match.group(1)), int(match.group(2))) if match else (None, None)
-    return (major, minor) == (9, 0)
+    neither earlier GPUs nor Blackwell have it)."""
+    return compute_capability() == (9, 0)
 
 
 def wgmma_unavailable_reason() -> Optional[str]:

@@ -11,6 +11,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from mlx_moe_fix.kernels import Activation, ExpertLinear, MoEExperts, moe_decode, moe_decode_reference, moe_prefill, moe_prefill_reference
+from mlx_moe_fix.kernels import backend
 from mlx_moe_fix.kernels.backend import Implementation
 
 from .cases import CASES, layer_cases, make_case
@@ -251,7 +252,7 @@ def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
     # wgmma is sm_90a's: an Ampere, Ada or Blackwell GPU keeps gate+up on mma.sync.
     module = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
     monkeypatch.setattr(module.mx, "device_info", lambda device=None: info)
-    module.wgmma_device.cache_clear()
+    backend.compute_capability.cache_clear()
     try:
         switch(module.WGMMA_SWITCH, "")
         experts = make_case(mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 256, 256, 8, 2, 1, 4).experts
@@ -266,7 +267,7 @@ def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
         assert module.gemm_kernel(experts, "first", 64) == "grouped"
         assert module.gemm_state() == {"gemm": "grouped", "reason": f"mma.sync: {module.WGMMA_SWITCH}=0"}
     finally:
-        module.wgmma_device.cache_clear()
+        backend.compute_capability.cache_clear()
 
 
 @PREFILL_GEMMS
