@@ -54,8 +54,9 @@ class Recorder:
         return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
 
 
-def recorder(filename, section, input_names, output_names, shared, bounds=()):
-    return Recorder([filename, section, list(input_names), list(output_names), shared, list(bounds)])
+def recorder(filename, section, input_names, output_names, shared, bounds=(), cluster=0):
+    return Recorder([filename, section, list(input_names), list(output_names), shared, list(bounds)]
+                    + ([cluster] if cluster else []))
 
 
 def launches_of(compute) -> list:
@@ -70,6 +71,8 @@ def main(path):
         if name.startswith("mlx_moe_fix"):
             if hasattr(module, "current_backend"):
                 module.current_backend = lambda: "cuda"
+            if hasattr(module, "compute_capability"):
+                module.compute_capability = lambda: (9, 0)  # the H200's
             if hasattr(module, "cuda_kernel_object"):
                 module.cuda_kernel_object = recorder
     mlx_moe_fix.apply()

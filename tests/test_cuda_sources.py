@@ -25,7 +25,7 @@ ROUTED = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
 
 # C types of the inputs, as cuda_kernel declares them from the arrays the launchers pass.
 INT_INPUTS = {"indices": "uint32_t", "row_pair": "int32_t", "tile_expert": "int32_t", "dims": "int32_t", "sizes": "int32_t"}
-WEIGHT_INPUTS = {"gate_w", "up_w", "w", "w0", "w1"}
+WEIGHT_INPUTS = {"gate_w", "up_w", "w", "w0", "w1", "router_w"}
 FLOAT_INPUTS = {"params", "gate_scale", "out_scale", "scale"}
 
 
@@ -155,18 +155,26 @@ def test_routed_decode_kernel_compiles(tmp_path, t):
                                        "GATED": gated, "SHARED_SPLIT": t != "float" and first,
                                        "SOFTMAX_FIRST": first, "NORMALIZE": first, "LAST_K": first})
                 for bits, group in ((4, 64), (8, 32)) for gated in (True, False) for first in (True, False)]
-    compile_all(tmp_path, translation_units(ROUTED, "moe_routed_decode.cu", variants))
+    texts = translation_units(ROUTED, "moe_routed_decode.cu", variants)
+    if t == "__nv_bfloat16":  # router_gate_up reproduces MLX's bf16 quantized_matmul: bf16 only
+        router_variants = [("router_gate_up", t, {"BITS": bits, "GROUP": 64, "WARPS": 4, "RPW": 4, "HAS_BIAS": False, "GATED": True,
+                                                  "SHARED_SPLIT": True, "SOFTMAX_FIRST": first, "NORMALIZE": first, "LAST_K": first,
+                                                  "ROUTER_BITS": router_bits, "ROUTER_GROUP": router_group})
+                           for bits in (4, 8) for first in (True, False) for router_bits, router_group in ((8, 64), (4, 32))]
+        texts += [with_launch_bounds(text, "moe_routed_decode.cu", "router_gate_up", (), ROUTED.ROUTER_CLUSTER)
+                  for text in translation_units(ROUTED, "moe_routed_decode.cu", router_variants)]
+    compile_all(tmp_path, texts)
 
 
 def resource_usage(tmp_path, text) -> str:
     return compile_all(tmp_path, [text], "--resource-usage")[0]
 
 
-def with_launch_bounds(text, filename, stage, bounds):
-    from mlx_moe_fix.kernels.launch import launch_bounds
+def with_launch_bounds(text, filename, stage, bounds, cluster=0):
+    from mlx_moe_fix.kernels.launch import global_qualifiers
 
     header = cuda_kernel_source(filename, stage)[0]
-    return text.replace(header, header + launch_bounds(*bounds))
+    return text.replace(header, header + global_qualifiers(bounds, cluster))
 
 
 def registers(usage: str) -> int:
@@ -194,10 +202,15 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
         (ROUTED, "moe_routed_decode.cu", "routed_gate_up",
          *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": True, "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True}])),
     ]
+    if t == "__nv_bfloat16":
+        units.append((ROUTED, "moe_routed_decode.cu", "router_gate_up",
+                      *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": True, "SOFTMAX_FIRST": True, "NORMALIZE": True,
+                                                      "LAST_K": True, "ROUTER_BITS": router_bits, "ROUTER_GROUP": 64}
+                                                     for router_bits in (4, 8)])))
     if t != "float" and bits == 4:  # the combining down of one pair a warp (moe_decode.down_block_shape), its own bounds
         units.append((DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [base])))
     texts = [with_launch_bounds(translation_unit(module, filename, [(stage, t, constants) for constants in variants]),
-                                filename, stage, shape.launch_bounds())
+                                filename, stage, shape.launch_bounds(), ROUTED.ROUTER_CLUSTER if stage == "router_gate_up" else 0)
              for module, filename, stage, shape, variants in units]
     for (module, filename, stage, shape, variants), usage in zip(units, compile_all(tmp_path, texts, "--resource-usage")):
         threads, blocks = shape.launch_bounds()

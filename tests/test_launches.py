@@ -19,7 +19,7 @@ def recorded_decode_kernels(monkeypatch) -> list:
     (section, shared bytes, launch bounds) they are asked for, in order."""
     created = []
     for module in (DECODE, ROUTED):
-        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bounds:
+        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bounds, cluster=0:
                             created.append((section, shared, bounds)) or Recorder(section))
     return created
 

@@ -15,13 +15,14 @@ import mlx.core as mx
 
 from ..env import flag, snapshot
 from .backend import current_backend
-from .experts import Activation, ExpertLinear, MoEExperts
+from .experts import Activation, ExpertLinear, MoEExperts, RouterLinear
 from .moe_decode import CUDA_KERNEL_SWITCH as DECODE_SWITCH
 from .moe_decode import METAL_KERNEL_SWITCH as METAL_DECODE_SWITCH
 from .moe_decode import moe_decode, moe_decode_implementation, moe_decode_reference
 from .moe_prefill import CUDA_KERNEL_SWITCH as PREFILL_SWITCH
 from .moe_prefill import moe_prefill, moe_prefill_implementation, moe_prefill_reference
-from .moe_routed_decode import moe_routed_decode, moe_routed_decode_implementation, moe_routed_decode_reference
+from .moe_routed_decode import fused_router_reason, logits_dtype, moe_routed_decode, moe_routed_decode_implementation
+from .moe_routed_decode import moe_routed_decode_reference
 from .moe_router import Routing, moe_router, moe_router_implementation, moe_router_reference
 from .reference import combine
 
@@ -63,18 +64,25 @@ def plan(
     )
 
 
-def routed_plan(x: mx.array, logits: mx.array, routing: Routing, experts: MoEExperts, *, decode: bool = True) -> Optional[Plan]:
+def routed_plan(x: mx.array, logits, routing: Routing, experts: MoEExperts, *, decode: bool = True) -> Optional[Plan]:
     """The plan of a block's call whose routing and experts one fused kernel can take
     (moe_routed_decode), or None: then the block routes (moe_router) and calls its experts,
     planned as any experts call (a prefill, grouped decode, an unsupported call, or no fused
-    kernel on this backend)."""
-    if not decode or x.shape[:-1] != logits.shape[:-1]:
+    kernel on this backend). `logits`: the router's logits [..., E], or the RouterLinear that
+    gives them, planned only where the fused kernel computes them too (fused_router_reason): else
+    None, and the caller runs its router and asks again with the logits."""
+    router = isinstance(logits, RouterLinear)
+    if not decode or (not router and x.shape[:-1] != logits.shape[:-1]):
         return None
     pairs = (x.size // x.shape[-1]) * routing.top_k
     if pairs >= PREFILL_MIN_PAIRS or _grouped_sized(pairs, experts):
         return None
-    return experts.memo(("routed plan", x.shape, x.dtype, logits.shape, logits.dtype, routing, current_backend(), snapshot()),
-                        lambda: _routed_plan(x, logits, routing, experts))
+    if router and (current_backend() != "cuda" or fused_router_reason(x, logits, experts) is not None):
+        return None
+    experts_count = logits.output_dims if router else logits.shape[-1]
+    return experts.memo(("routed plan", x.shape, x.dtype, router, experts_count, logits_dtype(x, logits), routing,
+                         current_backend(), snapshot()),
+                        lambda: _routed_plan(x, experts_count, logits_dtype(x, logits), routing, experts, router))
 
 
 def _grouped_sized(pairs: int, experts: MoEExperts) -> bool:
@@ -82,13 +90,15 @@ def _grouped_sized(pairs: int, experts: MoEExperts) -> bool:
     return pairs >= GROUPED_MIN_PAIRS_PER_EXPERT * experts.num_experts
 
 
-def _routed_plan(x, logits, routing: Routing, experts: MoEExperts) -> Optional[Plan]:
-    if logits.shape[-1] != experts.num_experts or experts.unsupported_reason(x, logits) is not None:
+def _routed_plan(x, experts_count: int, dtype, routing: Routing, experts: MoEExperts, router: bool) -> Optional[Plan]:
+    # x stands for the logits' leading shape in unsupported_reason: routed_plan checked that they agree
+    if experts_count != experts.num_experts or experts.unsupported_reason(x, x) is not None:
         return None
-    implementation = moe_routed_decode_implementation(experts, routing, x.dtype, logits.dtype)
+    implementation = moe_routed_decode_implementation(experts, routing, x.dtype, dtype)
     if implementation.path != "kernel":
         return None
-    return Plan("decode", "kernel", f"{implementation.reason}: the routing inside the gate+up launch", implementation.function)
+    inside = "the router's matmul and the routing" if router else "the routing"
+    return Plan("decode", "kernel", f"{implementation.reason}: {inside} inside the gate+up launch", implementation.function)
 
 
 def _plan(x, indices, experts: MoEExperts, prefill: bool, decode: bool, token_by_token: bool, switches: tuple) -> Plan:
@@ -127,6 +137,7 @@ __all__ = [
     "MoEExperts",
     "PREFILL_MIN_PAIRS",
     "Plan",
+    "RouterLinear",
     "Routing",
     "combine",
     "current_backend",

@@ -12,6 +12,7 @@ from functools import cached_property
 from typing import Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -80,6 +81,43 @@ class ExpertLinear:
         if self.group_size not in SUPPORTED_GROUP_SIZES:
             return f"group size {self.group_size} is not supported (supported: {SUPPORTED_GROUP_SIZES})"
         return None
+
+
+@dataclass(frozen=True, eq=False)
+class RouterLinear:
+    """A MoE block's router as an affine-quantized linear (mlx's `nn.QuantizedLinear`): `weight`
+    [E, in * bits / 32], `scales` / `biases` [E, in / group_size], an optional additive `bias`
+    [E]. Called on x, it gives the router logits as that module's call does."""
+
+    weight: mx.array
+    scales: mx.array
+    biases: Optional[mx.array]
+    group_size: int
+    bits: int
+    mode: str = "affine"
+    bias: Optional[mx.array] = None
+
+    @property
+    def output_dims(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def input_dims(self) -> int:
+        return self.scales.shape[-1] * self.group_size
+
+    @classmethod
+    def from_module(cls, module) -> Optional["RouterLinear"]:
+        """Reads an `nn.QuantizedLinear` (that class exactly: a subclass may compute its output
+        otherwise); None for anything else."""
+        if type(module) is not nn.QuantizedLinear:
+            return None
+        return cls(module["weight"], module["scales"], module.get("biases"), module.group_size, module.bits,
+                   getattr(module, "mode", "affine"), module.get("bias"))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        logits = mx.quantized_matmul(x, self.weight, scales=self.scales, biases=self.biases, transpose=True,
+                                     group_size=self.group_size, bits=self.bits, mode=self.mode)
+        return logits if self.bias is None else logits + self.bias
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,25 @@
-"""Fused decode MoE that routes too: router logits [..., E] and the block's Routing in, the
-routing-weighted sum over the k experts out, for the blocks whose routing `moe_router` knows.
+"""Fused decode MoE that routes too: router logits [..., E] (or the router linear that gives
+them, `RouterLinear`) and the block's Routing in, the routing-weighted sum over the k experts
+out, for the blocks whose routing `moe_router` knows.
 
-Reference: `moe_router_reference`, then `moe_decode_reference` with the weights (what the block
-computes unfused). CUDA kernel (`cuda/moe_routed_decode.cu`): moe_decode's gate+up launch with
-moe_router's routing done inside it, then moe_decode's combining down launch: two launches where
-the unfused block makes three (docs/decode-attribution.md: at batch 1 a launch costs more host
-and GPU time than the routing's arithmetic). The experts and weights pass between the two in the
-hidden output's tail (RoutingTail in cuda/moe_decode.cu), so that each launch has one output and
-the down launch (moe_decode.cu's routed_down) no routing inputs. It routes with moe_router's
-device code, so its experts and weights are the router kernel's, bit for bit.
-MLX_MOE_FIX_CUDA_ROUTED_DECODE=0 turns it off (the block then routes and runs its experts in
-separate launches).
+Reference: the router linear's logits where it is given, `moe_router_reference`, then
+`moe_decode_reference` with the weights (what the block computes unfused). CUDA kernel
+(`cuda/moe_routed_decode.cu`): moe_decode's gate+up launch with moe_router's routing done inside
+it, then moe_decode's combining down launch: two launches where the unfused block makes three
+(docs/decode-attribution.md: at batch 1 a launch costs more host and GPU time than the routing's
+arithmetic). The experts and weights pass between the two in the hidden output's tail
+(RoutingTail in cuda/moe_decode.cu), so that each launch has one output and the down launch
+(moe_decode.cu's routed_down) no routing inputs. It routes with moe_router's device code, so its
+experts and weights are the router kernel's, bit for bit. Given a RouterLinear at a single token
+(`fused_router_reason`), the gate+up launch (`router_gate_up`) also computes the logits, bit for
+bit as MLX's quantized_matmul does, so that the block is two launches and no router node; else
+the router linear runs as its own node first. That is off unless MLX_MOE_FIX_CUDA_FUSED_ROUTER=1:
+on the H200 (docs/benchmarks.md, thirty-first session) it saved qwen3_moe's host ~5-8 µs a layer
+at batch 1 (0.955 of its dense equivalent against 0.931), but its gate+up launch took ~12-14 µs
+more than the router's own launch costs (every cluster of 8 blocks reads the whole router: 48
+clusters read Qwen3's 272 KB each), so that GPU-bound blocks lose (mixtral 1.478 against 1.581).
+MLX_MOE_FIX_CUDA_ROUTED_DECODE=0 turns the fused kernel off (the block then routes and runs its
+experts in separate launches).
 """
 
 from __future__ import annotations
@@ -21,8 +30,8 @@ from typing import Optional
 import mlx.core as mx
 
 from ..env import flag
-from .backend import Implementation, choose
-from .experts import MoEExperts
+from .backend import Implementation, choose, compute_capability
+from .experts import SUPPORTED_GROUP_SIZES, MoEExperts, RouterLinear
 from .launch import cuda_kernel_object, int_array
 from .moe_decode import gate_up_block_shape, gate_up_launch, moe_decode_implementation, moe_decode_reference
 from .moe_decode import routed_down_launch, shared_split_bytes
@@ -32,22 +41,33 @@ from .moe_router import Routing, moe_router_reference
 from .moe_router import cuda_unsupported_reason as router_unsupported_reason
 
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTED_DECODE"
-# The kernel's parameters, in the order of its `inputs` / outputs.
-INPUTS = {"routed_gate_up": ["x", "logits", *DECODE_INPUTS["gate_up"][2:]]}
-OUTPUTS = {"routed_gate_up": ["hidden"]}
+FUSED_ROUTER_SWITCH = "MLX_MOE_FIX_CUDA_FUSED_ROUTER"
+# The kernels' parameters, in the order of their `inputs` / outputs.
+INPUTS = {"routed_gate_up": ["x", "logits", *DECODE_INPUTS["gate_up"][2:]],
+          "router_gate_up": ["x", "router_w", "router_s", "router_b", *DECODE_INPUTS["gate_up"][2:]]}
+OUTPUTS = {"routed_gate_up": ["hidden"], "router_gate_up": ["hidden"]}
+# router_gate_up's blocks come in clusters of this many along x, each computing 1 / ROUTER_CLUSTER
+# of its token's logits: the largest cluster a launch may have without an attribute MLX does not
+# set (cudaFuncAttributeNonPortableClusterSizeAllowed).
+ROUTER_CLUSTER = 8
+MAX_FUSED_ROUTER_EXPERTS = 256  # the logits route_token takes (32 lanes x 8 bf16)
 
 
-def moe_routed_decode_reference(x: mx.array, logits: mx.array, routing: Routing, experts: MoEExperts) -> mx.array:
-    """x: [..., D], logits: [..., E]; returns [..., out]: the experts' outputs weighted by the
-    routing's weights and summed over its k."""
+def moe_routed_decode_reference(x: mx.array, logits, routing: Routing, experts: MoEExperts) -> mx.array:
+    """x: [..., D], logits: [..., E] or the RouterLinear that gives them; returns [..., out]: the
+    experts' outputs weighted by the routing's weights and summed over its k."""
+    if isinstance(logits, RouterLinear):
+        logits = logits(x)
     indices, weights = moe_router_reference(logits, routing)
     return moe_decode_reference(x, indices, experts, weights)
 
 
-def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype) -> tuple:
-    """(routed gate+up, combining down) for this call's shape, cached on the experts object.
-    The down launch's output has the call's leading shape, so that the call adds no reshape to
-    the graph: at batch 1 every node costs the host a few µs (docs/decode-attribution.md)."""
+def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype, router: Optional[tuple] = None) -> tuple:
+    """(routed gate+up, combining down) for this call's shape, cached on the experts object;
+    given `router` = (bits, group size) of a RouterLinear, the gate+up launch that computes the
+    logits too (router_gate_up). The down launch's output has the call's leading shape, so that
+    the call adds no reshape to the graph: at batch 1 every node costs the host a few µs
+    (docs/decode-attribution.md)."""
 
     def plan():
         tokens = math.prod(leading_shape)
@@ -56,12 +76,21 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
         split_bytes = shared_split_bytes(experts, dtype, "cuda")
         *weights, dims, params = gate_up.fixed_inputs
         (rows, hidden_dims), itemsize = gate_up.output_shapes[0], dtype.size
+        section = "routed_gate_up" if router is None else "router_gate_up"
+        template = gate_up.template + [("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
+                                       ("NORMALIZE", routing.normalize), ("LAST_K", routing.kind != "topk_softmax")]
+        (threads_x, blocks_y, blocks_z), block = gate_up.grid, gate_up.threadgroup
+        if router is not None:
+            template += [("ROUTER_BITS", router[0]), ("ROUTER_GROUP", router[1])]
+            clusters = -(-threads_x // (block[0] * ROUTER_CLUSTER))
+            threads_x = clusters * ROUTER_CLUSTER * block[0]
         routed_gate_up = gate_up._replace(
-            kernel=cuda_kernel_object("moe_routed_decode.cu", "routed_gate_up", tuple(INPUTS["routed_gate_up"]),
-                                      tuple(OUTPUTS["routed_gate_up"]), split_bytes, gate_up_block_shape().launch_bounds()),
+            kernel=cuda_kernel_object("moe_routed_decode.cu", section, tuple(INPUTS[section]), tuple(OUTPUTS[section]),
+                                      split_bytes, gate_up_block_shape().launch_bounds(),
+                                      0 if router is None else ROUTER_CLUSTER),
             fixed_inputs=[*weights, int_array(*dims.tolist(), experts.num_experts), params],
-            template=gate_up.template + [("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
-                                         ("NORMALIZE", routing.normalize), ("LAST_K", routing.kind != "topk_softmax")],
+            template=template,
+            grid=(threads_x, blocks_y, blocks_z),
             # each pair's row, then its expert (uint32) and weight (dtype): RoutingTail in the source
             output_shapes=[(rows * hidden_dims + pairs * (4 + itemsize) // itemsize,)],
         )
@@ -69,14 +98,21 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
             output_shapes=[(*leading_shape, experts.output_dims)])
         return routed_gate_up, routed_down
 
-    return experts.memo(("routed decode launches", routing, leading_shape, dtype), plan)
+    return experts.memo(("routed decode launches", routing, leading_shape, dtype, router), plan)
 
 
-def moe_routed_decode_kernel(x: mx.array, logits: mx.array, routing: Routing, experts: MoEExperts) -> mx.array:
+def moe_routed_decode_kernel(x: mx.array, logits, routing: Routing, experts: MoEExperts) -> mx.array:
     """The CUDA implementation; same contract as moe_routed_decode_reference. The kernels read x
     and the logits as rows of contiguous memory (MLX copies an input that is not), so they take
-    them in the caller's shape."""
+    them in the caller's shape. A RouterLinear's logits are computed in the gate+up launch where
+    fused_router_reason allows, else by the linear first."""
     leading_shape = x.shape[:-1]
+    if isinstance(logits, RouterLinear):
+        if fused_router_reason(x, logits, experts) is None:
+            gate_up, down = _launches(experts, routing, leading_shape, x.dtype, (logits.bits, logits.group_size))
+            (hidden,) = gate_up(x, logits.weight, logits.scales, logits.biases)
+            return down(hidden)[0]
+        logits = logits(x)
     gate_up, down = _launches(experts, routing, leading_shape, x.dtype)
     if logits.shape[:-1] != leading_shape:
         logits = logits.reshape(*leading_shape, -1)
@@ -84,9 +120,41 @@ def moe_routed_decode_kernel(x: mx.array, logits: mx.array, routing: Routing, ex
     return down(hidden)[0]
 
 
-def moe_routed_decode(x: mx.array, logits: mx.array, routing: Routing, experts: MoEExperts) -> mx.array:
+def moe_routed_decode(x: mx.array, logits, routing: Routing, experts: MoEExperts) -> mx.array:
     """Dispatcher: the implementation for the current backend, these experts and this routing."""
-    return moe_routed_decode_implementation(experts, routing, x.dtype, logits.dtype).function(x, logits, routing, experts)
+    return moe_routed_decode_implementation(experts, routing, x.dtype, logits_dtype(x, logits)).function(x, logits, routing, experts)
+
+
+def logits_dtype(x: mx.array, logits):
+    """The dtype of the logits: a RouterLinear's are x's (MLX's quantized_matmul gives its input's dtype)."""
+    return x.dtype if isinstance(logits, RouterLinear) else logits.dtype
+
+
+def fused_router_reason(x: mx.array, router: RouterLinear, experts: MoEExperts) -> Optional[str]:
+    """Why router_gate_up cannot compute this router's logits for this call, or None: it takes one
+    token (each cluster of its blocks computes its token's logits whole), bf16 activations and an
+    affine 4- or 8-bit router of bf16 scales and no additive bias, on a GPU with clusters."""
+    if not flag(FUSED_ROUTER_SWITCH):
+        return f"off unless {FUSED_ROUTER_SWITCH}=1"
+    tokens = x.size // x.shape[-1]
+    if tokens != 1:
+        return f"{tokens} tokens: every cluster would compute its token's logits whole"
+    if x.dtype != mx.bfloat16:
+        return f"activations of {x.dtype}: the kernel reproduces MLX's bf16 quantized_matmul"
+    if router.mode != "affine" or router.bits not in (4, 8) or router.group_size not in SUPPORTED_GROUP_SIZES:
+        return f"a {router.mode} {router.bits}-bit router of group {router.group_size} (affine 4- or 8-bit only)"
+    if router.biases is None or router.scales.dtype != mx.bfloat16 or router.biases.dtype != mx.bfloat16:
+        return "router scales and biases other than bf16"
+    if router.bias is not None:
+        return "a router with an additive bias"
+    if router.output_dims != experts.num_experts or router.input_dims != experts.input_dims:
+        return f"a router of {router.input_dims} -> {router.output_dims} for experts of {experts.input_dims} x {experts.num_experts}"
+    if router.output_dims > MAX_FUSED_ROUTER_EXPERTS:
+        return f"{router.output_dims} experts (at most {MAX_FUSED_ROUTER_EXPERTS})"
+    capability = compute_capability()
+    if capability is None or capability < (9, 0):
+        return "a GPU without thread-block clusters (compute capability 9.0 or later)"
+    return None
 
 
 def cuda_unsupported_reason(experts: MoEExperts, routing: Routing, dtype, logits_dtype) -> Optional[str]:

@@ -140,12 +140,13 @@ _EXPERT_BLOCKS = {switch_glu: ("SwitchGLU", GLU_PROJECTIONS), switch_mlp: ("Swit
 
 def routed_experts_call(layer, x, logits, routing: Routing):
     """What `layer(x, indices, weights=weights)` gives for the indices and weights that `routing`
-    makes of `logits`, computed by one fused op (kernels.routed_plan) and counted as that call; or
-    None, and the caller routes and calls the layer. Only where the layer's call is the patched
-    expert block's own: not a subclass's override, nor a tool's interception (zoo.intercepting),
-    which must see the call."""
+    makes of `logits` (the logits, or the RouterLinear that gives them; None: no call),
+    computed by one fused op (kernels.routed_plan) and counted as that call; or None, and the
+    caller routes and calls the layer. Only where the layer's call is the patched expert block's
+    own: not a subclass's override, nor a tool's interception (zoo.intercepting), which must see
+    the call."""
     kind = _EXPERT_BLOCKS.get(getattr(type(layer).__call__, "_self_wrapper", None))
-    if kind is None:
+    if kind is None or logits is None:
         return None
     experts, _ = describe(layer, kind[1])
     chosen = None if experts is None else routed_plan(x, logits, routing, experts, decode=options.enabled()[1])

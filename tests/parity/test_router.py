@@ -7,6 +7,7 @@ import re
 from collections import Counter
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -14,10 +15,10 @@ from hypothesis import strategies as st
 import mlx_moe_fix
 import mlx_moe_fix.patches.moe_blocks as moe_blocks
 from mlx_moe_fix import zoo
-from mlx_moe_fix.kernels import Routing, moe_router_reference
+from mlx_moe_fix.kernels import RouterLinear, Routing, moe_routed_decode_reference, moe_router_reference
 from mlx_moe_fix.patches import compiled
 
-from .cases import CASES, layer_cases
+from .cases import CASES, layer_cases, make_case
 from .tolerance import assert_close, assert_matches, references_only, relative_error
 
 BLOCK_FAMILIES = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock", "gpt_oss": "MLPBlock"}
@@ -242,10 +243,99 @@ def launches_of(array) -> list:
     return [p for p in primitives_of(array) if p not in VIEWS]
 
 
+def quantized_router(dims: int, experts: int, bits: int, group: int, seed: int, bias: bool = False) -> nn.QuantizedLinear:
+    """A block's router as mlx-lm quantizes it (bf16 scales), with weights of a trained router's size."""
+    mx.random.seed(seed)
+    linear = nn.Linear(dims, experts, bias=bias)
+    linear.weight = mx.random.normal(linear.weight.shape) * 0.05
+    linear.set_dtype(mx.bfloat16)
+    return nn.QuantizedLinear.from_linear(linear, group_size=group, bits=bits)
+
+
+def test_router_linear_reads_a_quantized_linear_and_gives_its_output(cpu_device):
+    router = quantized_router(128, 8, 8, 64, 0)
+    linear = RouterLinear.from_module(router)
+    x = mx.random.normal((1, 1, 128)).astype(mx.bfloat16)
+    assert (linear.bits, linear.group_size, linear.output_dims, linear.input_dims) == (8, 64, 8, 128)
+    assert mx.array_equal(linear(x), router(x)).item()
+    with_bias = quantized_router(128, 8, 4, 32, 1, bias=True)
+    with_bias.bias = mx.random.normal((8,)).astype(mx.bfloat16)
+    assert mx.array_equal(RouterLinear.from_module(with_bias)(x), with_bias(x)).item()
+    # anything but that class exactly stays with its own call
+    assert RouterLinear.from_module(nn.Linear(128, 8)) is None
+    assert RouterLinear.from_module(type("Subclass", (nn.QuantizedLinear,), {})(128, 8)) is None
+
+
+def test_ref_routed_decode_of_a_router_linear_is_that_of_its_logits(cpu_device):
+    case = make_case(mx.float32, (8, 64), True, "swiglu", None, False, 128, 64, 8, 2, 1, 1)
+    router = quantized_router(128, 8, 8, 64, 2)
+    router.set_dtype(mx.float32)
+    linear, routing = RouterLinear.from_module(router), Routing("softmax_topk", 2, True)
+    expected = moe_routed_decode_reference(case.x, router(case.x), routing, case.experts)
+    assert mx.array_equal(moe_routed_decode_reference(case.x, linear, routing, case.experts), expected).item()
+
+
+@st.composite
+def fused_router_cases(draw):
+    """A single-token decode case (bf16) and a quantized router for it: the logits' shares of a
+    cluster's 8 blocks uneven or empty (3, 20 experts), 16 a block (128); rows that end in qmv's
+    remainder only (128 values a row at 8 bits, 384 at 4) or after whole spans (384 at 8 bits,
+    640 at 4)."""
+    bits, group = draw(st.sampled_from([(8, 64), (4, 64), (8, 32), (4, 128)]))
+    dims = draw(st.sampled_from([128, 384, 640]))
+    experts = draw(st.sampled_from([3, 8, 20, 128]))
+    top_k = draw(st.integers(1, min(8, experts)))
+    seed = draw(st.integers(0, 2**16))
+    case = make_case(mx.bfloat16, (4, 64), True, "swiglu", None, False, dims, 64, experts, top_k, 1, 1, seed=seed)
+    kind = draw(st.sampled_from(["softmax_topk", "topk_softmax", "topk_softmax_last"]))
+    routing = Routing(kind, top_k, kind == "softmax_topk" and draw(st.booleans()))
+    return case, RouterLinear.from_module(quantized_router(dims, experts, bits, group, seed)), routing
+
+
+@CASES
+@given(fused=fused_router_cases())
+def test_cuda_fused_router_kernel_matches_the_routed_kernel_on_stock_logits(cuda_device, switch, fused):
+    """Bit for bit: router_gate_up computes the logits as MLX's quantized_matmul does, then routes
+    and computes as routed_gate_up does on those logits (tested above against the router and
+    decode kernels); and no quantized matmul is left in the graph."""
+    from mlx_moe_fix.kernels.moe_routed_decode import FUSED_ROUTER_SWITCH, fused_router_reason, moe_routed_decode_kernel
+
+    case, router, routing = fused
+    switch(FUSED_ROUTER_SWITCH, "1")
+    assert fused_router_reason(case.x, router, case.experts) is None, case.label
+    out = moe_routed_decode_kernel(case.x, router, routing, case.experts)
+    expected = moe_routed_decode_kernel(case.x, router(case.x), routing, case.experts)
+    assert "QuantizedMatmul" not in primitives_of(out), primitives_of(out)
+    assert out.shape == expected.shape and out.dtype == expected.dtype == mx.bfloat16
+    assert mx.array_equal(out, expected).item(), f"{case.label}: {relative_error(out, expected):.2e}"
+
+
+def test_cuda_fused_router_declines_what_it_cannot_reproduce(cuda_device, switch):
+    from mlx_moe_fix.kernels.moe_routed_decode import FUSED_ROUTER_SWITCH, fused_router_reason
+
+    case = make_case(mx.bfloat16, (4, 64), True, "swiglu", None, False, 128, 64, 8, 2, 1, 2)
+    one_token = case.x[:, :1]
+    router = RouterLinear.from_module(quantized_router(128, 8, 8, 64, 0))
+    assert "off unless" in fused_router_reason(one_token, router, case.experts)  # the default
+    switch(FUSED_ROUTER_SWITCH, "1")
+    assert fused_router_reason(one_token, router, case.experts) is None
+    assert "2 tokens" in fused_router_reason(case.x, router, case.experts)
+    assert "float16" in fused_router_reason(one_token.astype(mx.float16), router, case.experts)
+    assert "additive bias" in fused_router_reason(one_token, RouterLinear.from_module(quantized_router(128, 8, 8, 64, 0, True)),
+                                                  case.experts)
+    assert "affine 4- or 8-bit" in fused_router_reason(one_token, RouterLinear.from_module(quantized_router(128, 8, 6, 64, 0)),
+                                                       case.experts)
+    switch(FUSED_ROUTER_SWITCH, "0")
+    assert FUSED_ROUTER_SWITCH in fused_router_reason(one_token, router, case.experts)
+    assert fused_router_reason(one_token, router, case.experts) == f"off unless {FUSED_ROUTER_SWITCH}=1"
+
+
 @pytest.mark.parametrize("family", BLOCK_FAMILIES)
 def test_a_routed_decode_block_is_its_router_and_two_launches(cuda_device, switch, family):
-    """Issue 5: the block's router linear (one matmul; gpt-oss's adds its bias), the routed
-    gate+up kernel and the combining down kernel; with the routing in its own launch
+    """Issue 5: at a single token the router's linear, the routed gate+up kernel and the combining
+    down kernel; with MLX_MOE_FIX_CUDA_FUSED_ROUTER=1 the router's matmul goes inside the gate+up
+    launch where the router is a quantized linear without a bias (qwen3_moe's and mixtral's;
+    gpt-oss's, a matmul and its bias, stays in front); with the routing in its own launch
     (MLX_MOE_FIX_CUDA_ROUTED_DECODE=0), one more. Built in Python (no compiled step), so that the
     graph shows the primitives a replay runs."""
     switch("MLX_MOE_FIX_COMPILED_DECODE", "0")
@@ -255,11 +345,15 @@ def test_a_routed_decode_block_is_its_router_and_two_launches(cuda_device, switc
     mx.eval(x)
     router = launches_of(block["router" if family == "gpt_oss" else "gate"](x))
     with mlx_moe_fix.patched():
+        routed = launches_of(block(x))
+        switch("MLX_MOE_FIX_CUDA_FUSED_ROUTER", "1")
         fused = launches_of(block(x))
+        switch("MLX_MOE_FIX_CUDA_FUSED_ROUTER", "")
         switch("MLX_MOE_FIX_CUDA_ROUTED_DECODE", "0")
         apart = launches_of(block(x))
     assert len(router) == (2 if family == "gpt_oss" else 1), router
-    for launches, experts_launches in ((fused, 2), (apart, 3)):
+    assert len(fused) == (4 if family == "gpt_oss" else 2) and "QuantizedMatmul" not in fused[-2:], fused
+    for launches, experts_launches in ((routed, 2), (apart, 3)):
         beyond_router = Counter(launches)
         beyond_router.subtract(router)
         assert min(beyond_router.values()) >= 0 and sum(beyond_router.values()) == experts_launches, launches

@@ -4,13 +4,147 @@
 // launch it saves), shares its pair's expert through shared memory, and the block goes on as
 // moe_decode's gate_up; the blocks of row 0 write each pair's expert and routing weight into the
 // hidden output's tail (moe_decode.cu's RoutingTail), which its routed_down launch reads. A
-// decode step's MoE block is then three launches: router matmul, this, routed_down.
+// decode step's MoE block is then three launches: router matmul, this, routed_down; or two, where
+// `router_gate_up` computes the logits too.
 //
 // Template constants: moe_decode.cu's gate_up ones (T is also the logits' and the
-// weights' type) and moe_router.cu's topk ones (SOFTMAX_FIRST, NORMALIZE, LAST_K). Run-time
-// values: moe_decode's dims with the number of experts after them (dims[7]), and params.
+// weights' type) and moe_router.cu's topk ones (SOFTMAX_FIRST, NORMALIZE, LAST_K); router_gate_up
+// also ROUTER_BITS and ROUTER_GROUP (its router's quantization). Run-time values: moe_decode's
+// dims with the number of experts after them (dims[7]), and params.
 
 //// uses moe_router.cu moe_decode.cu
+
+//// header
+namespace moe_routed {
+
+using namespace moe_common;
+
+// Warp 0's part of a routed gate+up block: routes the pair's token from its `logits`, leaves the
+// pair's expert in `block_expert` (shared) and, in the blocks of row group 0, the pair's expert and
+// routing weight in the hidden output's RoutingTail.
+template <bool SOFTMAX_FIRST, bool NORMALIZE, bool LAST_K, typename T>
+__device__ __forceinline__ void route_pair(const T* logits, int experts, int top_k, int pair, T* hidden, int out_dim, int& block_expert) {
+  int index;
+  float weight;
+  moe_router::route_token<SOFTMAX_FIRST, NORMALIZE, LAST_K>(logits, experts, top_k, index, weight);
+  const int round = moe_router::stock_position<LAST_K>(pair % top_k, top_k);
+  index = __shfl_sync(0xffffffffu, index, round);
+  weight = __shfl_sync(0xffffffffu, weight, round);
+  if (threadIdx.x == 0) {
+    block_expert = index;
+    if (blockIdx.x == 0) {
+      const moe_decode::RoutingTail<T> tail(hidden, gridDim.y, out_dim);
+      tail.indices[pair] = static_cast<uint32_t>(index);
+      tail.weights[pair] = static_cast<T>(weight);
+    }
+  }
+}
+
+// ROWS rows of MLX 0.32's quantized_matmul at one bf16 token, by a warp, each bit for bit as MLX
+// computes it: its qmv kernel (mlx/backend/cuda/quantized/qmm/qmv.cu, qmv_kernel_impl, which MLX
+// runs at M = 1 for affine 4- and 8-bit weights) takes a row a warp, lane l the EPT values from
+// l * EPT of each span of 32 EPT (then of the rest of the row, where the spans leave one). Each
+// value is dequantised as one bf16 fma of q, scale and bias (MLX writes a multiply and an add,
+// which ptxas fuses: checked on the H200 against quantized_matmul, where each other order
+// differs), accumulated per slot (8-bit: fp32 fma of the widened values; 4-bit: bf16 fma); the
+// lane adds its slots in order into fp32, and the warp sums by cooperative_groups' butterfly.
+// The loads of AHEAD spans of the ROWS rows and their activations are issued before any is used: a
+// span at a time waits a round trip to memory per span (on the H200 the router's 16 rows a block
+// at Qwen3's shape then took ~15 µs).
+template <int BITS, int GROUP, int ROWS>
+__device__ __forceinline__ void mlx_qmv_rows(
+    float (&out)[ROWS], const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales, const __nv_bfloat16* biases,
+    const int (&rows)[ROWS], int k, int lane) {
+  static_assert(BITS == 4 || BITS == 8, "affine 4- or 8-bit");
+  constexpr int EPT = BITS == 8 ? 8 : 16;  // a lane's 8 bytes of packed weights a span
+  constexpr int SPAN = 32 * EPT;
+  constexpr int AHEAD = BITS == 8 ? 8 : 4;  // spans in flight: a span's activations take 4 (8-bit) or 8 registers
+  using Accumulator = cuda::std::conditional_t<BITS == 8, float, __nv_bfloat16>;
+  const int spans = k / SPAN, rest = k % SPAN;
+  const int lane_spans = spans + (lane * EPT < rest);  // the rest's values as one more span
+  Accumulator sums[ROWS][EPT];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) sums[r][i] = Accumulator(0.f);
+  }
+  for (int first = 0; first < lane_spans; first += AHEAD) {
+    uint2 q[ROWS][AHEAD];
+    __nv_bfloat16 scale[ROWS][AHEAD], bias[ROWS][AHEAD];
+    uint4 values[AHEAD][EPT / 8];
+#pragma unroll
+    for (int a = 0; a < AHEAD; ++a) {
+      const int span = min(first + a, lane_spans - 1);  // a span past the row is loaded again, not used
+      const int index = (span < spans ? span * SPAN : k - rest) + lane * EPT;
+#pragma unroll
+      for (int v = 0; v < EPT / 8; ++v) values[a][v] = reinterpret_cast<const uint4*>(x + index)[v];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        q[r][a] = reinterpret_cast<const uint2*>(w)[((size_t)rows[r] * k + index) * BITS / 64];
+        scale[r][a] = scales[((size_t)rows[r] * k + index) / GROUP];
+        bias[r][a] = biases[((size_t)rows[r] * k + index) / GROUP];
+      }
+    }
+#pragma unroll
+    for (int a = 0; a < AHEAD; ++a) {
+      if (first + a >= lane_spans) continue;
+      const __nv_bfloat16* x_values = reinterpret_cast<const __nv_bfloat16*>(values[a]);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int i = 0; i < EPT; ++i) {
+          const unsigned bits = ((i < EPT / 2 ? q[r][a].x : q[r][a].y) >> (BITS * (i % (EPT / 2)))) & ((1u << BITS) - 1u);
+          const __nv_bfloat16 weight = __hfma(__float2bfloat16_rn(static_cast<float>(bits)), scale[r][a], bias[r][a]);
+          if constexpr (BITS == 8) {
+            sums[r][i] = fmaf(__bfloat162float(x_values[i]), __bfloat162float(weight), sums[r][i]);
+          } else {
+            sums[r][i] = __hfma(x_values[i], weight, sums[r][i]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) sum += static_cast<float>(sums[r][i]);
+    out[r] = warp_sum(sum);
+  }
+}
+
+// A bf16 value of this cluster's block `rank`, at `local`'s place in that block's shared memory.
+__device__ __forceinline__ __nv_bfloat16 cluster_load(const __nv_bfloat16* local, unsigned rank) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(local));
+  unsigned remote;
+  unsigned short bits;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+  asm volatile("ld.shared::cluster.u16 %0, [%1];" : "=h"(bits) : "r"(remote) : "memory");
+  return __ushort_as_bfloat16(bits);
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+
+__device__ __forceinline__ unsigned cluster_blocks() {
+  unsigned blocks;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(blocks));
+  return blocks;
+}
+
+// The two halves of a cluster-wide barrier (every thread of every block of the cluster), with
+// the cluster's shared memory writes before `arrive` seen after `wait`.
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+}  // namespace moe_routed
 
 //// routed_gate_up
 // inputs: x [N, IN_DIM], logits [N, E], then moe_decode's gate_up inputs from gate_w on (dims
@@ -29,20 +163,8 @@
   // wait at the barrier: at Qwen3's shape waiting was a quarter of the kernel's warp time (ncu),
   // hence moe_router's top-k by redux.
   if (threadIdx.x < 32) {
-    int index;
-    float weight;
-    moe_router::route_token<SOFTMAX_FIRST, NORMALIZE, LAST_K>(logits + (size_t)token * experts, experts, d.top_k, index, weight);
-    const int round = moe_router::stock_position<LAST_K>(pair % d.top_k, d.top_k);
-    index = __shfl_sync(0xffffffffu, index, round);
-    weight = __shfl_sync(0xffffffffu, weight, round);
-    if (threadIdx.x == 0) {
-      block_expert = index;
-      if (blockIdx.x == 0) {
-        const RoutingTail<T> tail(hidden, gridDim.y, d.out_dim);
-        tail.indices[pair] = static_cast<uint32_t>(index);
-        tail.weights[pair] = static_cast<T>(weight);
-      }
-    }
+    moe_routed::route_pair<SOFTMAX_FIRST, NORMALIZE, LAST_K>(logits + (size_t)token * experts, experts, d.top_k, pair, hidden,
+                                                            d.out_dim, block_expert);
   }
   const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT>(activations, d.in_dim);
   __syncthreads();
@@ -51,4 +173,71 @@
   gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, SHARED_SPLIT, T, S>(
       hidden, pair, block_expert, first_row, activations, split,
       {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
+}
+
+//// router_gate_up
+// routed_gate_up with its token's router logits computed in the launch, bit for bit as MLX's
+// quantized_matmul computes them (mlx_qmv_row), so that the block needs no router node (at batch
+// 1 a node costs the host more than its GPU time: docs/decode-attribution.md, section 28).
+// Launched in clusters of blocks along x (moe_routed_decode.ROUTER_CLUSTER; the grid's x a
+// multiple of it; blocks past the last row group only route): each block computes its share of
+// the logits into its shared memory, and warp 0 of each gathers the others' through distributed
+// shared memory.
+// inputs: x [N, IN_DIM] (bf16), router_w [E, IN_DIM * ROUTER_BITS / 32], router_s, router_b
+//         [E, IN_DIM / ROUTER_GROUP] (bf16), then routed_gate_up's inputs from gate_w on;
+// output: as routed_gate_up's. Every cluster computes its token's logits whole: for few tokens.
+{
+  using namespace moe_decode;
+  static_assert(cuda::std::is_same_v<T, __nv_bfloat16>, "MLX's bf16 qmv");
+  constexpr int LOGITS = 32 * moe_router::CHUNK<T>;  // as many as route_token takes
+  constexpr int ROUTER_ROWS = 1;  // rows a warp loads at once (2 spill at the launch bounds)
+  __shared__ int block_expert;
+  __shared__ T logits[LOGITS];
+  const Dims d(dims);
+  const int experts = dims[7];
+  const int pair = blockIdx.y;
+  const T* activations = x + (size_t)(pair / d.top_k) * d.in_dim;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned rank = moe_routed::cluster_rank();
+  const int clustered = moe_routed::cluster_blocks();
+  const int share = (experts + clustered - 1) / clustered;
+  // the block's share of the logits, ROUTER_ROWS rows a warp at a time (rows past the share
+  // compute its last row again, not stored)
+  const int first_logit = rank * share, end_logit = min(experts, (int)(rank + 1) * share);
+  for (int first = first_logit + warp * ROUTER_ROWS; first < end_logit; first += blockDim.x / 32 * ROUTER_ROWS) {
+    int rows[ROUTER_ROWS];
+#pragma unroll
+    for (int r = 0; r < ROUTER_ROWS; ++r) rows[r] = min(first + r, end_logit - 1);
+    float row_logits[ROUTER_ROWS];
+    moe_routed::mlx_qmv_rows<ROUTER_BITS, ROUTER_GROUP, ROUTER_ROWS>(row_logits, activations, router_w, router_s, router_b, rows,
+                                                                      d.in_dim, lane);
+#pragma unroll
+    for (int r = 0; r < ROUTER_ROWS; ++r) {
+      if (lane == 0 && first + r < end_logit) logits[first + r] = static_cast<T>(row_logits[r]);
+    }
+  }
+  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT>(activations, d.in_dim);
+  moe_routed::cluster_arrive();
+  moe_routed::cluster_wait();  // every block's share written (and this block's split)
+  if (warp == 0) {
+    // each lane fetches the logits route_token will read in that lane
+#pragma unroll
+    for (int i = 0; i < moe_router::CHUNK<T>; ++i) {
+      const int e = lane * moe_router::CHUNK<T> + i;
+      const unsigned owner = e / share;
+      if (e < experts && owner != rank) logits[e] = moe_routed::cluster_load(logits + e, owner);
+    }
+  }
+  moe_routed::cluster_arrive();  // this block is done with the others' shared memory
+  if (warp == 0) {
+    moe_routed::route_pair<SOFTMAX_FIRST, NORMALIZE, LAST_K>(logits, experts, d.top_k, pair, hidden, d.out_dim, block_expert);
+  }
+  __syncthreads();
+  const int first_row = (blockIdx.x * WARPS + warp) * RPW;
+  if (first_row < d.out_dim) {
+    gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, SHARED_SPLIT, T, S>(
+        hidden, pair, block_expert, first_row, activations, split,
+        {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
+  }
+  moe_routed::cluster_wait();  // the cluster is done with this block's logits: its shared memory may go
 }
