@@ -8,6 +8,7 @@ ones included), beside the host's build and evaluation of the same work. Needs t
     python3 -m benchmarks.gpu_timeline --parts tokens --model inkling --deepseek-layers 6
     python3 -m benchmarks.gpu_timeline --parts blocks --shapes qwen3 --block-shapes gate_up=4x2x24
                                        # production's block shapes, then these (benchmarks/block_shapes.py)
+    python3 -m benchmarks.gpu_timeline --parts blocks --routers   # also with each layer's quantized router
 
 The host's build and evaluation are timed while traced, and CUPTI adds host time to each launch:
 they are upper bounds, and busy / evaluation a lower bound of the GPU's busy share (benchmarks.
@@ -18,6 +19,10 @@ blocks: --layers routed decode blocks (moe_routed_decode, 4-bit g64, bf16 random
 as benchmarks.decode_ab builds them) per shape, each layer's output the next one's input, as in a
 model; per layer: the host's build and evaluation (µs), the kernels' summed device time, and the
 routed experts' bytes over the GPU's busy time (issue 5's bandwidth, on the kernels' own time).
+The blocks take each layer's router logits as given; with --routers, two more rows per shape take
+each layer's quantized router (8-bit at Qwen3's shape, as mlx-lm quantizes qwen3_moe's `mlp.gate`;
+4-bit at Mixtral's), its matmul as a node of its own ("router node", MLX_MOE_FIX_CUDA_FUSED_ROUTER=0)
+or inside the gate+up launch ("router inside"), so that the router's device time counts.
 tokens: one batch-1 decode token of --model, patched, and of its dense equivalent (mlx-lm's
 generate_step loop, benchmarks.decode_timeline.Decoder): the token's build and evaluation against
 the kernels' device time (where the device time is well under the token's, the token is host time).
@@ -90,10 +95,54 @@ def summary(label: str, phases: list, kernels: list, reps: int, per: int, nbytes
     return row, lines[:TOP_KERNELS]
 
 
-def blocks_part(shapes: list, layers: int, reps: int, bits: int = 4, variants: tuple = ({},)) -> list:
+ROUTER_QUANTIZATION = {"qwen3": (8, 64), "mixtral": (4, 64)}  # (bits, group) as mlx-lm quantizes the models' routers
+
+
+def router_rows(shape: str, built: list, routing, reps: int, nbytes: float) -> list:
+    """The chained blocks with a quantized router a layer: its matmul a node of its own, then
+    inside the gate+up launch."""
+    import mlx.nn as nn
+
+    from mlx_moe_fix.kernels import RouterLinear
+    from mlx_moe_fix.kernels.moe_routed_decode import FUSED_ROUTER_SWITCH, moe_routed_decode_kernel
+
+    from .decode_split import switched
+    from .prefill_ab import SHAPES
+    from .switch_glu import experts_of
+
+    hidden, _, count, _ = SHAPES[shape]
+    bits, group = ROUTER_QUANTIZATION[shape]
+    routers = []
+    for _ in built:
+        linear = nn.Linear(hidden, count, bias=False)
+        linear.weight = mx.random.normal(linear.weight.shape) * 0.02
+        linear.set_dtype(mx.bfloat16)
+        routers.append(RouterLinear.from_module(nn.QuantizedLinear.from_linear(linear, group_size=group, bits=bits)))
+    mx.eval([(r.weight, r.scales, r.biases) for r in routers])
+    experts = [experts_of(layer) for layer in built]
+    x0 = (mx.random.normal((1, hidden)) * 0.5).astype(mx.bfloat16)
+    mx.eval(x0)
+
+    def chained():
+        x, outputs = x0, []
+        for router, e in zip(routers, experts):
+            x = moe_routed_decode_kernel(x, router, routing, e)
+            outputs.append(x)
+        return outputs
+
+    rows = []
+    for label, value in (("router node", "0"), ("router inside", "1")):
+        with switched(FUSED_ROUTER_SWITCH, value):
+            phases, kernels = traced(chained, reps)
+        rows.append(summary(f"{shape}, a layer [{label}, {bits}-bit router]", phases, kernels, reps, len(built), nbytes))
+    return rows
+
+
+def blocks_part(shapes: list, layers: int, reps: int, bits: int = 4, variants: tuple = ({},), routers: bool = False) -> list:
     """Per shape, the chained routed decode blocks at each of `variants` (benchmarks/block_shapes.py's
     {constant: BlockShape}, {} for production's), the layers built once; each variant's first
-    layer is checked against the fp32 reference (the error in its label)."""
+    layer is checked against the fp32 reference (the error in its label); with `routers`,
+    router_rows' two rows."""
     from mlx_moe_fix import kernels as this_tree
     from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode_kernel, moe_routed_decode_reference
 
@@ -124,6 +173,8 @@ def blocks_part(shapes: list, layers: int, reps: int, bits: int = 4, variants: t
                 phases, kernels = traced(chained, reps)
             label = f"{shape}, a layer" + ("" if not variant else f" [{block_shapes.label(variant)}; max rel. error {error:.1e}]")
             results.append(summary(label, phases, kernels, reps, layers, nbytes))
+        if routers:
+            results += router_rows(shape, built, routing, reps, nbytes)
     return results
 
 
@@ -160,6 +211,7 @@ def main(argv=None):
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8), help="the blocks' experts' quantization bits")
     parser.add_argument("--block-shapes", action="append", default=[], metavar="STAGE=WxRxN,...",
                         help="blocks: one more variant with these decode block shapes (benchmarks/block_shapes.py; repeatable)")
+    parser.add_argument("--routers", action="store_true", help="blocks: also with a quantized router a layer (node / inside)")
     models.add_decode_pair_arguments(parser)
     args = parser.parse_args(argv)
     args.smoke = False
@@ -174,7 +226,7 @@ def main(argv=None):
     parts = args.parts.split(",")
     if "blocks" in parts:
         variants = ({},) + tuple(block_shapes.parse(text) for text in args.block_shapes)
-        results += blocks_part(args.shapes.split(","), args.layers, args.reps, args.bits, variants)
+        results += blocks_part(args.shapes.split(","), args.layers, args.reps, args.bits, variants, args.routers)
     if "tokens" in parts:
         results += tokens_part(args, args.reps)
     print(f"MLX {mx.__version__}, {mx.default_device()}; medians of {args.reps} traced calls; µs a layer or token")
