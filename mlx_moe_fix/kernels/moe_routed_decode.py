@@ -15,9 +15,10 @@ experts and weights are the router kernel's, bit for bit. Given a RouterLinear a
 bit as MLX's quantized_matmul does, so that the block is two launches and no router node; else
 the router linear runs as its own node first. That is off unless MLX_MOE_FIX_CUDA_FUSED_ROUTER=1:
 on the H200 (docs/benchmarks.md, thirty-first session) it saved qwen3_moe's host ~5-8 µs a layer
-at batch 1 (0.955 of its dense equivalent against 0.931), but its gate+up launch took ~12-14 µs
-more than the router's own launch costs (every cluster of 8 blocks reads the whole router: 48
-clusters read Qwen3's 272 KB each), so that GPU-bound blocks lose (mixtral 1.478 against 1.581).
+at batch 1 (0.955 of its dense equivalent against 0.931), but its gate+up launch took 12-14 µs
+longer, where the router's own launch takes 5.4-5.8 (every cluster of 8 blocks reads the whole
+router: 48 clusters read Qwen3's 272 KB each), so that GPU-bound blocks lose (mixtral 1.478
+against 1.581).
 MLX_MOE_FIX_CUDA_ROUTED_DECODE=0 turns the fused kernel off (the block then routes and runs its
 experts in separate launches).
 """
