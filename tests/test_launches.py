@@ -137,3 +137,13 @@ def test_a_gate_up_block_shape_reaches_the_plain_and_the_routed_gate_up_launch(m
     bounds = {section: bound for section, _, bound in created}
     assert bounds["routed_gate_up"] == bounds["gate_up"] == (128, 6)
     assert (dict(down.template)["WARPS"], dict(down.template)["RPW"]) == (8, 8) and bounds["routed_down"] == (256, 2)
+
+
+def test_global_qualifiers_give_launch_bounds_and_cluster_dims_to_the_kernel_mlx_declares():
+    from mlx_moe_fix.kernels.launch import global_qualifiers
+
+    both = global_qualifiers((128, 4), 8)
+    assert "#define __global__ __location__(global) __launch_bounds__(128, 4) __cluster_dims__(8, 1, 1)\n" in both
+    assert both.startswith("#if defined(__global__) && defined(__location__)\n#undef __global__\n") and both.endswith("#endif\n")
+    assert "__cluster_dims__" not in global_qualifiers((256, 2)) and "__launch_bounds__" not in global_qualifiers((), 8)
+    assert global_qualifiers() == ""
