@@ -114,6 +114,15 @@ class RouterLinear:
         return cls(module["weight"], module["scales"], module.get("biases"), module.group_size, module.bits,
                    getattr(module, "mode", "affine"), module.get("bias"))
 
+    def logits_dtype(self, dtype):
+        """The logits' dtype for activations of `dtype`: MLX promotes it with the scales' (and the
+        additive bias's) dtype, which for the floating types it quantizes with is that dtype where
+        they agree and float32 where they do not."""
+        for other in (self.scales.dtype, None if self.bias is None else self.bias.dtype):
+            if other is not None and other != dtype:
+                dtype = mx.float32
+        return dtype
+
     def __call__(self, x: mx.array) -> mx.array:
         logits = mx.quantized_matmul(x, self.weight, scales=self.scales, biases=self.biases, transpose=True,
                                      group_size=self.group_size, bits=self.bits, mode=self.mode)

@@ -127,8 +127,8 @@ def moe_routed_decode(x: mx.array, logits, routing: Routing, experts: MoEExperts
 
 
 def logits_dtype(x: mx.array, logits):
-    """The dtype of the logits: a RouterLinear's are x's (MLX's quantized_matmul gives its input's dtype)."""
-    return x.dtype if isinstance(logits, RouterLinear) else logits.dtype
+    """The dtype of the logits, or of those a RouterLinear gives for x."""
+    return logits.logits_dtype(x.dtype) if isinstance(logits, RouterLinear) else logits.dtype
 
 
 def fused_router_reason(x: mx.array, router: RouterLinear, experts: MoEExperts) -> Optional[str]:

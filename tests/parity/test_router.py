@@ -261,6 +261,13 @@ def test_router_linear_reads_a_quantized_linear_and_gives_its_output(cpu_device)
     with_bias = quantized_router(128, 8, 4, 32, 1, bias=True)
     with_bias.bias = mx.random.normal((8,)).astype(mx.bfloat16)
     assert mx.array_equal(RouterLinear.from_module(with_bias)(x), with_bias(x)).item()
+    # the logits' dtype, as MLX promotes the activations' with the scales' and the bias's
+    for x_dtype in (mx.bfloat16, mx.float16, mx.float32):
+        for module in (router, with_bias, quantized_router(128, 8, 8, 64, 0)):
+            for scales_dtype in (mx.bfloat16, mx.float32):
+                module.scales, module.biases = module.scales.astype(scales_dtype), module.biases.astype(scales_dtype)
+                described = RouterLinear.from_module(module)
+                assert described.logits_dtype(x_dtype) == described(x.astype(x_dtype)).dtype, (x_dtype, scales_dtype)
     # anything but that class exactly stays with its own call
     assert RouterLinear.from_module(nn.Linear(128, 8)) is None
     assert RouterLinear.from_module(type("Subclass", (nn.QuantizedLinear,), {})(128, 8)) is None
