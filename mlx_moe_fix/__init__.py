@@ -14,7 +14,7 @@ from importlib import metadata
 from .kernels import current_backend
 from .kernels.moe_decode import moe_decode_implementation
 from .kernels.moe_prefill import gemm_state, moe_prefill_implementation
-from .kernels.moe_routed_decode import moe_routed_decode_implementation
+from .kernels.moe_routed_decode import fused_router_state, moe_routed_decode_implementation
 from .kernels.moe_router import moe_router_implementation
 from .patches import TARGETS, apply, compiled, disabled_by_env, is_applied, options, patched, revert, target_state
 from .patches.activations import known_activation_names
@@ -61,6 +61,7 @@ def status() -> dict:
         "versions": {**{name: _version(name) for name in _DISTRIBUTIONS}, "mlx-moe-fix": __version__},
         "ops": {name: {"path": impl.path, "reason": impl.reason} for name, impl in implementations.items()},
         "prefill_gate_up_gemm": gemm_state(),
+        "routed_decode_router_inside": fused_router_state(),
         "compiled_decode_steps": compiled_state("decode"),
         "compiled_prefill_shapes": compiled_state("prefill"),
         "targets": [

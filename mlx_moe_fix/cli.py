@@ -41,6 +41,8 @@ def show_status(as_json: bool) -> int:
         print(f"{name.replace('_', ' ')}: {'on' if steps['on'] else 'off'} ({steps['reason']})")
     gemm = status["prefill_gate_up_gemm"]
     print(f"prefill gate+up GEMM: {gemm['gemm'] or '-'} ({gemm['reason']})")
+    inside = status["routed_decode_router_inside"]
+    print(f"router's matmul inside the routed decode's gate+up launch: {'on' if inside['on'] else 'off'} ({inside['reason']})")
     print()
     print(markdown_table(["target", "state", "why"], [[t["target"], t["state"], t["reason"]] for t in status["targets"]]))
     print()

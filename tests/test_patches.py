@@ -88,6 +88,8 @@ def test_status_reports_every_target_with_a_reason():
     assert status["versions"]["mlx-moe-fix"] == mlx_moe_fix.__version__ is not None
     gemm = status["prefill_gate_up_gemm"]
     assert gemm["reason"] and (gemm["gemm"] is None) == (status["ops"]["moe_prefill"]["path"] != "kernel")
+    inside = status["routed_decode_router_inside"]
+    assert inside["reason"] and not inside["on"]  # off by default, wherever this runs
     mlx_moe_fix.revert()
     assert {t["state"] for t in mlx_moe_fix.status()["targets"]} == {"not applied"}
 

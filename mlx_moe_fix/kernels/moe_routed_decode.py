@@ -152,10 +152,27 @@ def fused_router_reason(x: mx.array, router: RouterLinear, experts: MoEExperts) 
         return f"a router of {router.input_dims} -> {router.output_dims} for experts of {experts.input_dims} x {experts.num_experts}"
     if router.output_dims > MAX_FUSED_ROUTER_EXPERTS:
         return f"{router.output_dims} experts (at most {MAX_FUSED_ROUTER_EXPERTS})"
+    return _no_clusters_reason()
+
+
+def _no_clusters_reason() -> Optional[str]:
     capability = compute_capability()
     if capability is None or capability < (9, 0):
         return "a GPU without thread-block clusters (compute capability 9.0 or later)"
     return None
+
+
+def fused_router_state() -> dict:
+    """For status(): whether routed decode blocks compute their router's logits inside the gate+up
+    launch here (router_gate_up), and why."""
+    if moe_routed_decode_implementation().path != "kernel" or not mx.cuda.is_available():
+        return {"on": False, "reason": "the CUDA routed decode kernel does not run here"}
+    if not flag(FUSED_ROUTER_SWITCH):
+        return {"on": False, "reason": f"off unless {FUSED_ROUTER_SWITCH}=1 (the router's own launch costs the GPU less)"}
+    no_clusters = _no_clusters_reason()
+    if no_clusters is not None:
+        return {"on": False, "reason": no_clusters}
+    return {"on": True, "reason": "at a single token, for bf16 affine 4- or 8-bit routers without a bias"}
 
 
 def cuda_unsupported_reason(experts: MoEExperts, routing: Routing, dtype, logits_dtype) -> Optional[str]:
