@@ -21,7 +21,8 @@ from .moe_decode import METAL_KERNEL_SWITCH as METAL_DECODE_SWITCH
 from .moe_decode import moe_decode, moe_decode_implementation, moe_decode_reference
 from .moe_prefill import CUDA_KERNEL_SWITCH as PREFILL_SWITCH
 from .moe_prefill import moe_prefill, moe_prefill_implementation, moe_prefill_reference
-from .moe_routed_decode import fused_router_reason, logits_dtype, moe_routed_decode, moe_routed_decode_implementation
+from .moe_routed_decode import fusable_router, fused_router_reason, logits_dtype, moe_routed_decode
+from .moe_routed_decode import moe_routed_decode_implementation
 from .moe_routed_decode import moe_routed_decode_reference
 from .moe_router import Routing, moe_router, moe_router_implementation, moe_router_reference
 from .reference import combine
@@ -77,7 +78,7 @@ def routed_plan(x: mx.array, logits, routing: Routing, experts: MoEExperts, *, d
     pairs = (x.size // x.shape[-1]) * routing.top_k
     if pairs >= PREFILL_MIN_PAIRS or _grouped_sized(pairs, experts):
         return None
-    if router and (current_backend() != "cuda" or fused_router_reason(x, logits, experts) is not None):
+    if router and fused_router_reason(x, logits, experts) is not None:
         return None
     experts_count = logits.output_dims if router else logits.shape[-1]
     return experts.memo(("routed plan", x.shape, x.dtype, router, experts_count, logits_dtype(x, logits), routing,
@@ -141,6 +142,7 @@ __all__ = [
     "Routing",
     "combine",
     "current_backend",
+    "fusable_router",
     "moe_decode",
     "moe_decode_reference",
     "moe_prefill",

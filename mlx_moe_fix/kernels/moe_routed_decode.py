@@ -31,7 +31,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..env import flag
-from .backend import Implementation, choose, compute_capability
+from .backend import Implementation, choose, compute_capability, current_backend
 from .experts import SUPPORTED_GROUP_SIZES, MoEExperts, RouterLinear
 from .launch import cuda_kernel_object, int_array
 from .moe_decode import gate_up_block_shape, gate_up_launch, moe_decode_implementation, moe_decode_reference
@@ -135,8 +135,9 @@ def fused_router_reason(x: mx.array, router: RouterLinear, experts: MoEExperts) 
     """Why router_gate_up cannot compute this router's logits for this call, or None: it takes one
     token (each cluster of its blocks computes its token's logits whole), bf16 activations and an
     affine 4- or 8-bit router of bf16 scales and no additive bias, on a GPU with clusters."""
-    if not flag(FUSED_ROUTER_SWITCH):
-        return f"off unless {FUSED_ROUTER_SWITCH}=1"
+    unavailable = fused_router_unavailable_reason()
+    if unavailable is not None:
+        return unavailable
     tokens = x.size // x.shape[-1]
     if tokens != 1:
         return f"{tokens} tokens: every cluster would compute its token's logits whole"
@@ -152,14 +153,27 @@ def fused_router_reason(x: mx.array, router: RouterLinear, experts: MoEExperts) 
         return f"a router of {router.input_dims} -> {router.output_dims} for experts of {experts.input_dims} x {experts.num_experts}"
     if router.output_dims > MAX_FUSED_ROUTER_EXPERTS:
         return f"{router.output_dims} experts (at most {MAX_FUSED_ROUTER_EXPERTS})"
-    return _no_clusters_reason()
+    return None
 
 
-def _no_clusters_reason() -> Optional[str]:
+def fused_router_unavailable_reason() -> Optional[str]:
+    """Why no call here can have its router's logits computed in the gate+up launch, whatever its
+    router and shape, or None. The switch first: the patched blocks ask at every call
+    (fusable_router), and it is off by default."""
+    if not flag(FUSED_ROUTER_SWITCH):
+        return f"off unless {FUSED_ROUTER_SWITCH}=1"
+    if current_backend() != "cuda":
+        return f"{current_backend()}: router_gate_up is a CUDA kernel"
     capability = compute_capability()
     if capability is None or capability < (9, 0):
         return "a GPU without thread-block clusters (compute capability 9.0 or later)"
     return None
+
+
+def fusable_router(module) -> Optional[RouterLinear]:
+    """`module` as a RouterLinear, where a routed decode here may compute its logits inside the
+    gate+up launch (fused_router_reason then decides per call); else None, without reading it."""
+    return RouterLinear.from_module(module) if fused_router_unavailable_reason() is None else None
 
 
 def fused_router_state() -> dict:
@@ -167,11 +181,9 @@ def fused_router_state() -> dict:
     launch here (router_gate_up), and why."""
     if moe_routed_decode_implementation().path != "kernel" or not mx.cuda.is_available():
         return {"on": False, "reason": "the CUDA routed decode kernel does not run here"}
-    if not flag(FUSED_ROUTER_SWITCH):
-        return {"on": False, "reason": f"off unless {FUSED_ROUTER_SWITCH}=1 (the router's own launch costs the GPU less)"}
-    no_clusters = _no_clusters_reason()
-    if no_clusters is not None:
-        return {"on": False, "reason": no_clusters}
+    unavailable = fused_router_unavailable_reason()
+    if unavailable is not None:
+        return {"on": False, "reason": unavailable}
     return {"on": True, "reason": "at a single token, for bf16 affine 4- or 8-bit routers without a bias"}
 
 

@@ -4,7 +4,7 @@ weights, and the experts call takes the weights (`weights=`, which only these wr
 that the weighted combine happens inside the expert op (the fused decode does it in its down
 launch); at decode, where one kernel can take both, the routing and the experts are one op
 (`moe_routed_decode`: the routing inside the decode kernel's first launch), which at a single
-token also computes the logits from the router's quantized linear (`RouterLinear`). The others
+token can also compute the logits from the router's quantized linear (`fusable_router`). The others
 (DeepSeek's): upstream's code as is. Both compile their calls per shape (patches/compiled.py).
 A block with a sharding group runs upstream's code uncompiled (its experts still go through the
 patched switch layer). No math here."""
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from ..kernels import RouterLinear, Routing, moe_router
+from ..kernels import Routing, fusable_router, moe_router
 from .compiled import compiled_per_shape
 from .switch_layers import bind, routed_experts_call
 
@@ -46,7 +46,7 @@ def routed_block(routing_of, router: str = "gate", experts: str = "switch_mlp"):
     def routed(wrapped, instance, args, kwargs):
         (x,) = bind(args, kwargs, ("x",))
         gate, layer, block_routing = instance[router], instance[experts], routing_of(instance)
-        fused = routed_experts_call(layer, x, RouterLinear.from_module(gate), block_routing)
+        fused = routed_experts_call(layer, x, fusable_router(gate), block_routing)
         if fused is not None:
             return fused
         logits = gate(x)
