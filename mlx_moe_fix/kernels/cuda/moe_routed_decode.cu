@@ -40,7 +40,7 @@ __device__ __forceinline__ void route_pair(const T* logits, int experts, int top
   }
 }
 
-// ROWS rows of MLX 0.32's quantized_matmul at one bf16 token, by a warp, each bit for bit as MLX
+// One row of MLX 0.32's quantized_matmul at one bf16 token, by a warp, bit for bit as MLX
 // computes it: its qmv kernel (mlx/backend/cuda/quantized/qmm/qmv.cu, qmv_kernel_impl, which MLX
 // runs at M = 1 for affine 4- and 8-bit weights) takes a row a warp, lane l the EPT values from
 // l * EPT of each span of 32 EPT (then of the rest of the row, where the spans leave one). Each
@@ -48,29 +48,55 @@ __device__ __forceinline__ void route_pair(const T* logits, int experts, int top
 // which ptxas fuses: checked on the H200 against quantized_matmul, where each other order
 // differs), accumulated per slot (8-bit: fp32 fma of the widened values; 4-bit: bf16 fma); the
 // lane adds its slots in order into fp32, and the warp sums by cooperative_groups' butterfly.
-// The loads of AHEAD spans of the ROWS rows and their activations are issued before any is used: a
-// span at a time waits a round trip to memory per span (on the H200 the router's 16 rows a block
-// at Qwen3's shape then took ~15 µs).
-template <int BITS, int GROUP, int ROWS>
-__device__ __forceinline__ void mlx_qmv_rows(
-    float (&out)[ROWS], const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales, const __nv_bfloat16* biases,
-    const int (&rows)[ROWS], int k, int lane) {
+// The loads of AHEAD spans and their activations are issued before any is used: a span at a
+// time waits a round trip to memory per span.
+// Every cluster computes its token's logits whole (Qwen3's router 48 times a layer), so the
+// arithmetic is two values an instruction where it can be: a pair of q as exact bf16 without a
+// conversion (I2F and F2F run at a quarter of the FMA rate; two per value made the router
+// inside the launch cost more GPU time than its own launch), dequantised by one bf16x2 fma, and
+// at 4 bits accumulated by one bf16x2 fma: each lane of a bf16x2 instruction rounds as the
+// scalar one does.
+template <int BITS>
+__device__ __forceinline__ __nv_bfloat162 exact_pair(uint32_t word, int first) {
+  if constexpr (BITS == 8) {
+    const float lo = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440 + first)) - 8388608.f;
+    const float hi = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7441 + first)) - 8388608.f;
+    const uint32_t packed = __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632);  // exact: q < 2^8
+    return *reinterpret_cast<const __nv_bfloat162*>(&packed);
+  } else {
+    const uint32_t nibbles = word >> (4 * first);
+    const uint32_t biased = (nibbles & 0xFu) | ((nibbles << 12) & 0xF0000u) | 0x43004300u;  // 128 + q, each half
+    const __nv_bfloat162 offset = __floats2bfloat162_rn(128.f, 128.f);
+    return __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&biased), offset);
+  }
+}
+
+__device__ __forceinline__ float low_float(uint32_t pair) {
+  return __uint_as_float(pair << 16);
+}
+__device__ __forceinline__ float high_float(uint32_t pair) {
+  return __uint_as_float(pair & 0xFFFF0000u);
+}
+
+template <int BITS, int GROUP>
+__device__ __forceinline__ float mlx_qmv_row(
+    const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales, const __nv_bfloat16* biases, int row, int k, int lane) {
   static_assert(BITS == 4 || BITS == 8, "affine 4- or 8-bit");
   constexpr int EPT = BITS == 8 ? 8 : 16;  // a lane's 8 bytes of packed weights a span
   constexpr int SPAN = 32 * EPT;
   constexpr int AHEAD = BITS == 8 ? 8 : 4;  // spans in flight: a span's activations take 4 (8-bit) or 8 registers
-  using Accumulator = cuda::std::conditional_t<BITS == 8, float, __nv_bfloat16>;
+  constexpr int PER_WORD = 32 / BITS;
   const int spans = k / SPAN, rest = k % SPAN;
   const int lane_spans = spans + (lane * EPT < rest);  // the rest's values as one more span
-  Accumulator sums[ROWS][EPT];
+  float sums[BITS == 8 ? EPT : 1];  // 8-bit slots
+  __nv_bfloat162 pair_sums[BITS == 4 ? EPT / 2 : 1];  // 4-bit slots, two a register
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
+  for (int i = 0; i < EPT; ++i) sums[BITS == 8 ? i : 0] = 0.f;
 #pragma unroll
-    for (int i = 0; i < EPT; ++i) sums[r][i] = Accumulator(0.f);
-  }
+  for (int p = 0; p < EPT / 2; ++p) pair_sums[BITS == 4 ? p : 0] = __floats2bfloat162_rn(0.f, 0.f);
   for (int first = 0; first < lane_spans; first += AHEAD) {
-    uint2 q[ROWS][AHEAD];
-    __nv_bfloat16 scale[ROWS][AHEAD], bias[ROWS][AHEAD];
+    uint2 q[AHEAD];
+    __nv_bfloat16 scale[AHEAD], bias[AHEAD];
     uint4 values[AHEAD][EPT / 8];
 #pragma unroll
     for (int a = 0; a < AHEAD; ++a) {
@@ -78,39 +104,39 @@ __device__ __forceinline__ void mlx_qmv_rows(
       const int index = (span < spans ? span * SPAN : k - rest) + lane * EPT;
 #pragma unroll
       for (int v = 0; v < EPT / 8; ++v) values[a][v] = reinterpret_cast<const uint4*>(x + index)[v];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        q[r][a] = reinterpret_cast<const uint2*>(w)[((size_t)rows[r] * k + index) * BITS / 64];
-        scale[r][a] = scales[((size_t)rows[r] * k + index) / GROUP];
-        bias[r][a] = biases[((size_t)rows[r] * k + index) / GROUP];
-      }
+      q[a] = reinterpret_cast<const uint2*>(w)[((size_t)row * k + index) * BITS / 64];
+      scale[a] = scales[((size_t)row * k + index) / GROUP];
+      bias[a] = biases[((size_t)row * k + index) / GROUP];
     }
 #pragma unroll
     for (int a = 0; a < AHEAD; ++a) {
       if (first + a >= lane_spans) continue;
-      const __nv_bfloat16* x_values = reinterpret_cast<const __nv_bfloat16*>(values[a]);
+      const uint32_t* x_pairs = reinterpret_cast<const uint32_t*>(values[a]);
+      const __nv_bfloat162 scale2 = __bfloat162bfloat162(scale[a]), bias2 = __bfloat162bfloat162(bias[a]);
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-        for (int i = 0; i < EPT; ++i) {
-          const unsigned bits = ((i < EPT / 2 ? q[r][a].x : q[r][a].y) >> (BITS * (i % (EPT / 2)))) & ((1u << BITS) - 1u);
-          const __nv_bfloat16 weight = __hfma(__float2bfloat16_rn(static_cast<float>(bits)), scale[r][a], bias[r][a]);
-          if constexpr (BITS == 8) {
-            sums[r][i] = fmaf(__bfloat162float(x_values[i]), __bfloat162float(weight), sums[r][i]);
-          } else {
-            sums[r][i] = __hfma(x_values[i], weight, sums[r][i]);
-          }
+      for (int p = 0; p < EPT / 2; ++p) {
+        const int i = 2 * p;
+        const __nv_bfloat162 weights = __hfma2(exact_pair<BITS>(i < PER_WORD ? q[a].x : q[a].y, i % PER_WORD), scale2, bias2);
+        if constexpr (BITS == 8) {
+          const uint32_t weight_bits = *reinterpret_cast<const uint32_t*>(&weights);
+          sums[i] = fmaf(low_float(x_pairs[p]), low_float(weight_bits), sums[i]);
+          sums[i + 1] = fmaf(high_float(x_pairs[p]), high_float(weight_bits), sums[i + 1]);
+        } else {
+          pair_sums[p] = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&x_pairs[p]), weights, pair_sums[p]);
         }
       }
     }
   }
+  float sum = 0.f;
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < EPT; ++i) sum += static_cast<float>(sums[r][i]);
-    out[r] = warp_sum(sum);
+  for (int i = 0; i < EPT; ++i) {
+    if constexpr (BITS == 8) {
+      sum += sums[i];
+    } else {
+      sum += i % 2 ? __high2float(pair_sums[i / 2]) : __low2float(pair_sums[i / 2]);
+    }
   }
+  return warp_sum(sum);
 }
 
 // A bf16 value of this cluster's block `rank`, at `local`'s place in that block's shared memory.
@@ -190,7 +216,6 @@ __device__ __forceinline__ void cluster_wait() {
   using namespace moe_decode;
   static_assert(cuda::std::is_same_v<T, __nv_bfloat16>, "MLX's bf16 qmv");
   constexpr int LOGITS = 32 * moe_router::CHUNK<T>;  // as many as route_token takes
-  constexpr int ROUTER_ROWS = 1;  // rows a warp loads at once (2 spill at the launch bounds)
   __shared__ int block_expert;
   __shared__ T logits[LOGITS];
   const Dims d(dims);
@@ -201,20 +226,11 @@ __device__ __forceinline__ void cluster_wait() {
   const unsigned rank = moe_routed::cluster_rank();
   const int clustered = moe_routed::cluster_blocks();
   const int share = (experts + clustered - 1) / clustered;
-  // the block's share of the logits, ROUTER_ROWS rows a warp at a time (rows past the share
-  // compute its last row again, not stored)
-  const int first_logit = rank * share, end_logit = min(experts, (int)(rank + 1) * share);
-  for (int first = first_logit + warp * ROUTER_ROWS; first < end_logit; first += blockDim.x / 32 * ROUTER_ROWS) {
-    int rows[ROUTER_ROWS];
-#pragma unroll
-    for (int r = 0; r < ROUTER_ROWS; ++r) rows[r] = min(first + r, end_logit - 1);
-    float row_logits[ROUTER_ROWS];
-    moe_routed::mlx_qmv_rows<ROUTER_BITS, ROUTER_GROUP, ROUTER_ROWS>(row_logits, activations, router_w, router_s, router_b, rows,
-                                                                      d.in_dim, lane);
-#pragma unroll
-    for (int r = 0; r < ROUTER_ROWS; ++r) {
-      if (lane == 0 && first + r < end_logit) logits[first + r] = static_cast<T>(row_logits[r]);
-    }
+  // the block's share of the logits, a row a warp at a time
+  const int end_logit = min(experts, (int)(rank + 1) * share);
+  for (int row = rank * share + warp; row < end_logit; row += blockDim.x / 32) {
+    const float logit = moe_routed::mlx_qmv_row<ROUTER_BITS, ROUTER_GROUP>(activations, router_w, router_s, router_b, row, d.in_dim, lane);
+    if (lane == 0) logits[row] = static_cast<T>(logit);
   }
   const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT>(activations, d.in_dim);
   moe_routed::cluster_arrive();
