@@ -11,10 +11,8 @@ import os
 # name: its value where unset (or set empty)
 SWITCHES = {"MLX_MOE_FIX_DISABLE": False, "MLX_MOE_FIX_TRACE": False, "MLX_MOE_FIX_CUDA_DECODE": True,
             "MLX_MOE_FIX_CUDA_PREFILL": True, "MLX_MOE_FIX_CUDA_PREFILL_WGMMA": True, "MLX_MOE_FIX_CUDA_ROUTER": True,
-            "MLX_MOE_FIX_CUDA_ROUTED_DECODE": True, "MLX_MOE_FIX_CUDA_FUSED_ROUTER": False, "MLX_MOE_FIX_COMPILED_DECODE": True,
+            "MLX_MOE_FIX_CUDA_ROUTED_DECODE": True, "MLX_MOE_FIX_CUDA_FUSED_ROUTER": True, "MLX_MOE_FIX_COMPILED_DECODE": True,
             "MLX_MOE_FIX_COMPILED_PREFILL": True, "MLX_MOE_FIX_SHARED_STEPS": True,
-            # off: the router's matmul inside the gate+up launch saves the host a node but costs the GPU
-            # more than the router's launch (docs/benchmarks.md, thirty-first session)
             # off until the Metal decode kernel has run on Apple hardware (kernels/metal/)
             "MLX_MOE_FIX_METAL_DECODE": False}
 _values: dict = {}

@@ -147,3 +147,24 @@ def test_global_qualifiers_give_launch_bounds_and_cluster_dims_to_the_kernel_mlx
     assert both.startswith("#if defined(__global__) && defined(__location__)\n#undef __global__\n") and both.endswith("#endif\n")
     assert "__cluster_dims__" not in global_qualifiers((256, 2)) and "__launch_bounds__" not in global_qualifiers((), 8)
     assert global_qualifiers() == ""
+
+
+def test_the_router_goes_inside_the_gate_up_launch_only_where_its_blocks_fit_one_wave(monkeypatch):
+    """Every cluster of router_gate_up's blocks computes the token's logits, so a launch of more
+    blocks than the GPU runs at once would compute them again each wave: at the H200's 132 SMs (4
+    blocks of 4 warps an SM), Qwen3-30B-A3B's gate+up (768 rows, top-8: 384 blocks) takes the
+    router inside, Mixtral-8x7B's (14336 rows, top-2: 1792 blocks) keeps the router's node."""
+    from types import SimpleNamespace
+
+    def experts(rows):
+        return SimpleNamespace(projections=[SimpleNamespace(output_dims=rows)] * 3)
+
+    qwen3, mixtral = experts(768), experts(14336)
+    assert (ROUTED.fused_router_blocks(qwen3, 8), ROUTED.fused_router_blocks(mixtral, 2)) == (384, 1792)
+    assert ROUTED.fused_router_blocks(experts(40), 1) == 8  # 3 row groups, padded to a cluster
+    monkeypatch.setattr(ROUTED, "multiprocessor_count", lambda: 132)
+    assert ROUTED.one_wave_blocks() == 528
+    assert ROUTED._waves_reason(qwen3, 8) is None
+    assert "1792 gate+up blocks, more than the 528 of one wave" in ROUTED._waves_reason(mixtral, 2)
+    monkeypatch.setattr(ROUTED, "multiprocessor_count", lambda: None)
+    assert "SM count is unknown" in ROUTED._waves_reason(qwen3, 8)

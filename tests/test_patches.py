@@ -12,6 +12,7 @@ import pytest
 import wrapt
 
 import mlx_moe_fix
+from mlx_moe_fix.kernels.moe_routed_decode import fused_router_unavailable_reason
 from mlx_moe_fix.patches import TARGETS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,7 +90,8 @@ def test_status_reports_every_target_with_a_reason():
     gemm = status["prefill_gate_up_gemm"]
     assert gemm["reason"] and (gemm["gemm"] is None) == (status["ops"]["moe_prefill"]["path"] != "kernel")
     inside = status["routed_decode_router_inside"]
-    assert inside["reason"] and not inside["on"]  # off by default, wherever this runs
+    runs_here = status["ops"]["moe_routed_decode"]["path"] == "kernel" and mx.cuda.is_available()
+    assert inside["reason"] and inside["on"] == (runs_here and fused_router_unavailable_reason() is None)  # on by default
     mlx_moe_fix.revert()
     assert {t["state"] for t in mlx_moe_fix.status()["targets"]} == {"not applied"}
 

@@ -78,7 +78,7 @@ def routed_plan(x: mx.array, logits, routing: Routing, experts: MoEExperts, *, d
     pairs = (x.size // x.shape[-1]) * routing.top_k
     if pairs >= PREFILL_MIN_PAIRS or _grouped_sized(pairs, experts):
         return None
-    if router and fused_router_reason(x, logits, experts) is not None:
+    if router and fused_router_reason(x, logits, experts, routing.top_k) is not None:
         return None
     experts_count = logits.output_dims if router else logits.shape[-1]
     return experts.memo(("routed plan", x.shape, x.dtype, router, experts_count, logits_dtype(x, logits), routing,

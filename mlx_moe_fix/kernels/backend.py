@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import re
 from typing import Callable, NamedTuple, Optional
@@ -32,6 +33,29 @@ def compute_capability() -> Optional[tuple]:
         match = re.fullmatch(r"sm_(\d+)(\d)a?", str(info.get("architecture", "")))
         return (int(match.group(1)), int(match.group(2))) if match else None
     return major, minor
+
+
+# CUdevice_attribute CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT (cuda.h)
+_MULTIPROCESSOR_COUNT = 16
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count() -> Optional[int]:
+    """The CUDA GPU's streaming multiprocessors (MLX's default GPU), asked of the driver once per
+    process (mx.device_info does not say); None where the driver cannot be asked (no libcuda, no
+    CUDA GPU)."""
+    # MLX's Device shows its index only in its repr: "Device(gpu, 0)"
+    match = re.fullmatch(r"Device\(gpu, (\d+)\)", str(mx.default_device()))
+    index = int(match.group(1)) if match else 0
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, count = ctypes.c_int(), ctypes.c_int()
+    if (driver.cuInit(0) != 0 or driver.cuDeviceGet(ctypes.byref(device), index) != 0
+            or driver.cuDeviceGetAttribute(ctypes.byref(count), _MULTIPROCESSOR_COUNT, device) != 0):
+        return None
+    return count.value if count.value > 0 else None
 
 
 class Implementation(NamedTuple):

@@ -13,12 +13,15 @@ arithmetic). The experts and weights pass between the two in the hidden output's
 experts and weights are the router kernel's, bit for bit. Given a RouterLinear at a single token
 (`fused_router_reason`), the gate+up launch (`router_gate_up`) also computes the logits, bit for
 bit as MLX's quantized_matmul does, so that the block is two launches and no router node; else
-the router linear runs as its own node first. That is off unless MLX_MOE_FIX_CUDA_FUSED_ROUTER=1:
-on the H200 (docs/benchmarks.md, thirty-first session) it saved qwen3_moe's host ~5-8 µs a layer
-at batch 1 (0.955 of its dense equivalent against 0.931), but its gate+up launch took 12-14 µs
-longer, where the router's own launch takes 5.4-5.8 (every cluster of 8 blocks reads the whole
-router: 48 clusters read Qwen3's 272 KB each), so that GPU-bound blocks lose (mixtral 1.478
-against 1.581).
+the router linear runs as its own node first. Every cluster of the launch's blocks computes the
+logits whole, so only where its blocks fit one wave of the GPU (each further wave would compute
+them again before its first expert load: at Mixtral's shape, 1792 blocks in ~3.4 waves, the launch
+took 60.6 µs against the router's 5.7 and the gate+up's 46.3; docs/benchmarks.md, thirty-first
+session). On the H200 at Qwen3-30B-A3B's shape (384 blocks, one wave) the launch takes ~4 µs
+longer than the router's own launch and the plain gate+up together, and saves the host a node:
+qwen3_moe's batch-1 decode 0.966 of its dense equivalent against 0.940 with the router node, in
+one process (docs/benchmarks.md, thirty-second session). MLX_MOE_FIX_CUDA_FUSED_ROUTER=0 keeps the
+router's node.
 MLX_MOE_FIX_CUDA_ROUTED_DECODE=0 turns the fused kernel off (the block then routes and runs its
 experts in separate launches).
 """
@@ -31,7 +34,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..env import flag
-from .backend import Implementation, choose, compute_capability, current_backend
+from .backend import Implementation, choose, compute_capability, current_backend, multiprocessor_count
 from .experts import SUPPORTED_GROUP_SIZES, MoEExperts, RouterLinear
 from .launch import cuda_kernel_object, int_array
 from .moe_decode import gate_up_block_shape, gate_up_launch, moe_decode_implementation, moe_decode_reference
@@ -109,7 +112,7 @@ def moe_routed_decode_kernel(x: mx.array, logits, routing: Routing, experts: MoE
     fused_router_reason allows, else by the linear first."""
     leading_shape = x.shape[:-1]
     if isinstance(logits, RouterLinear):
-        if fused_router_reason(x, logits, experts) is None:
+        if fused_router_reason(x, logits, experts, routing.top_k) is None:
             gate_up, down = _launches(experts, routing, leading_shape, x.dtype, (logits.bits, logits.group_size))
             (hidden,) = gate_up(x, logits.weight, logits.scales, logits.biases)
             return down(hidden)[0]
@@ -131,10 +134,11 @@ def logits_dtype(x: mx.array, logits):
     return logits.logits_dtype(x.dtype) if isinstance(logits, RouterLinear) else logits.dtype
 
 
-def fused_router_reason(x: mx.array, router: RouterLinear, experts: MoEExperts) -> Optional[str]:
+def fused_router_reason(x: mx.array, router: RouterLinear, experts: MoEExperts, top_k: int) -> Optional[str]:
     """Why router_gate_up cannot compute this router's logits for this call, or None: it takes one
     token (each cluster of its blocks computes its token's logits whole), bf16 activations and an
-    affine 4- or 8-bit router of bf16 scales and no additive bias, on a GPU with clusters."""
+    affine 4- or 8-bit router of bf16 scales and no additive bias, on a GPU with clusters, where its
+    blocks fit one wave."""
     unavailable = fused_router_unavailable_reason()
     if unavailable is not None:
         return unavailable
@@ -153,15 +157,42 @@ def fused_router_reason(x: mx.array, router: RouterLinear, experts: MoEExperts) 
         return f"a router of {router.input_dims} -> {router.output_dims} for experts of {experts.input_dims} x {experts.num_experts}"
     if router.output_dims > MAX_FUSED_ROUTER_EXPERTS:
         return f"{router.output_dims} experts (at most {MAX_FUSED_ROUTER_EXPERTS})"
+    return experts.memo(("fused router waves", top_k), lambda: _waves_reason(experts, top_k))
+
+
+def fused_router_blocks(experts: MoEExperts, top_k: int) -> int:
+    """The blocks of router_gate_up's launch at one token: its grid's x (the gate+up's row groups,
+    padded to whole clusters) for each of the k pairs."""
+    shape = gate_up_block_shape()
+    row_groups = -(-experts.projections[-2].output_dims // (shape.warps * shape.rows))  # up, or fc1 of two
+    return -(-row_groups // ROUTER_CLUSTER) * ROUTER_CLUSTER * top_k
+
+
+def one_wave_blocks() -> Optional[int]:
+    """The gate+up launch's blocks that the GPU runs at once (its launch bounds' blocks an SM, on
+    every SM), or None where the SM count is unknown."""
+    sms = multiprocessor_count()
+    shape = gate_up_block_shape()
+    return None if sms is None else sms * (shape.resident // shape.warps)
+
+
+def _waves_reason(experts: MoEExperts, top_k: int) -> Optional[str]:
+    capacity = one_wave_blocks()
+    if capacity is None:
+        return "the GPU's SM count is unknown here (the CUDA driver was not found): one wave cannot be sized"
+    blocks = fused_router_blocks(experts, top_k)
+    if blocks > capacity:
+        return (f"{blocks} gate+up blocks, more than the {capacity} of one wave: each wave would compute the logits "
+                "again before its expert loads")
     return None
 
 
 def fused_router_unavailable_reason() -> Optional[str]:
     """Why no call here can have its router's logits computed in the gate+up launch, whatever its
     router and shape, or None. The switch first: the patched blocks ask at every call
-    (fusable_router), and it is off by default."""
+    (fusable_router)."""
     if not flag(FUSED_ROUTER_SWITCH):
-        return f"off unless {FUSED_ROUTER_SWITCH}=1"
+        return f"switched off ({FUSED_ROUTER_SWITCH}=0)"
     if current_backend() != "cuda":
         return f"{current_backend()}: router_gate_up is a CUDA kernel"
     capability = compute_capability()
@@ -184,7 +215,8 @@ def fused_router_state() -> dict:
     unavailable = fused_router_unavailable_reason()
     if unavailable is not None:
         return {"on": False, "reason": unavailable}
-    return {"on": True, "reason": "at a single token, for bf16 affine 4- or 8-bit routers without a bias"}
+    return {"on": True, "reason": "at a single token, for bf16 affine 4- or 8-bit routers without a bias, where the gate+up "
+                                  "launch's blocks fit one wave"}
 
 
 def cuda_unsupported_reason(experts: MoEExperts, routing: Routing, dtype, logits_dtype) -> Optional[str]:

@@ -4,6 +4,7 @@ against the router and decode kernels."""
 
 import io
 import re
+import sys
 from collections import Counter
 
 import mlx.core as mx
@@ -309,7 +310,7 @@ def test_cuda_fused_router_kernel_matches_the_routed_kernel_on_stock_logits(cuda
 
     case, router, routing = fused
     switch(FUSED_ROUTER_SWITCH, "1")
-    assert fused_router_reason(case.x, router, case.experts) is None, case.label
+    assert fused_router_reason(case.x, router, case.experts, routing.top_k) is None, case.label
     out = moe_routed_decode_kernel(case.x, router, routing, case.experts)
     expected = moe_routed_decode_kernel(case.x, router(case.x), routing, case.experts)
     assert "QuantizedMatmul" not in primitives_of(out), primitives_of(out)
@@ -317,31 +318,33 @@ def test_cuda_fused_router_kernel_matches_the_routed_kernel_on_stock_logits(cuda
     assert mx.array_equal(out, expected).item(), f"{case.label}: {relative_error(out, expected):.2e}"
 
 
-def test_cuda_fused_router_declines_what_it_cannot_reproduce(cuda_device, switch):
+def test_cuda_fused_router_declines_what_it_cannot_reproduce(cuda_device, switch, monkeypatch):
     from mlx_moe_fix.kernels.moe_routed_decode import FUSED_ROUTER_SWITCH, fused_router_reason
+
+    moe_routed_decode = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]  # the package exports its dispatcher by that name
 
     case = make_case(mx.bfloat16, (4, 64), True, "swiglu", None, False, 128, 64, 8, 2, 1, 2)
     one_token = case.x[:, :1]
     router = RouterLinear.from_module(quantized_router(128, 8, 8, 64, 0))
-    assert "off unless" in fused_router_reason(one_token, router, case.experts)  # the default
-    switch(FUSED_ROUTER_SWITCH, "1")
-    assert fused_router_reason(one_token, router, case.experts) is None
-    assert "2 tokens" in fused_router_reason(case.x, router, case.experts)
-    assert "float16" in fused_router_reason(one_token.astype(mx.float16), router, case.experts)
+    assert fused_router_reason(one_token, router, case.experts, 2) is None  # the default: on
+    assert "2 tokens" in fused_router_reason(case.x, router, case.experts, 2)
+    assert "float16" in fused_router_reason(one_token.astype(mx.float16), router, case.experts, 2)
     assert "additive bias" in fused_router_reason(one_token, RouterLinear.from_module(quantized_router(128, 8, 8, 64, 0, True)),
-                                                  case.experts)
+                                                  case.experts, 2)
     assert "affine 4- or 8-bit" in fused_router_reason(one_token, RouterLinear.from_module(quantized_router(128, 8, 6, 64, 0)),
-                                                       case.experts)
+                                                       case.experts, 2)
+    assert moe_routed_decode.multiprocessor_count() > 0  # asked of the CUDA driver
+    monkeypatch.setattr(moe_routed_decode, "multiprocessor_count", lambda: 1)  # one wave: 4 blocks of 4 warps
+    assert "more than the 4 of one wave" in fused_router_reason(one_token, router, case.experts, 1)  # 8 blocks (a cluster)
     switch(FUSED_ROUTER_SWITCH, "0")
-    assert FUSED_ROUTER_SWITCH in fused_router_reason(one_token, router, case.experts)
-    assert fused_router_reason(one_token, router, case.experts) == f"off unless {FUSED_ROUTER_SWITCH}=1"
+    assert fused_router_reason(one_token, router, case.experts, 2) == f"switched off ({FUSED_ROUTER_SWITCH}=0)"
 
 
 @pytest.mark.parametrize("family", BLOCK_FAMILIES)
 def test_a_routed_decode_block_is_its_router_and_two_launches(cuda_device, switch, family):
     """Issue 5: at a single token the router's linear, the routed gate+up kernel and the combining
-    down kernel; with MLX_MOE_FIX_CUDA_FUSED_ROUTER=1 the router's matmul goes inside the gate+up
-    launch where the router is a quantized linear without a bias (qwen3_moe's and mixtral's;
+    down kernel with MLX_MOE_FIX_CUDA_FUSED_ROUTER=0; by default the router's matmul goes inside the
+    gate+up launch where the router is a quantized linear without a bias (qwen3_moe's and mixtral's;
     gpt-oss's, a matmul and its bias, stays in front); with the routing in its own launch
     (MLX_MOE_FIX_CUDA_ROUTED_DECODE=0), one more. Built in Python (no compiled step), so that the
     graph shows the primitives a replay runs."""
@@ -352,9 +355,9 @@ def test_a_routed_decode_block_is_its_router_and_two_launches(cuda_device, switc
     mx.eval(x)
     router = launches_of(block["router" if family == "gpt_oss" else "gate"](x))
     with mlx_moe_fix.patched():
-        routed = launches_of(block(x))
-        switch("MLX_MOE_FIX_CUDA_FUSED_ROUTER", "1")
         fused = launches_of(block(x))
+        switch("MLX_MOE_FIX_CUDA_FUSED_ROUTER", "0")
+        routed = launches_of(block(x))
         switch("MLX_MOE_FIX_CUDA_FUSED_ROUTER", "")
         switch("MLX_MOE_FIX_CUDA_ROUTED_DECODE", "0")
         apart = launches_of(block(x))
