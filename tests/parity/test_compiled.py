@@ -99,6 +99,25 @@ def test_layers_with_compiled_steps_are_freed(compiled_steps):
     assert all(layer() is None for layer in layers), "a compiled step keeps its layer alive"
 
 
+def test_a_layers_last_step_is_freed_without_the_cycle_collector(compiled_steps):
+    """The record of a layer's last step holds the layer's children and a copy of its attributes,
+    itself among them only weakly: dropped, it is freed by reference counting (a cycle would keep
+    the children, weights included, for Python's cycle collector)."""
+    model, (block,), x = first_blocks(count=1)
+    with mlx_moe_fix.patched():
+        compiled_steps(True)
+        for _ in range(3):
+            block(x)
+    record = weakref.ref(block.__dict__[compiled._LAST_STEP])
+    assert compiled._last_step(block, (x,), {}) is record().step
+    gc.disable()
+    try:
+        object.__delattr__(block, compiled._LAST_STEP)
+        assert record() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_compiled_batched_decode_matches_python_built(compiled_steps, family):
     """mlx-lm's BatchGenerator: its decode steps (4 rows, left-padded prompts) compiled against
@@ -307,6 +326,8 @@ def test_objects_in_a_structure_count_by_identity_while_they_live(compiled_steps
         assert compiled._shared_step(shared) is not None
         del config
         object.__setattr__(blocks[0], "config", None)
+        for block in blocks:
+            block(x)  # a layer's last step holds its attributes until its next call
         gc.collect()
         assert compiled._shared_step(shared) is None, "a freed object's step must not be taken"
 
