@@ -5,6 +5,7 @@ import pytest
 
 import mlx_moe_fix
 from mlx_moe_fix import env
+from mlx_moe_fix.patches import compiled
 
 
 def gpu_available() -> bool:
@@ -74,9 +75,13 @@ def metal_device(switch):
 
 @pytest.fixture(autouse=True)
 def unpatched():
-    """Every test starts and ends with nothing patched and no counted paths."""
+    """Every test starts and ends with nothing patched, no counted paths and no compiled steps
+    shared by layers (a trace made under one test's stand-in implementation must not be replayed
+    by another test's layers of the same structure: the steps' keys hold the switches, not the
+    implementations a test swaps in)."""
     mlx_moe_fix.revert()
     mlx_moe_fix.reset_path_counts()
+    compiled.forget_shared_steps()
     yield
     mlx_moe_fix.revert()
 

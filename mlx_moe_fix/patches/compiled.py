@@ -175,6 +175,13 @@ _shared_steps = OrderedDict()  # (key, structure) -> (step, weak references to t
 _shared_kinds = set()  # (class, arguments) of the keys of _shared_steps, and of keys since dropped
 
 
+def forget_shared_steps() -> None:
+    """Drop the steps kept for layers to share: later layers trace their own again (tests that
+    swap an implementation in, which the keys do not hold)."""
+    _shared_steps.clear()
+    _shared_kinds.clear()
+
+
 class _Unshareable(Exception):
     pass
 

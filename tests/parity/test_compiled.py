@@ -260,7 +260,6 @@ def test_layers_of_one_structure_replay_one_shared_step_each_with_its_own_weight
     step of its counterpart in the first (their structures are the same), and each model's tokens
     and logits are those it builds in Python."""
     models = [zoo.build(family, 4, seed=seed, dtype=mx.bfloat16) for seed in (0, 1)]
-    compiled._shared_steps.clear()
     with mlx_moe_fix.patched():
         compiled_steps(True)
         replayed = [decode(model, family) for model in models]
@@ -289,7 +288,6 @@ def test_a_layer_with_an_array_outside_its_module_tree_shares_no_step(compiled_s
     that layer gets a step of its own, the others still share."""
     model, (odd, *others), x = first_blocks(count=2)
     object.__setattr__(odd.switch_mlp, "cached_array", mx.zeros((2,)))
-    compiled._shared_steps.clear()
     with mlx_moe_fix.patched():
         compiled_steps(True)
         for block in (odd, *others):
@@ -312,7 +310,6 @@ def test_objects_in_a_structure_count_by_identity_while_they_live(compiled_steps
     config = Config()
     for block in blocks:
         object.__setattr__(block, "config", config)
-    compiled._shared_steps.clear()
     with mlx_moe_fix.patched():
         compiled_steps(True)
         for block in blocks:
@@ -335,7 +332,6 @@ def test_objects_in_a_structure_count_by_identity_while_they_live(compiled_steps
 def test_shared_steps_switched_off_give_each_layer_its_own(compiled_steps, monkeypatch):
     model, blocks, x = first_blocks(count=2)
     monkeypatch.setenv(compiled.SHARE_SWITCH, "0")
-    compiled._shared_steps.clear()
     with mlx_moe_fix.patched():
         compiled_steps(True)  # (refreshes the switches)
         for block in blocks:

@@ -48,7 +48,7 @@ def vlm_paths():
     return {(r.phase, r.path, r.reason) for r in mlx_moe_fix.path_counts() if r.layer == "SwitchGLU[vlm]"}
 
 
-def test_ref_block_stays_on_upstreams_block_path_and_matches_stock():
+def test_ref_block_stays_on_upstreams_block_path_and_matches_stock(cpu_device):
     layer, args = block_call()
     stock = layer(*args)
     mlx_moe_fix.reset_path_counts()
@@ -65,7 +65,7 @@ def test_the_limit_binds_in_the_limited_block():
     assert (mx.abs(gate) > 0.05).any().item()
 
 
-def test_kernel_takes_the_block_whole_and_each_token_as_if_alone(monkeypatch):
+def test_kernel_takes_the_block_whole_and_each_token_as_if_alone(cpu_device, monkeypatch):
     """With a decode "kernel" (the reference, counted) the block is one call, and each token's
     output is the one its single-token call gives."""
     calls = []
