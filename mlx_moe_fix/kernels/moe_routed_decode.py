@@ -17,10 +17,10 @@ the router linear runs as its own node first. Every cluster of the launch's bloc
 logits whole, so only where its blocks fit one wave of the GPU (each further wave would compute
 them again before its first expert load: at Mixtral's shape, 1792 blocks in ~3.4 waves, the launch
 took 60.6 µs against the router's 5.7 and the gate+up's 46.3; docs/benchmarks.md, thirty-first
-session). On the H200 at Qwen3-30B-A3B's shape (384 blocks, one wave) the launch takes ~4 µs
+session). On the H200 at Qwen3-30B-A3B's shape (384 blocks, one wave) the launch takes ~4.5 µs
 longer than the router's own launch and the plain gate+up together, and saves the host a node:
-qwen3_moe's batch-1 decode 0.966 of its dense equivalent against 0.940 with the router node, in
-one process (docs/benchmarks.md, thirty-second session). MLX_MOE_FIX_CUDA_FUSED_ROUTER=0 keeps the
+qwen3_moe's batch-1 decode 0.962-0.998 of its dense equivalent against 0.932-0.958 with the
+router node, in four processes (docs/benchmarks.md, thirty-second session). MLX_MOE_FIX_CUDA_FUSED_ROUTER=0 keeps the
 router's node.
 MLX_MOE_FIX_CUDA_ROUTED_DECODE=0 turns the fused kernel off (the block then routes and runs its
 experts in separate launches).
