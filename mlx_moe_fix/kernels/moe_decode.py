@@ -132,12 +132,18 @@ def down_block_shape(top_k: int, combined: bool, bits: int, dtype, backend: str)
     return DOWN_BLOCK
 
 
+def gate_up_grid(experts: MoEExperts, pairs: int) -> tuple:
+    """(grid, threadgroup) of a gate+up launch: its row groups of the up (or lone first)
+    projection's rows along x, per pair along y."""
+    return _grid(experts.projections[1 if len(experts.projections) == 3 else 0].output_dims, pairs, gate_up_block_shape())
+
+
 def gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: str) -> Launch:
     gated = len(experts.projections) == 3
     gate, up = experts.projections[:2] if gated else (experts.projections[0],) * 2
     has_scale = experts.gate_scale is not None
     shape = gate_up_block_shape()
-    grid, block = _grid(up.output_dims, pairs, shape)
+    grid, block = gate_up_grid(experts, pairs)
     split_bytes = shared_split_bytes(experts, dtype, backend)
     return Launch(
         gpu_kernel("gate_up", backend, shape, split_bytes),

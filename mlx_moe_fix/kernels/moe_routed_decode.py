@@ -37,7 +37,7 @@ from ..env import flag
 from .backend import Implementation, choose, compute_capability, current_backend, multiprocessor_count
 from .experts import SUPPORTED_GROUP_SIZES, MoEExperts, RouterLinear
 from .launch import cuda_kernel_object, int_array
-from .moe_decode import gate_up_block_shape, gate_up_launch, moe_decode_implementation, moe_decode_reference
+from .moe_decode import gate_up_block_shape, gate_up_grid, gate_up_launch, moe_decode_implementation, moe_decode_reference
 from .moe_decode import routed_down_launch, shared_split_bytes
 from .moe_decode import INPUTS as DECODE_INPUTS
 from .moe_router import CUDA_KERNEL_SWITCH as ROUTER_SWITCH
@@ -86,8 +86,7 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
         (threads_x, blocks_y, blocks_z), block = gate_up.grid, gate_up.threadgroup
         if router is not None:
             template += [("ROUTER_BITS", router[0]), ("ROUTER_GROUP", router[1])]
-            clusters = -(-threads_x // (block[0] * ROUTER_CLUSTER))
-            threads_x = clusters * ROUTER_CLUSTER * block[0]
+            threads_x = whole_clusters(threads_x // block[0]) * block[0]
         routed_gate_up = gate_up._replace(
             kernel=cuda_kernel_object("moe_routed_decode.cu", section, tuple(INPUTS[section]), tuple(OUTPUTS[section]),
                                       split_bytes, gate_up_block_shape().launch_bounds(),
@@ -160,12 +159,16 @@ def fused_router_reason(x: mx.array, router: RouterLinear, experts: MoEExperts, 
     return experts.memo(("fused router waves", top_k), lambda: _waves_reason(experts, top_k))
 
 
+def whole_clusters(blocks_x: int) -> int:
+    """A grid's blocks along x padded to whole clusters of router_gate_up."""
+    return -(-blocks_x // ROUTER_CLUSTER) * ROUTER_CLUSTER
+
+
 def fused_router_blocks(experts: MoEExperts, top_k: int) -> int:
-    """The blocks of router_gate_up's launch at one token: its grid's x (the gate+up's row groups,
-    padded to whole clusters) for each of the k pairs."""
-    shape = gate_up_block_shape()
-    row_groups = -(-experts.projections[-2].output_dims // (shape.warps * shape.rows))  # up, or fc1 of two
-    return -(-row_groups // ROUTER_CLUSTER) * ROUTER_CLUSTER * top_k
+    """The blocks of router_gate_up's launch at one token: the gate+up's grid with its x padded to
+    whole clusters, for each of the k pairs."""
+    (threads_x, _, _), block = gate_up_grid(experts, top_k)
+    return whole_clusters(threads_x // block[0]) * top_k
 
 
 def one_wave_blocks() -> Optional[int]:
