@@ -52,15 +52,15 @@ __device__ __forceinline__ void route_pair(const T* logits, int experts, int top
 // time waits a round trip to memory per span.
 // Every cluster computes its token's logits whole (Qwen3's router 48 times a layer), so the
 // arithmetic is two values an instruction where it can be: a pair of q as exact bf16 without a
-// conversion (I2F and F2F run at a quarter of the FMA rate; two per value made the router
-// inside the launch cost more GPU time than its own launch), dequantised by one bf16x2 fma, and
-// at 4 bits accumulated by one bf16x2 fma: each lane of a bf16x2 instruction rounds as the
-// scalar one does.
+// conversion (8-bit: small_uint_to_float, then the floats' upper halves; I2F and F2F run at a
+// quarter of the FMA rate, and two per value made the router inside the launch cost more GPU time
+// than its own launch), dequantised by one bf16x2 fma, and at 4 bits accumulated by one bf16x2
+// fma: each lane of a bf16x2 instruction rounds as the scalar one does.
 template <int BITS>
 __device__ __forceinline__ __nv_bfloat162 exact_pair(uint32_t word, int first) {
   if constexpr (BITS == 8) {
-    const float lo = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440 + first)) - 8388608.f;
-    const float hi = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7441 + first)) - 8388608.f;
+    const float lo = small_uint_to_float(__byte_perm(word, 0u, 0x4440 + first));  // byte `first`, zero-extended
+    const float hi = small_uint_to_float(__byte_perm(word, 0u, 0x4441 + first));
     const uint32_t packed = __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632);  // exact: q < 2^8
     return *reinterpret_cast<const __nv_bfloat162*>(&packed);
   } else {
