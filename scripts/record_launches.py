@@ -73,6 +73,8 @@ def main(path):
                 module.current_backend = lambda: "cuda"
             if hasattr(module, "compute_capability"):
                 module.compute_capability = lambda: (9, 0)  # the H200's
+            if hasattr(module, "multiprocessor_count"):
+                module.multiprocessor_count = lambda: 132  # the H200's
             if hasattr(module, "cuda_kernel_object"):
                 module.cuda_kernel_object = recorder
     mlx_moe_fix.apply()
