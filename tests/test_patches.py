@@ -9,11 +9,10 @@ import textwrap
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-import wrapt
-
 import mlx_moe_fix
 from mlx_moe_fix.kernels.moe_routed_decode import fused_router_unavailable_reason
 from mlx_moe_fix.patches import TARGETS
+from mlx_moe_fix.patches.methods import wrapper_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +34,7 @@ def test_apply_replaces_and_revert_restores_the_same_objects():
     mlx_moe_fix.apply()
     for name, (cls, t) in classes.items():
         method = cls.__dict__[t.method]
-        assert isinstance(method, wrapt.FunctionWrapper) and method.__wrapped__ is originals[name], name
+        assert wrapper_of(method) is t.wrapper and method.__wrapped__ is originals[name], name
     mlx_moe_fix.revert()
     for name, (cls, t) in classes.items():
         assert cls.__dict__[t.method] is originals[name], name
@@ -43,6 +42,7 @@ def test_apply_replaces_and_revert_restores_the_same_objects():
 
 def test_apply_is_idempotent():
     classes = imported_classes()
+    originals = {name: cls.__dict__[t.method] for name, (cls, t) in classes.items()}
     mlx_moe_fix.apply()
     first = {name: cls.__dict__[t.method] for name, (cls, t) in classes.items()}
     mlx_moe_fix.apply()
@@ -52,7 +52,7 @@ def test_apply_is_idempotent():
     assert mlx_moe_fix.status()["phases"] == {"prefill": False, "decode": True}
     mlx_moe_fix.revert()
     for name, (cls, t) in classes.items():
-        assert not isinstance(cls.__dict__[t.method], wrapt.FunctionWrapper), name
+        assert cls.__dict__[t.method] is originals[name], name
 
 
 def test_patched_context_restores_the_previous_state():
@@ -99,13 +99,14 @@ def test_status_reports_every_target_with_a_reason():
 def test_deferred_import_is_patched_and_apply_does_not_import_mlx_vlm():
     result = run_python(
         """
-        import sys, wrapt, mlx_moe_fix
+        import sys, mlx_moe_fix
+        from mlx_moe_fix.patches.methods import wrapper_of
         mlx_moe_fix.apply()
         assert not any(m.startswith("mlx_vlm") for m in sys.modules), "apply() imported mlx_vlm"
         states = {t["target"]: t["state"] for t in mlx_moe_fix.status()["targets"]}
         assert states["mlx_vlm.models.switch_layers.SwitchGLU.__call__"] == "deferred", states
         from mlx_vlm.models.switch_layers import SwitchGLU
-        assert isinstance(SwitchGLU.__dict__["__call__"], wrapt.FunctionWrapper)
+        assert wrapper_of(SwitchGLU.__dict__["__call__"]) is not None
         print("ok")
         """
     )
@@ -115,11 +116,12 @@ def test_deferred_import_is_patched_and_apply_does_not_import_mlx_vlm():
 def test_revert_makes_deferred_hooks_inert():
     result = run_python(
         """
-        import wrapt, mlx_moe_fix
+        import mlx_moe_fix
+        from mlx_moe_fix.patches.methods import wrapper_of
         mlx_moe_fix.apply()
         mlx_moe_fix.revert()
         from mlx_vlm.models.switch_layers import SwitchGLU
-        assert not isinstance(SwitchGLU.__dict__["__call__"], wrapt.FunctionWrapper)
+        assert wrapper_of(SwitchGLU.__dict__["__call__"]) is None
         assert all(t["state"] == "not applied" for t in mlx_moe_fix.status()["targets"])
         print("ok")
         """
@@ -130,10 +132,11 @@ def test_revert_makes_deferred_hooks_inert():
 def test_disable_env_makes_apply_a_no_op():
     result = run_python(
         """
-        import wrapt, mlx_moe_fix
+        import mlx_moe_fix
+        from mlx_moe_fix.patches.methods import wrapper_of
         from mlx_lm.models.switch_layers import SwitchGLU
         mlx_moe_fix.apply()
-        assert not isinstance(SwitchGLU.__dict__["__call__"], wrapt.FunctionWrapper)
+        assert wrapper_of(SwitchGLU.__dict__["__call__"]) is None
         status = mlx_moe_fix.status()
         assert status["disabled_by_env"] and not status["applied"]
         print("ok")

@@ -1,8 +1,9 @@
 """Reversible patches of upstream MoE layers.
 
-apply() replaces each target method on its class with a wrapt FunctionWrapper (model files import
-the classes by name, so the class attribute is what must change). Modules not imported yet are
-patched by a post-import hook when they are; apply() never imports them itself. revert() puts the
+apply() replaces each target method on its class with a function calling the target's wrapper
+(methods.patched_method; model files import the classes by name, so the class attribute is what
+must change). Modules not imported yet are patched by a wrapt post-import hook when they are;
+apply() never imports them itself. revert() puts the
 original function objects back and makes the hooks inert (wrapt cannot unregister a hook).
 """
 
@@ -18,6 +19,7 @@ import wrapt
 from .. import env
 from ..env import flag
 from . import mlx_lm, mlx_vlm, options
+from .methods import patched_method
 from .targets import Target
 
 TARGETS = mlx_lm.TARGETS + mlx_vlm.TARGETS
@@ -49,7 +51,7 @@ def _patch_module(module) -> None:
         if original is None:
             _missing[target.name] = f"{target.module} has no {target.cls}.{target.method} in this version"
             continue
-        setattr(cls, target.method, wrapt.FunctionWrapper(original, target.wrapper))
+        setattr(cls, target.method, patched_method(original, target.wrapper))
         _originals[target.name] = original
 
 

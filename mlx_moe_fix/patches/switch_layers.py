@@ -13,6 +13,7 @@ from ..kernels import PREFILL_MIN_PAIRS, ExpertLinear, MoEExperts, Plan, Routing
 from . import options
 from .activations import recognise
 from .compiled import compiled_per_shape
+from .methods import wrapper_of
 
 GLU_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 MLP_PROJECTIONS = ("fc1", "fc2")
@@ -145,7 +146,7 @@ def routed_experts_call(layer, x, logits, routing: Routing):
     caller routes and calls the layer. Only where the layer's call is the patched expert block's
     own: not a subclass's override, nor a tool's interception (zoo.intercepting), which must see
     the call."""
-    kind = _EXPERT_BLOCKS.get(getattr(type(layer).__call__, "_self_wrapper", None))
+    kind = _EXPERT_BLOCKS.get(wrapper_of(type(layer).__call__))
     if kind is None or logits is None:
         return None
     experts, _ = describe(layer, kind[1])
