@@ -142,16 +142,6 @@ class _LastStep:
         self.device, self.backends, self.children, self.step = mx.default_device(), BACKENDS, children, step
         self.attributes = None
 
-    def holds_for(self, instance) -> bool:
-        """Whether the layer's children and attributes are still those the step was taken with."""
-        children = self.children
-        if len(instance) != len(children) or not all(map(operator.is_, dict.values(instance), children)):
-            return False
-        try:
-            return vars(instance) == self.attributes
-        except Exception:  # an attribute whose == does not give a truth value: changed, as far as this can tell
-            return False
-
 
 class _Self:
     """Equal to one _LastStep only, which it refers to weakly (dict comparison asks it, reflected,
@@ -250,17 +240,22 @@ def _share(shared, step) -> None:
 
 def _last_step(instance, args: tuple, kwargs: dict):
     """The step of the layer's last compiled call where this call would take it too (its key and
-    its eligibility unchanged), found without building and hashing the key (on the CPU ~2 µs of
-    the wrapper's ~7 per call); else None."""
+    its eligibility unchanged), found without building and hashing the key; else None. The layer's
+    children are compared by identity, its attributes as a dict (see _LastStep). (Per decode step
+    and layer: written for speed, in one frame.)"""
     last = instance.__dict__.get(_LAST_STEP)
     if last is None or kwargs or len(args) != 1 or _suspensions[0] or getattr(_state, "nested", False):
         return None
-    x = args[0]
-    if (type(x) is not mx.array or x.shape != last.shape or snapshot() is not last.switches or BACKENDS is not last.backends
-            or x.dtype != last.dtype or options.enabled() != last.enabled or mx.default_device() != last.device
-            or not last.holds_for(instance)):
+    x, children = args[0], last.children
+    if (type(x) is not mx.array or x.shape != last.shape or snapshot() is not last.switches
+            or options.enabled() is not last.enabled or BACKENDS is not last.backends or x.dtype != last.dtype
+            or mx.default_device() != last.device or len(instance) != len(children)
+            or not all(map(operator.is_, dict.values(instance), children))):
         return None
-    return last.step
+    try:
+        return last.step if vars(instance) == last.attributes else None
+    except Exception:  # an attribute whose == does not give a truth value: changed, as far as this can tell
+        return None
 
 
 def _remember(instance, args: tuple, kwargs: dict, key: tuple, step) -> None:
@@ -319,7 +314,7 @@ def _make_room(steps: dict) -> None:
 
 
 def compiled_per_shape(wrapper, runs_as_is=None):
-    """The wrapt wrapper `wrapper(wrapped, instance, args, kwargs)`, with its calls compiled (see
+    """The wrapper `wrapper(wrapped, instance, args, kwargs)` (wrapt's signature), with its calls compiled (see
     the module's docstring) from the second call of a key on; patched calls nested in it run as
     they are. Where `runs_as_is(instance)`, the layer's call is upstream's, neither wrapped nor
     compiled (asked where the layer's last step does not hold: that step was taken where it was
@@ -377,6 +372,7 @@ def compiled_per_shape(wrapper, runs_as_is=None):
         _remember(instance, args, kwargs, key, step)
         return step(instance, args, kwargs)
 
+    compiled_wrapper.last_step = _last_step  # patches/methods.py calls it before the wrapper
     return compiled_wrapper
 
 
