@@ -43,20 +43,37 @@ def described(a):
 
 
 class Recorder:
-    def __init__(self, key):
-        self.key = key
+    """A kernel object's stand-in. Inputs that the kernel declares in its source (`constants`:
+    launch.SourceConstants) are recorded in their places among the passed ones as the arrays they
+    stand for (an absent input as the absent() placeholder), so that moving an input into the
+    source leaves the record as it was."""
+
+    def __init__(self, key, input_names=(), constants=()):
+        self.key, self.input_names, self.constants = key, input_names, {c.name: c for c in constants}
 
     def __call__(self, *, inputs, template=(), grid, threadgroup, output_shapes, output_dtypes, **rest):
-        calls.append({"kernel": self.key, "inputs": [described(a) for a in inputs],
+        calls.append({"kernel": self.key, "inputs": [described(a) for a in self.all_inputs(inputs)],
                       "template": [(k, str(v)) for k, v in template], "grid": list(grid),
                       "threadgroup": list(threadgroup), "output_shapes": [list(s) for s in output_shapes],
                       "output_dtypes": [str(d) for d in output_dtypes], "other": sorted(rest)})
         return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
 
+    def all_inputs(self, passed: list) -> list:
+        if not self.constants:
+            return passed
+        passed = iter(passed)
+        return [next(passed) if name not in self.constants else stand_in(self.constants[name]) for name in self.input_names]
 
-def recorder(filename, section, input_names, output_names, shared, bounds=(), cluster=0):
+
+def stand_in(constant) -> mx.array:
+    if constant.values is None:
+        return mx.array([0.0], dtype=mx.float32)
+    return mx.array(constant.values, dtype=getattr(mx, constant.dtype))
+
+
+def recorder(filename, section, input_names, output_names, shared, bounds=(), cluster=0, constants=()):
     return Recorder([filename, section, list(input_names), list(output_names), shared, list(bounds)]
-                    + ([cluster] if cluster else []))
+                    + ([cluster] if cluster else []), input_names, constants)
 
 
 def launches_of(compute) -> list:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import mlx.core as mx
 import pytest
 
 from mlx_moe_fix.kernels.sources import cuda_kernel_source
@@ -46,15 +47,19 @@ def signature(name, inputs, outputs, t, has_bias):
     return f"__global__ void {name}({', '.join(params)})"
 
 
-def translation_unit(module, filename, variants):
-    """One file of kernels of one stage, with the header and body cuda_kernel gets for it."""
+def translation_unit(module, filename, variants, source_constants=()):
+    """One file of kernels of one stage, with the header and body cuda_kernel gets for it; the
+    inputs among `source_constants` (launch.SourceConstants) declared in the body, not passed."""
     (stage,) = {variant[0] for variant in variants}
     header, body = cuda_kernel_source(filename, stage)
+    declared = {constant.name for constant in source_constants}
+    inputs = [name for name in module.INPUTS[stage] if name not in declared]
+    body = "".join(constant.declaration() for constant in source_constants) + body
     text = "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n" + header
     for i, (_, t, constants) in enumerate(variants):
         lines = [f"  using T = {t}; using S = {t}; using SC = float; using WT = {t};"]
         lines += [f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};" for k, v in constants.items()]
-        text += f"\n{signature(f'k{i}', module.INPUTS[stage], module.OUTPUTS[stage], t, constants.get('HAS_BIAS'))} {{\n"
+        text += f"\n{signature(f'k{i}', inputs, module.OUTPUTS[stage], t, constants.get('HAS_BIAS'))} {{\n"
         text += "\n".join(lines)
         text += f"\n{body}\n}}\n"
     return text
@@ -209,14 +214,35 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
                                                      for router_bits in (4, 8)])))
     if t != "float" and bits == 4:  # the combining down of one pair a warp (moe_decode.down_block_shape), its own bounds
         units.append((DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [base])))
-    texts = [with_launch_bounds(translation_unit(module, filename, [(stage, t, constants) for constants in variants]),
+    # each unit as MLX compiles it at a model's shape without bias or scales (its params and absent
+    # inputs declared in its source: launch.source_constants), and with every input passed
+    units = [(*unit, constants) for unit in units for constants in [(), source_constants_of(unit[2], *MODEL_SHAPES[0])]]
+    texts = [with_launch_bounds(translation_unit(module, filename, [(stage, t, constants) for constants in variants], declared),
                                 filename, stage, shape.launch_bounds(), ROUTED.ROUTER_CLUSTER if stage == "router_gate_up" else 0)
-             for module, filename, stage, shape, variants in units]
-    for (module, filename, stage, shape, variants), usage in zip(units, compile_all(tmp_path, texts, "--resource-usage")):
+             for module, filename, stage, shape, variants, declared in units]
+    for (module, filename, stage, shape, variants, _), usage in zip(units, compile_all(tmp_path, texts, "--resource-usage")):
         threads, blocks = shape.launch_bounds()
         used = [int(n) for n in re.findall(r"Used (\d+) registers", usage)]
         assert len(used) == len(variants) and max(used) <= 65536 // (threads * blocks), usage
         assert re.findall(r"(\d+) bytes spill stores", usage) == ["0"] * len(variants), usage
+
+
+# (hidden, intermediate, top-k, experts) of Qwen3-30B-A3B and Mixtral-8x7B
+MODEL_SHAPES = ((2048, 768, 8, 128), (4096, 14336, 2, 8))  # the source constants hold no shape: one is enough
+
+
+def source_constants_of(stage, hidden, intermediate, top_k, experts) -> tuple:
+    """The SourceConstants of a decode launch of `stage` without bias or scales, at a model's shape
+    (SwiGLU)."""
+    from mlx_moe_fix.kernels.launch import kernel_dims, kernel_params, source_constants
+
+    if stage in ("down", "routed_down"):
+        fixed = {"bias": None, "out_scale": None, "dims": kernel_dims(intermediate, hidden, top_k)}
+    else:
+        dims = kernel_dims(hidden, intermediate, top_k, None).tolist() + ([experts] if stage != "gate_up" else [])
+        fixed = {"gate_bias": None, "up_bias": None, "gate_scale": None, "dims": mx.array(dims, dtype=mx.int32),
+                 "params": kernel_params(None)}
+    return source_constants(fixed)[0]
 
 
 def test_a_bias_signature_that_disagrees_with_has_bias_does_not_compile(tmp_path):

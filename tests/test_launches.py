@@ -19,7 +19,7 @@ def recorded_decode_kernels(monkeypatch) -> list:
     (section, shared bytes, launch bounds) they are asked for, in order."""
     created = []
     for module in (DECODE, ROUTED):
-        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bounds, cluster=0:
+        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bounds, cluster=0, constants=():
                             created.append((section, shared, bounds)) or Recorder(section))
     return created
 
@@ -168,3 +168,36 @@ def test_the_router_goes_inside_the_gate_up_launch_only_where_its_blocks_fit_one
     assert "1792 gate+up blocks, more than the 528 of one wave" in ROUTED._waves_reason(mixtral, 2)
     monkeypatch.setattr(ROUTED, "multiprocessor_count", lambda: None)
     assert "SM count is unknown" in ROUTED._waves_reason(qwen3, 8)
+
+
+def test_cuda_decode_launches_declare_their_params_and_absent_inputs_in_their_source(monkeypatch):
+    # launch.source_constants: a CUDA decode launch passes its weights and dims (the routed
+    # gate+up's with the expert count after them); params and the absent optional inputs are
+    # declared at the start of the kernel's body, the floats by their bits. Metal passes them all.
+    from mlx_moe_fix.kernels.launch import SourceConstant, absent
+    from mlx_moe_fix.kernels.moe_router import Routing
+
+    decode, routed = DECODE, ROUTED
+    kernels = []
+    for module in (DECODE, ROUTED):
+        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bounds, cluster=0,
+                            constants=(): kernels.append((section, inputs, constants)) or Recorder(section))
+    case = make_case(mx.bfloat16, (4, 64), True, "swiglu_oai", 7.0, False, 256, 128, 8, 2, 1, 1, bias=True)
+    gate_up, down = routed._launches(case.experts, Routing("softmax_topk", 2, True), (1, 1), mx.bfloat16)
+    sections = {section: (inputs, {c.name: c for c in constants}) for section, inputs, constants in kernels}
+    inputs, constants = sections["routed_gate_up"]
+    gate, up = case.experts.projections[:2]
+    *arrays, dims = gate_up.fixed_inputs
+    assert arrays == [gate.weight, gate.scales, gate.biases, up.weight, up.scales, up.biases, gate.bias, up.bias]
+    assert dims.tolist() == [256, 128, 2, 1, 1, 1, 0, 8] and inputs[-2:] == ("dims", "params")
+    assert set(constants) == {"gate_scale", "params"} and constants["gate_scale"] == SourceConstant("gate_scale", None, None)
+    limit, alpha = constants["params"].values
+    assert (limit, alpha) == (7.0, mx.array(case.experts.activation.alpha).item()) and "__int_as_float(1088421888)" in constants["params"].declaration()
+    assert constants["gate_scale"].declaration() == "const float* gate_scale = reinterpret_cast<const float*>(dims);\n"
+    inputs, constants = sections["routed_down"]
+    last = case.experts.projections[-1]
+    assert down.fixed_inputs[:4] == [last.weight, last.scales, last.biases, last.bias] and len(down.fixed_inputs) == 5
+    assert set(constants) == {"out_scale"}
+    monkeypatch.setattr(decode, "metal_kernel_object", lambda *a: Recorder("metal"))
+    metal = decode.gate_up_launch(case.experts, 2, 2, mx.bfloat16, "metal")
+    assert len(metal.fixed_inputs) == 11 and metal.fixed_inputs[8] is absent()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import struct
 from typing import NamedTuple, Optional
 
 import mlx.core as mx
@@ -39,7 +40,7 @@ class Launch(NamedTuple):
         )
 
 
-def _kernel_name(backend: str, filename: str, section: str, suffix: str = "") -> str:
+def _kernel_name(backend: str, filename: str, section: str, suffix: str = "", declarations: str = "") -> str:
     """A kernel's name with its source's digest: MLX keeps compiled kernels under their names (on
     disk, for CUDA: MLX_PTX_CACHE_DIR), so an edited source must not find its old build there."""
     if backend == "cuda":
@@ -47,7 +48,7 @@ def _kernel_name(backend: str, filename: str, section: str, suffix: str = "") ->
     else:
         source = sections(backend, filename)
         header, body = source["header"], source[section]
-    digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
+    digest = hashlib.sha1((header + declarations + body).encode()).hexdigest()[:12]
     return f"mlx_moe_fix_{filename.split('.')[0]}_{section}{suffix}_{digest}"
 
 
@@ -68,23 +69,80 @@ def global_qualifiers(bounds: tuple = (), cluster: int = 0) -> str:
 
 @functools.lru_cache(maxsize=None)
 def cuda_kernel_object(filename: str, section: str, input_names: tuple, output_names: tuple, shared_bytes: int,
-                       bounds: tuple = (), cluster: int = 0):
+                       bounds: tuple = (), cluster: int = 0, constants: tuple = ()):
     """The mx.fast.cuda_kernel object of one section of cuda/`filename`, with `shared_bytes` of
     dynamic shared memory (fixed per object) and, given `bounds` = (threads, min_blocks) or
-    `cluster`, global_qualifiers; or None where MLX has no CUDA. Cached: each object is an NVRTC
-    compile per template variant."""
+    `cluster`, global_qualifiers; `constants` (SourceConstants) are inputs declared at the start
+    of the kernel's body instead of passed; or None where MLX has no CUDA. Cached: each object is an
+    NVRTC compile per template variant."""
     if not mx.cuda.is_available():
         return None
     header, body = cuda_kernel_source(filename, section)
+    declarations = "".join(constant.declaration() for constant in constants)
     suffix = f"_smem{shared_bytes}" + (f"_lb{bounds[0]}x{bounds[1]}" if bounds else "") + (f"_cl{cluster}" if cluster else "")
+    declared = {constant.name for constant in constants}
     return mx.fast.cuda_kernel(
-        name=_kernel_name("cuda", filename, section, suffix),
-        input_names=list(input_names),
+        name=_kernel_name("cuda", filename, section, suffix, declarations),
+        input_names=[name for name in input_names if name not in declared],
         output_names=list(output_names),
-        source=body,
+        source=declarations + body,
         header=cuda_header_directive(header) + global_qualifiers(bounds, cluster),
         shared_memory=shared_bytes,
     )
+
+
+# Fixed inputs that a CUDA decode launch takes as constants of its source, with the absent optional
+# inputs: each input a launch passes costs the host ~0.24 µs a call to replay and submit (H200's
+# host, one custom kernel with 2 against 15 inputs: docs/benchmarks.md, thirty-third session), and a
+# decode step makes two launches a layer. Not `dims`: the shape as constants let the compiler
+# unroll the fp32 down's loops past its launch bounds (12 bytes spilled at 4 bits).
+SOURCE_CONSTANTS = ("params",)
+
+
+# The passed input that an absent input's pointer is made of: every decode launch passes its dims.
+ABSENT_ALIAS = "dims"
+
+
+class SourceConstant(NamedTuple):
+    """An input declared in a kernel's source instead of passed: its values (int32 or float32), or
+    None for an absent optional input, a pointer of the float32 placeholder's type that the kernel
+    never reads. That pointer is ABSENT_ALIAS's, not a null one: told that an input is null, the
+    compiler laid the combining down's registers out otherwise and spilled 12 bytes at 4 bits."""
+
+    name: str
+    dtype: Optional[str]
+    values: Optional[tuple]
+
+    def declaration(self) -> str:
+        if self.values is None:
+            return f"const float* {self.name} = reinterpret_cast<const float*>({ABSENT_ALIAS});\n"
+        if self.dtype == "int32":
+            return f"const int {self.name}[] = {{{', '.join(map(str, self.values))}}};\n"
+        # floats by their bits: the kernel reads the very float32 values the array held
+        bits = (struct.unpack("<i", struct.pack("<f", v))[0] for v in self.values)
+        return f"const float {self.name}[] = {{{', '.join(f'__int_as_float({b})' for b in bits)}}};\n"
+
+
+def source_constants(fixed: dict) -> tuple:
+    """(SourceConstants for cuda_kernel_object, the arrays still passed, in order) of a CUDA
+    launch's fixed inputs {name: array, or None where the optional input is absent}: the absent,
+    and those in SOURCE_CONSTANTS (int32 or float32 arrays) by their values."""
+    constants, arrays = [], []
+    for name, array in fixed.items():
+        if array is None:
+            constants.append(SourceConstant(name, None, None))
+        elif name in SOURCE_CONSTANTS:
+            if array.dtype not in (mx.int32, mx.float32):
+                raise TypeError(f"{name}: a {array.dtype} input cannot be a source constant (int32 or float32 only)")
+            constants.append(SourceConstant(name, "int32" if array.dtype == mx.int32 else "float32", tuple(array.tolist())))
+        else:
+            arrays.append(array)
+    return tuple(constants), arrays
+
+
+def fixed_or_absent(fixed: dict) -> list:
+    """A launch's fixed inputs as arrays, an absent one as the absent() placeholder (Metal)."""
+    return [absent() if array is None else array for array in fixed.values()]
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,8 +16,8 @@ import mlx.core as mx
 
 from .backend import Implementation, choose, current_backend
 from .experts import ExpertLinear, MoEExperts
-from .launch import (Launch, absent, bias_template, cuda_kernel_object, kernel_dims, kernel_params,
-                     metal_kernel_object, per_pair, quantized_experts_reason)
+from .launch import (Launch, absent, bias_template, cuda_kernel_object, fixed_or_absent, kernel_dims, kernel_params,
+                     metal_kernel_object, per_pair, quantized_experts_reason, source_constants)
 from .reference import combine, expert_chain
 
 
@@ -80,15 +80,18 @@ INPUTS = {
 }
 OUTPUTS = {"gate_up": ["hidden"], "down": ["out"], "routed_down": ["out"]}
 
-def gpu_kernel(stage: str, backend: str, shape: BlockShape, shared_bytes: int = 0):
-    """The kernel object of one stage ("gate_up" or "down") on `backend` ("cuda" or "metal"), or
-    None where MLX lacks that backend. The two take the same inputs, templates and grid; CUDA's
-    gate+up also SHARED_SPLIT (with `shared_bytes`), and CUDA's launches are bounded for their
-    block `shape`."""
+def gpu_kernel(stage: str, backend: str, shape: BlockShape, fixed: dict, shared_bytes: int = 0) -> tuple:
+    """(the kernel object of one stage ("gate_up" or "down") on `backend` ("cuda" or "metal"), or
+    None where MLX lacks that backend; the arrays of its `fixed` inputs that a launch passes). The
+    two take the same inputs, templates and grid; CUDA's gate+up also SHARED_SPLIT (with
+    `shared_bytes`), CUDA's launches are bounded for their block `shape` and take their fixed dims,
+    params and absent inputs in their source (launch.source_constants)."""
     if backend == "metal":
-        return metal_kernel_object("moe_decode.metal", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]))
+        kernel = metal_kernel_object("moe_decode.metal", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]))
+        return kernel, fixed_or_absent(fixed)
+    constants, arrays = source_constants(fixed)
     return cuda_kernel_object("moe_decode.cu", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]), shared_bytes,
-                              shape.launch_bounds())
+                              shape.launch_bounds(), 0, constants), arrays
 
 
 def shared_split_bytes(experts: MoEExperts, dtype, backend: str) -> int:
@@ -140,24 +143,31 @@ def gate_up_grid(experts: MoEExperts, pairs: int) -> tuple:
 
 def gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: str) -> Launch:
     gated = len(experts.projections) == 3
-    gate, up = experts.projections[:2] if gated else (experts.projections[0],) * 2
+    up = experts.projections[1 if gated else 0]
     has_scale = experts.gate_scale is not None
     shape = gate_up_block_shape()
     grid, block = gate_up_grid(experts, pairs)
     split_bytes = shared_split_bytes(experts, dtype, backend)
+    kernel, fixed = gpu_kernel("gate_up", backend, shape, gate_up_fixed_inputs(experts, top_k), split_bytes)
     return Launch(
-        gpu_kernel("gate_up", backend, shape, split_bytes),
-        [gate.weight, gate.scales, gate.biases, up.weight, up.scales, up.biases,
-         gate.bias if gate.bias is not None else absent(),
-         up.bias if up.bias is not None else absent(),
-         experts.gate_scale if has_scale else absent(),
-         kernel_dims(up.input_dims, up.output_dims, top_k, experts.activation, up.bias is not None, has_scale),
-         kernel_params(experts.activation)],
+        kernel, fixed,
         _quant_templates(up, dtype, shape) + [("SC", experts.gate_scale.dtype if has_scale else mx.float32),
                                               ("GATED", gated), bias_template(up)]
         + ([("SHARED_SPLIT", split_bytes > 0)] if backend == "cuda" else []),
         grid, block, [(pairs, up.output_dims)], [dtype],
     )
+
+
+def gate_up_fixed_inputs(experts: MoEExperts, top_k: int) -> dict:
+    """A gate+up launch's inputs after x and the indices, by name (None: an absent optional input)."""
+    gated = len(experts.projections) == 3
+    gate, up = experts.projections[:2] if gated else (experts.projections[0],) * 2
+    has_scale = experts.gate_scale is not None
+    return {"gate_w": gate.weight, "gate_s": gate.scales, "gate_b": gate.biases,
+            "up_w": up.weight, "up_s": up.scales, "up_b": up.biases,
+            "gate_bias": gate.bias, "up_bias": up.bias, "gate_scale": experts.gate_scale,
+            "dims": kernel_dims(up.input_dims, up.output_dims, top_k, experts.activation, up.bias is not None, has_scale),
+            "params": kernel_params(experts.activation)}
 
 
 def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype, weights_dtype,
@@ -167,12 +177,11 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
     shape = down_block_shape(top_k, combined, linear.bits, dtype, backend)
     # With the combine, a block's warps split over the token's pairs (cuda/moe_decode.cu, down).
     grid, block = _grid(linear.output_dims, rows_out, shape, shape.warps // min(top_k, shape.warps) if combined else None)
+    kernel, fixed = gpu_kernel(stage, backend, shape, {
+        "w": linear.weight, "s": linear.scales, "b": linear.biases, "bias": linear.bias, "out_scale": out_scale,
+        "dims": kernel_dims(linear.input_dims, linear.output_dims, top_k, None, linear.bias is not None, out_scale is not None)})
     return Launch(
-        gpu_kernel(stage, backend, shape),
-        [linear.weight, linear.scales, linear.biases,
-         linear.bias if linear.bias is not None else absent(),
-         out_scale if out_scale is not None else absent(),
-         kernel_dims(linear.input_dims, linear.output_dims, top_k, None, linear.bias is not None, out_scale is not None)],
+        kernel, fixed,
         _quant_templates(linear, dtype, shape) + [
             ("SC", out_scale.dtype if out_scale is not None else mx.float32),
             ("WT", weights_dtype if combined else mx.float32),

@@ -36,8 +36,9 @@ import mlx.core as mx
 from ..env import flag
 from .backend import Implementation, choose, compute_capability, current_backend, multiprocessor_count
 from .experts import SUPPORTED_GROUP_SIZES, MoEExperts, RouterLinear
-from .launch import cuda_kernel_object, int_array
-from .moe_decode import gate_up_block_shape, gate_up_grid, gate_up_launch, moe_decode_implementation, moe_decode_reference
+from .launch import cuda_kernel_object, int_array, source_constants
+from .moe_decode import gate_up_block_shape, gate_up_fixed_inputs, gate_up_grid, gate_up_launch, moe_decode_implementation
+from .moe_decode import moe_decode_reference
 from .moe_decode import routed_down_launch, shared_split_bytes
 from .moe_decode import INPUTS as DECODE_INPUTS
 from .moe_router import CUDA_KERNEL_SWITCH as ROUTER_SWITCH
@@ -78,7 +79,9 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
         pairs = tokens * routing.top_k
         gate_up = gate_up_launch(experts, routing.top_k, pairs, dtype, "cuda")
         split_bytes = shared_split_bytes(experts, dtype, "cuda")
-        *weights, dims, params = gate_up.fixed_inputs
+        fixed = gate_up_fixed_inputs(experts, routing.top_k)
+        fixed["dims"] = int_array(*fixed["dims"].tolist(), experts.num_experts)
+        constants, arrays = source_constants(fixed)
         (rows, hidden_dims), itemsize = gate_up.output_shapes[0], dtype.size
         section = "routed_gate_up" if router is None else "router_gate_up"
         template = gate_up.template + [("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
@@ -90,8 +93,8 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
         routed_gate_up = gate_up._replace(
             kernel=cuda_kernel_object("moe_routed_decode.cu", section, tuple(INPUTS[section]), tuple(OUTPUTS[section]),
                                       split_bytes, gate_up_block_shape().launch_bounds(),
-                                      0 if router is None else ROUTER_CLUSTER),
-            fixed_inputs=[*weights, int_array(*dims.tolist(), experts.num_experts), params],
+                                      0 if router is None else ROUTER_CLUSTER, constants),
+            fixed_inputs=arrays,
             template=template,
             grid=(threads_x, blocks_y, blocks_z),
             # each pair's row, then its expert (uint32) and weight (dtype): RoutingTail in the source
