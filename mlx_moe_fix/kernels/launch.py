@@ -104,9 +104,8 @@ ABSENT_ALIAS = "dims"
 
 
 class SourceConstant(NamedTuple):
-    """An input declared in a kernel's source instead of passed: its values (int32 or float32), or
-    None for an absent optional input, a pointer of the float32 placeholder's type that the kernel
-    never reads. That pointer is ABSENT_ALIAS's, not a null one: told that an input is null, the
+    """An input declared in a kernel's source instead of passed: its float32 values, or None for an
+    absent optional input, a pointer of the float32 placeholder's type that the kernel never reads. That pointer is ABSENT_ALIAS's, not a null one: told that an input is null, the
     compiler laid the combining down's registers out otherwise and spilled 12 bytes at 4 bits."""
 
     name: str
@@ -116,9 +115,7 @@ class SourceConstant(NamedTuple):
     def declaration(self) -> str:
         if self.values is None:
             return f"const float* {self.name} = reinterpret_cast<const float*>({ABSENT_ALIAS});\n"
-        if self.dtype == "int32":
-            return f"const int {self.name}[] = {{{', '.join(map(str, self.values))}}};\n"
-        # floats by their bits: the kernel reads the very float32 values the array held
+        # by their bits: the kernel reads the very float32 values the array held
         bits = (struct.unpack("<i", struct.pack("<f", v))[0] for v in self.values)
         return f"const float {self.name}[] = {{{', '.join(f'__int_as_float({b})' for b in bits)}}};\n"
 
@@ -126,15 +123,15 @@ class SourceConstant(NamedTuple):
 def source_constants(fixed: dict) -> tuple:
     """(SourceConstants for cuda_kernel_object, the arrays still passed, in order) of a CUDA
     launch's fixed inputs {name: array, or None where the optional input is absent}: the absent,
-    and those in SOURCE_CONSTANTS (int32 or float32 arrays) by their values."""
+    and those in SOURCE_CONSTANTS (float32 arrays) by their values."""
     constants, arrays = [], []
     for name, array in fixed.items():
         if array is None:
             constants.append(SourceConstant(name, None, None))
         elif name in SOURCE_CONSTANTS:
-            if array.dtype not in (mx.int32, mx.float32):
-                raise TypeError(f"{name}: a {array.dtype} input cannot be a source constant (int32 or float32 only)")
-            constants.append(SourceConstant(name, "int32" if array.dtype == mx.int32 else "float32", tuple(array.tolist())))
+            if array.dtype != mx.float32:
+                raise TypeError(f"{name}: a {array.dtype} input cannot be a source constant (float32 only)")
+            constants.append(SourceConstant(name, "float32", tuple(array.tolist())))
         else:
             arrays.append(array)
     return tuple(constants), arrays

@@ -84,8 +84,8 @@ def gpu_kernel(stage: str, backend: str, shape: BlockShape, fixed: dict, shared_
     """(the kernel object of one stage ("gate_up" or "down") on `backend` ("cuda" or "metal"), or
     None where MLX lacks that backend; the arrays of its `fixed` inputs that a launch passes). The
     two take the same inputs, templates and grid; CUDA's gate+up also SHARED_SPLIT (with
-    `shared_bytes`), CUDA's launches are bounded for their block `shape` and take their fixed dims,
-    params and absent inputs in their source (launch.source_constants)."""
+    `shared_bytes`), CUDA's launches are bounded for their block `shape` and take their params and
+    absent inputs in their source (launch.source_constants)."""
     if backend == "metal":
         kernel = metal_kernel_object("moe_decode.metal", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]))
         return kernel, fixed_or_absent(fixed)
