@@ -81,9 +81,9 @@ def routed_plan(x: mx.array, logits, routing: Routing, experts: MoEExperts, *, d
     if router and fused_router_reason(x, logits, experts, routing.top_k) is not None:
         return None
     experts_count = logits.output_dims if router else logits.shape[-1]
-    return experts.memo(("routed plan", x.shape, x.dtype, router, experts_count, logits_dtype(x, logits), routing,
-                         current_backend(), snapshot()),
-                        lambda: _routed_plan(x, experts_count, logits_dtype(x, logits), routing, experts, router))
+    dtype = logits_dtype(x, logits)
+    return experts.memo(("routed plan", x.shape, x.dtype, router, experts_count, dtype, routing, current_backend(), snapshot()),
+                        lambda: _routed_plan(x, experts_count, dtype, routing, experts, router))
 
 
 def _grouped_sized(pairs: int, experts: MoEExperts) -> bool:
@@ -92,8 +92,8 @@ def _grouped_sized(pairs: int, experts: MoEExperts) -> bool:
 
 
 def _routed_plan(x, experts_count: int, dtype, routing: Routing, experts: MoEExperts, router: bool) -> Optional[Plan]:
-    # x stands for the logits' leading shape in unsupported_reason: routed_plan checked that they agree
-    if experts_count != experts.num_experts or experts.unsupported_reason(x, x) is not None:
+    # x alone: routed_plan checked that the logits' leading shape is x's
+    if experts_count != experts.num_experts or experts.unsupported_reason(x) is not None:
         return None
     implementation = moe_routed_decode_implementation(experts, routing, x.dtype, dtype)
     if implementation.path != "kernel":

@@ -212,14 +212,15 @@ class MoEExperts:
                 return reason
         return None
 
-    def unsupported_reason(self, x: mx.array, indices: mx.array) -> Optional[str]:
-        """Why the ops cannot take this call, or None when they can."""
+    def unsupported_reason(self, x: mx.array, indices: Optional[mx.array] = None) -> Optional[str]:
+        """Why the ops cannot take this call, or None when they can; without `indices`, x alone
+        (a caller whose routing comes from x itself)."""
         reason = self.projections_unsupported_reason
         if reason:
             return reason
         if x.dtype not in SUPPORTED_DTYPES:
             return f"activations of dtype {x.dtype} are not supported"
-        if x.shape[:-1] != indices.shape[:-1]:
+        if indices is not None and x.shape[:-1] != indices.shape[:-1]:
             return f"x {tuple(x.shape)} and indices {tuple(indices.shape)} do not pair up token by token"
         if x.shape[-1] != self.input_dims:
             return f"x has {x.shape[-1]} features, the experts take {self.input_dims}"
