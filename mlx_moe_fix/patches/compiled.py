@@ -318,13 +318,14 @@ def compiled_per_shape(wrapper, runs_as_is=None):
     the module's docstring) from the second call of a key on; patched calls nested in it run as
     they are. Where `runs_as_is(instance)`, the layer's call is upstream's, neither wrapped nor
     compiled (asked where the layer's last step does not hold: that step was taken where it was
-    False, and holds only while the layer's attributes are the same objects)."""
+    False, and holds only while the layer's attributes are the same objects). The wrapper's
+    `last_step(instance, args, kwargs)` gives that step where it holds, to be called first (the
+    patched method does, patches/methods.py): the wrapper itself does not ask again."""
 
     @functools.wraps(wrapper)
     def compiled_wrapper(wrapped, instance, args, kwargs):
-        step = _last_step(instance, args, kwargs)
-        if step is not None:
-            return step(instance, args, kwargs)
+        # the layer's last step, where it holds, was taken by the patched method before this call
+        # (patches/methods.py: compiled_wrapper.last_step)
         if runs_as_is is not None and runs_as_is(instance):
             return wrapped(*args, **kwargs)
         if nested():
@@ -372,7 +373,7 @@ def compiled_per_shape(wrapper, runs_as_is=None):
         _remember(instance, args, kwargs, key, step)
         return step(instance, args, kwargs)
 
-    compiled_wrapper.last_step = _last_step  # patches/methods.py calls it before the wrapper
+    compiled_wrapper.last_step = _last_step
     return compiled_wrapper
 
 
