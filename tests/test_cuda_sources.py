@@ -108,7 +108,7 @@ def test_decode_kernels_compile(tmp_path, t):
         variants += [("gate_up", t, {**base, "GATED": gated, "SHARED_SPLIT": split})
                      for gated in (True, False) for split in (False, t != "float")]
         variants += [("down", t, {**base, "INPUT_PER_PAIR": p, "COMBINE": c}) for p in (True, False) for c in (True, False)]
-        variants.append(("routed_down", t, base))
+        variants += [("routed_down", t, {**base, "RESIDUAL": residual}) for residual in (False, True)]
     compile_all(tmp_path, translation_units(DECODE, "moe_decode.cu", variants))
 
 
@@ -203,7 +203,8 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
         (DECODE, "moe_decode.cu", "gate_up", *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": gated} for gated in (True, False)])),
         (DECODE, "moe_decode.cu", "down",
          *shaped(DECODE.DOWN_BLOCK, [{**base, "INPUT_PER_PAIR": True, "COMBINE": combine} for combine in (True, False)])),
-        (DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.DOWN_BLOCK, [base])),
+        *[(DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.DOWN_BLOCK, [{**base, "RESIDUAL": residual}]))
+          for residual in (False, True)],
         (ROUTED, "moe_routed_decode.cu", "routed_gate_up",
          *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": True, "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True}])),
     ]
@@ -213,10 +214,12 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
                                                       "LAST_K": True, "ROUTER_BITS": router_bits, "ROUTER_GROUP": 64}
                                                      for router_bits in (4, 8)])))
     if t != "float" and bits == 4:  # the combining down of one pair a warp (moe_decode.down_block_shape), its own bounds
-        units.append((DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [base])))
+        units += [(DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [{**base, "RESIDUAL": residual}]))
+                  for residual in (False, True)]
     # each unit as MLX compiles it at a model's shape without bias or scales (its params and absent
     # inputs declared in its source: launch.source_constants), and with every input passed
-    units = [(*unit, constants) for unit in units for constants in [(), source_constants_of(unit[2], *MODEL_SHAPES[0])]]
+    units = [(*unit, constants) for unit in units
+             for constants in [(), source_constants_of(unit[2], *MODEL_SHAPES[0], residual=unit[4][0].get("RESIDUAL", False))]]
     texts = [with_launch_bounds(translation_unit(module, filename, [(stage, t, constants) for constants in variants], declared),
                                 filename, stage, shape.launch_bounds(), ROUTED.ROUTER_CLUSTER if stage == "router_gate_up" else 0)
              for module, filename, stage, shape, variants, declared in units]
@@ -231,13 +234,15 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
 MODEL_SHAPES = ((2048, 768, 8, 128), (4096, 14336, 2, 8))  # the source constants hold no shape: one is enough
 
 
-def source_constants_of(stage, hidden, intermediate, top_k, experts) -> tuple:
+def source_constants_of(stage, hidden, intermediate, top_k, experts, residual=False) -> tuple:
     """The SourceConstants of a decode launch of `stage` without bias or scales, at a model's shape
-    (SwiGLU)."""
+    (SwiGLU); routed_down's residual absent unless `residual`."""
     from mlx_moe_fix.kernels.launch import kernel_dims, kernel_params, source_constants
 
     if stage in ("down", "routed_down"):
         fixed = {"bias": None, "out_scale": None, "dims": kernel_dims(intermediate, hidden, top_k)}
+        if stage == "routed_down" and not residual:
+            fixed = {"residual": None, **fixed}
     else:
         dims = kernel_dims(hidden, intermediate, top_k, None).tolist() + ([experts] if stage != "gate_up" else [])
         fixed = {"gate_bias": None, "up_bias": None, "gate_scale": None, "dims": mx.array(dims, dtype=mx.int32),

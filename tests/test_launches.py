@@ -197,7 +197,13 @@ def test_cuda_decode_launches_declare_their_params_and_absent_inputs_in_their_so
     inputs, constants = sections["routed_down"]
     last = case.experts.projections[-1]
     assert down.fixed_inputs[:4] == [last.weight, last.scales, last.biases, last.bias] and len(down.fixed_inputs) == 5
-    assert set(constants) == {"out_scale"}
+    assert set(constants) == {"out_scale", "residual"} and dict(down.template)["RESIDUAL"] is False
+    # with a decoder layer's residual: passed after the hidden input, added in the launch
+    kernels.clear()
+    _, down = routed._launches(case.experts, Routing("softmax_topk", 2, True), (1, 1), mx.bfloat16, residual=True)
+    inputs, constants = {section: (inputs, {c.name: c for c in constants}) for section, inputs, constants in kernels}["routed_down"]
+    assert inputs[:2] == ("hidden", "residual") and set(constants) == {"out_scale"} and dict(down.template)["RESIDUAL"] is True
+    assert len(down.fixed_inputs) == 5
     monkeypatch.setattr(decode, "metal_kernel_object", lambda *a: Recorder("metal"))
     metal = decode.gate_up_launch(case.experts, 2, 2, mx.bfloat16, "metal")
     assert len(metal.fixed_inputs) == 11 and metal.fixed_inputs[8] is absent()

@@ -25,7 +25,7 @@ from .moe_routed_decode import fusable_router, fused_router_reason, logits_dtype
 from .moe_routed_decode import moe_routed_decode_implementation
 from .moe_routed_decode import moe_routed_decode_reference
 from .moe_router import Routing, moe_router, moe_router_implementation, moe_router_reference
-from .reference import combine
+from .reference import add_residual, combine
 
 # mlx-lm's SwitchGLU sorts at this many pairs; the references follow it so that they reproduce
 # stock numerics exactly.
@@ -140,6 +140,7 @@ __all__ = [
     "Plan",
     "RouterLinear",
     "Routing",
+    "add_residual",
     "combine",
     "current_backend",
     "fusable_router",

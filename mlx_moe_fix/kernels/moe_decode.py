@@ -76,7 +76,8 @@ INPUTS = {
                 "gate_bias", "up_bias", "gate_scale", "dims", "params"],
     "down": ["hidden", "indices", "weights", "w", "s", "b", "bias", "out_scale", "dims"],
     # CUDA only: down after moe_routed_decode's gate+up, the experts and weights in its output
-    "routed_down": ["hidden", "w", "s", "b", "bias", "out_scale", "dims"],
+    # (`residual`: a decoder layer's, added to the output; absent: declared in the source)
+    "routed_down": ["hidden", "residual", "w", "s", "b", "bias", "out_scale", "dims"],
 }
 OUTPUTS = {"gate_up": ["hidden"], "down": ["out"], "routed_down": ["out"]}
 
@@ -171,13 +172,15 @@ def gate_up_fixed_inputs(experts: MoEExperts, top_k: int) -> dict:
 
 
 def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype, weights_dtype,
-                 input_per_pair: bool, backend: str, stage: str = "down") -> Launch:
+                 input_per_pair: bool, backend: str, stage: str = "down", residual: Optional[bool] = None) -> Launch:
+    """residual (routed_down only): whether a call passes the residual input after the hidden one."""
     combined = weights_dtype is not None
     rows_out = pairs // top_k if combined else pairs
     shape = down_block_shape(top_k, combined, linear.bits, dtype, backend)
     # With the combine, a block's warps split over the token's pairs (cuda/moe_decode.cu, down).
     grid, block = _grid(linear.output_dims, rows_out, shape, shape.warps // min(top_k, shape.warps) if combined else None)
     kernel, fixed = gpu_kernel(stage, backend, shape, {
+        **({} if residual is None or residual else {"residual": None}),
         "w": linear.weight, "s": linear.scales, "b": linear.biases, "bias": linear.bias, "out_scale": out_scale,
         "dims": kernel_dims(linear.input_dims, linear.output_dims, top_k, None, linear.bias is not None, out_scale is not None)})
     return Launch(
@@ -185,7 +188,8 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
         _quant_templates(linear, dtype, shape) + [
             ("SC", out_scale.dtype if out_scale is not None else mx.float32),
             ("WT", weights_dtype if combined else mx.float32),
-            ("INPUT_PER_PAIR", input_per_pair), ("COMBINE", combined), bias_template(linear)],
+            ("INPUT_PER_PAIR", input_per_pair), ("COMBINE", combined), bias_template(linear)]
+        + ([] if residual is None else [("RESIDUAL", residual)]),
         grid, block, [(rows_out, linear.output_dims)], [dtype],
     )
 
@@ -204,12 +208,13 @@ def decode_launches(experts: MoEExperts, top_k: int, pairs: int, dtype, weights_
     return experts.memo(("decode launches", backend, top_k, pairs, dtype, weights_dtype), plan)
 
 
-def routed_down_launch(experts: MoEExperts, top_k: int, pairs: int, dtype) -> Launch:
+def routed_down_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, residual: bool) -> Launch:
     """The combining down after moe_routed_decode's gate+up (CUDA): decode_launches' down with
     weights of `dtype`, as the `routed_down` section, which reads each pair's expert and weight
-    from its hidden input's RoutingTail."""
+    from its hidden input's RoutingTail; with `residual`, a call passes (hidden, residual) and the
+    launch adds the residual to its output."""
     return _down_launch(experts.projections[-1], experts.out_scale, top_k, pairs, dtype, dtype,
-                        input_per_pair=True, backend="cuda", stage="routed_down")
+                        input_per_pair=True, backend="cuda", stage="routed_down", residual=residual)
 
 
 def moe_decode_kernel(

@@ -24,6 +24,11 @@ router node, in four processes (docs/benchmarks.md, thirty-second session). MLX_
 router's node.
 MLX_MOE_FIX_CUDA_ROUTED_DECODE=0 turns the fused kernel off (the block then routes and runs its
 experts in separate launches).
+
+Given a residual (the decoder layer's, patches/decoder_layers.py), the down launch adds it to its
+output, bit for bit as MLX adds two arrays of the output's dtype: the layer's add is then no node of
+its own (qwen3_moe at batch 1 1.006 and 1.002 of its dense equivalent against 0.983 and 0.941
+without, in two processes; docs/benchmarks.md, thirty-fourth session).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from .moe_decode import INPUTS as DECODE_INPUTS
 from .moe_router import CUDA_KERNEL_SWITCH as ROUTER_SWITCH
 from .moe_router import Routing, moe_router_reference
 from .moe_router import cuda_unsupported_reason as router_unsupported_reason
+from .reference import add_residual
 
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTED_DECODE"
 FUSED_ROUTER_SWITCH = "MLX_MOE_FIX_CUDA_FUSED_ROUTER"
@@ -58,20 +64,24 @@ ROUTER_CLUSTER = 8
 MAX_FUSED_ROUTER_EXPERTS = 256  # the logits route_token takes (32 lanes x 8 bf16)
 
 
-def moe_routed_decode_reference(x: mx.array, logits, routing: Routing, experts: MoEExperts) -> mx.array:
+def moe_routed_decode_reference(x: mx.array, logits, routing: Routing, experts: MoEExperts,
+                                residual: Optional[mx.array] = None) -> mx.array:
     """x: [..., D], logits: [..., E] or the RouterLinear that gives them; returns [..., out]: the
-    experts' outputs weighted by the routing's weights and summed over its k."""
+    experts' outputs weighted by the routing's weights and summed over its k, plus `residual`
+    where given (a decoder layer's add after its MoE block: add_residual)."""
     if isinstance(logits, RouterLinear):
         logits = logits(x)
     indices, weights = moe_router_reference(logits, routing)
-    return moe_decode_reference(x, indices, experts, weights)
+    return add_residual(moe_decode_reference(x, indices, experts, weights), residual)
 
 
-def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype, router: Optional[tuple] = None) -> tuple:
+def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype, router: Optional[tuple] = None,
+              residual: bool = False) -> tuple:
     """(routed gate+up, combining down) for this call's shape, cached on the experts object;
     given `router` = (bits, group size) of a RouterLinear, the gate+up launch that computes the
-    logits too (router_gate_up). The down launch's output has the call's leading shape, so that
-    the call adds no reshape to the graph: at batch 1 every node costs the host a few µs
+    logits too (router_gate_up); with `residual`, the down launch that adds a residual input to
+    its output. The down launch's output has the call's leading shape, so that the call adds no
+    reshape to the graph: at batch 1 every node costs the host a few µs
     (docs/decode-attribution.md)."""
 
     def plan():
@@ -100,35 +110,46 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
             # each pair's row, then its expert (uint32) and weight (dtype): RoutingTail in the source
             output_shapes=[(rows * hidden_dims + pairs * (4 + itemsize) // itemsize,)],
         )
-        routed_down = routed_down_launch(experts, routing.top_k, pairs, dtype)._replace(
+        routed_down = routed_down_launch(experts, routing.top_k, pairs, dtype, residual)._replace(
             output_shapes=[(*leading_shape, experts.output_dims)])
         return routed_gate_up, routed_down
 
-    return experts.memo(("routed decode launches", routing, leading_shape, dtype, router), plan)
+    return experts.memo(("routed decode launches", routing, leading_shape, dtype, router, residual), plan)
 
 
-def moe_routed_decode_kernel(x: mx.array, logits, routing: Routing, experts: MoEExperts) -> mx.array:
+def moe_routed_decode_kernel(x: mx.array, logits, routing: Routing, experts: MoEExperts,
+                             residual: Optional[mx.array] = None) -> mx.array:
     """The CUDA implementation; same contract as moe_routed_decode_reference. The kernels read x
     and the logits as rows of contiguous memory (MLX copies an input that is not), so they take
     them in the caller's shape. A RouterLinear's logits are computed in the gate+up launch where
-    fused_router_reason allows, else by the linear first."""
+    fused_router_reason allows, else by the linear first. A residual of the output's shape and
+    dtype is added in the down launch (one node fewer: at batch 1 a node costs the host ~3.6 µs,
+    docs/benchmarks.md, thirty-third session), any other by MLX after it."""
     leading_shape = x.shape[:-1]
+    fused_residual = residual is not None and residual.shape == (*leading_shape, experts.output_dims) and residual.dtype == x.dtype
+    passed_residual = (residual,) if fused_residual else ()
+    router = None
     if isinstance(logits, RouterLinear):
         if fused_router_reason(x, logits, experts, routing.top_k) is None:
-            gate_up, down = _launches(experts, routing, leading_shape, x.dtype, (logits.bits, logits.group_size))
-            (hidden,) = gate_up(x, logits.weight, logits.scales, logits.biases)
-            return down(hidden)[0]
-        logits = logits(x)
-    gate_up, down = _launches(experts, routing, leading_shape, x.dtype)
-    if logits.shape[:-1] != leading_shape:
-        logits = logits.reshape(*leading_shape, -1)
-    (hidden,) = gate_up(x, logits)
-    return down(hidden)[0]
+            router = (logits.bits, logits.group_size)
+        else:
+            logits = logits(x)
+    gate_up, down = _launches(experts, routing, leading_shape, x.dtype, router, fused_residual)
+    if router is not None:
+        (hidden,) = gate_up(x, logits.weight, logits.scales, logits.biases)
+    else:
+        if logits.shape[:-1] != leading_shape:
+            logits = logits.reshape(*leading_shape, -1)
+        (hidden,) = gate_up(x, logits)
+    out = down(hidden, *passed_residual)[0]
+    return out if fused_residual else add_residual(out, residual)
 
 
-def moe_routed_decode(x: mx.array, logits, routing: Routing, experts: MoEExperts) -> mx.array:
+def moe_routed_decode(x: mx.array, logits, routing: Routing, experts: MoEExperts,
+                      residual: Optional[mx.array] = None) -> mx.array:
     """Dispatcher: the implementation for the current backend, these experts and this routing."""
-    return moe_routed_decode_implementation(experts, routing, x.dtype, logits_dtype(x, logits)).function(x, logits, routing, experts)
+    implementation = moe_routed_decode_implementation(experts, routing, x.dtype, logits_dtype(x, logits))
+    return implementation.function(x, logits, routing, experts, residual)
 
 
 def logits_dtype(x: mx.array, logits):

@@ -106,3 +106,9 @@ def combine(y: mx.array, weights: Optional[mx.array]) -> mx.array:
     if weights is None:
         return y
     return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+
+def add_residual(out: mx.array, residual: Optional[mx.array]) -> mx.array:
+    """A decoder layer's add after its MoE block, `residual + out` as upstream writes it, or `out`
+    without a residual."""
+    return out if residual is None else residual + out

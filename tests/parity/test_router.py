@@ -228,6 +228,21 @@ def test_cuda_routed_decode_kernel_matches_the_router_and_decode_kernels(cuda_de
     apart = moe_decode_kernel(case.x, indices, case.experts, weights)
     assert fused.shape == apart.shape == (*case.x.shape[:-1], case.experts.output_dims) and fused.dtype == case.dtype
     assert mx.array_equal(fused, apart).item(), f"{case.label}: {relative_error(fused, apart):.2e}"
+    assert_adds_residual_as_mlx(lambda residual: moe_routed_decode_kernel(case.x, logits, routing, case.experts, residual),
+                                fused, case.label)
+
+
+def assert_adds_residual_as_mlx(routed_call, out, label):
+    """routed_call(residual) is `residual + out` bit for bit, its residual added inside the down
+    launch where it has the output's shape and dtype (no Add node), by MLX after it otherwise."""
+    residual = coarse(out.shape, out.size, out.dtype, scale=64)
+    with_residual = routed_call(residual)
+    assert with_residual.dtype == out.dtype and mx.array_equal(with_residual, residual + out).item(), label
+    assert "Add" not in primitives_of(with_residual), primitives_of(with_residual)
+    other_dtype = residual.astype(mx.float32 if out.dtype != mx.float32 else mx.float16)
+    assert mx.array_equal(routed_call(other_dtype), other_dtype + out).item(), label
+    broadcast = residual[..., :1, :]
+    assert mx.array_equal(routed_call(broadcast), broadcast + out).item(), label
 
 
 def primitives_of(array) -> list:
@@ -316,6 +331,8 @@ def test_cuda_fused_router_kernel_matches_the_routed_kernel_on_stock_logits(cuda
     assert "QuantizedMatmul" not in primitives_of(out), primitives_of(out)
     assert out.shape == expected.shape and out.dtype == expected.dtype == mx.bfloat16
     assert mx.array_equal(out, expected).item(), f"{case.label}: {relative_error(out, expected):.2e}"
+    assert_adds_residual_as_mlx(lambda residual: moe_routed_decode_kernel(case.x, router, routing, case.experts, residual),
+                                out, case.label)
 
 
 def test_cuda_fused_router_declines_what_it_cannot_reproduce(cuda_device, switch, monkeypatch):
@@ -338,6 +355,28 @@ def test_cuda_fused_router_declines_what_it_cannot_reproduce(cuda_device, switch
     assert "more than the 4 of one wave" in fused_router_reason(one_token, router, case.experts, 1)  # 8 blocks (a cluster)
     switch(FUSED_ROUTER_SWITCH, "0")
     assert fused_router_reason(one_token, router, case.experts, 2) == f"switched off ({FUSED_ROUTER_SWITCH}=0)"
+
+
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
+def test_cuda_decoder_layer_adds_its_residual_inside_the_down_launch(cuda_device, switch, family):
+    """Issue 5 (patches/decoder_layers.py): at a single token the layer's last residual add runs in
+    the combining down launch, one Add node fewer than with MLX_MOE_FIX_RESIDUAL_IN_BLOCK=0, and the
+    layer's output is the same bit for bit. Built in Python (no compiled step), so that the graph
+    shows the primitives a replay runs."""
+    switch("MLX_MOE_FIX_COMPILED_DECODE", "0")
+    model = zoo.build(family, 4, dtype=mx.bfloat16)
+    layer = model.layers[0]
+    assert type(layer["block_sparse_moe" if family == "mixtral" else "mlp"]).__name__ == BLOCK_FAMILIES[family]
+    x = mx.random.normal((1, 1, model.args.hidden_size), key=mx.random.key(1)).astype(mx.bfloat16)
+    mx.eval(x)
+    with mlx_moe_fix.patched():
+        fused = layer(x, None)
+        switch("MLX_MOE_FIX_RESIDUAL_IN_BLOCK", "0")
+        apart = layer(x, None)
+        fused_nodes, apart_nodes = Counter(primitives_of(fused)), Counter(primitives_of(apart))
+    assert mx.array_equal(fused, apart).item()
+    assert fused_nodes["Add"] == apart_nodes["Add"] - 1 and sum(fused_nodes.values()) == sum(apart_nodes.values()) - 1, (
+        fused_nodes, apart_nodes)
 
 
 @pytest.mark.parametrize("family", BLOCK_FAMILIES)

@@ -10,7 +10,7 @@
 //   BITS 4 or 8, GROUP 32/64/128, WARPS (warps per block), RPW (output rows per warp: the
 //   warp reads each activation vector once for all of them), HAS_BIAS (the bias inputs' signature:
 //   S, or the float32 placeholder; see moe_common::bias_signature_matches)
-//   gate_up: GATED;  down: INPUT_PER_PAIR, COMBINE
+//   gate_up: GATED;  down: INPUT_PER_PAIR, COMBINE;  routed_down: RESIDUAL
 // Run-time values (an int32 array `dims` and a float array `params`, uniform across the grid):
 //   dims: IN_DIM, OUT_DIM, TOP_K, ACT (0 swiglu, 1 swiglu_oai, 2 gelu, 3 gelu_approx,
 //         4 gelu_fast), HAS_LIMIT, HAS_BIAS, HAS_SCALE (gate_scale / out_scale)
@@ -375,12 +375,14 @@ __device__ __forceinline__ void gate_up_rows(
 
 // A block's share of the down GEMV: its RPW-row slots of OUT_DIM, for one pair (blockIdx.y), or
 // with COMBINE for one token's TOP_K pairs (blockIdx.y = token), the pairs' rows weighted by
-// `weights` and summed; see the `down` section for the block's layout.
-template <int BITS, int GROUP, int WARPS, int RPW, bool INPUT_PER_PAIR, bool COMBINE, bool HAS_BIAS, typename T, typename S,
-          typename B, typename SC, typename WT>
+// `weights` and summed; with RESIDUAL, each output the sum rounded to T and added to `residual`'s
+// element in fp32 (MLX's add of two T arrays, bit for bit); see the `down` section for the block's
+// layout.
+template <int BITS, int GROUP, int WARPS, int RPW, bool INPUT_PER_PAIR, bool COMBINE, bool HAS_BIAS, bool RESIDUAL, typename T,
+          typename S, typename B, typename SC, typename WT, typename R>
 __device__ __forceinline__ void down_rows(
     T* out, const T* hidden, const uint32_t* indices, const WT* weights, QuantizedRows<S> matrices_of_all,
-    const B* bias, const SC* out_scale, const Dims& d) {
+    const B* bias, const SC* out_scale, const Dims& d, const R* residual) {
   static_assert(bias_signature_matches<HAS_BIAS, S, const B*>, "HAS_BIAS disagrees with the bias input");
   __shared__ float partial[WARPS * RPW];  // COMBINE: each warp's sums, [WARPS][RPW]
   const int first_pair = COMBINE ? blockIdx.y * d.top_k : blockIdx.y;
@@ -452,7 +454,10 @@ __device__ __forceinline__ void down_rows(
   }
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
-    if (active && lane == r && first_row + r < d.out_dim) out[(size_t)blockIdx.y * d.out_dim + first_row + r] = static_cast<T>(total[r]);
+    if (active && lane == r && first_row + r < d.out_dim) {
+      const size_t at = (size_t)blockIdx.y * d.out_dim + first_row + r;
+      out[at] = static_cast<T>(RESIDUAL ? static_cast<float>(residual[at]) + rnd<T>(total[r]) : total[r]);
+    }
   }
 }
 
@@ -504,21 +509,22 @@ struct RoutingTail {
 // memory and are added in pair order.
 {
   using namespace moe_decode;
-  down_rows<BITS, GROUP, WARPS, RPW, INPUT_PER_PAIR, COMBINE, HAS_BIAS, T, S>(
-      out, hidden, indices, weights, {w, s, b}, bias, out_scale, Dims(dims));
+  down_rows<BITS, GROUP, WARPS, RPW, INPUT_PER_PAIR, COMBINE, HAS_BIAS, false, T, S>(
+      out, hidden, indices, weights, {w, s, b}, bias, out_scale, Dims(dims), static_cast<const T*>(nullptr));
 }
 
 //// routed_down
 // The combining down launch (COMBINE, INPUT_PER_PAIR) after moe_routed_decode.cu's
-// routed_gate_up, each pair's expert and weight read from its output's RoutingTail.
-// inputs: hidden (routed_gate_up's output; IN_DIM = its OUT_DIM), w, s, b, bias, out_scale, dims
-// output: out [N, OUT_DIM]. A section of this file, not of moe_routed_decode.cu, so that its
+// routed_gate_up, each pair's expert and weight read from its output's RoutingTail; RESIDUAL:
+// `residual` [N, OUT_DIM] added to the output (the decoder layer's add after its MoE block).
+// inputs: hidden (routed_gate_up's output; IN_DIM = its OUT_DIM), residual, w, s, b, bias,
+// out_scale, dims;  output: out [N, OUT_DIM]. A section of this file, not of moe_routed_decode.cu, so that its
 // source leaves out the router's device code: MLX hashes a kernel's whole source at every
 // evaluation (sources.py).
 {
   using namespace moe_decode;
   const Dims d(dims);
   const RoutingTail<T> tail(hidden, gridDim.y * d.top_k, d.in_dim);
-  down_rows<BITS, GROUP, WARPS, RPW, true, true, HAS_BIAS, T, S>(
-      out, hidden, tail.indices, static_cast<const T*>(tail.weights), {w, s, b}, bias, out_scale, d);
+  down_rows<BITS, GROUP, WARPS, RPW, true, true, HAS_BIAS, RESIDUAL, T, S>(
+      out, hidden, tail.indices, static_cast<const T*>(tail.weights), {w, s, b}, bias, out_scale, d, residual);
 }
