@@ -43,7 +43,7 @@ def compiled_state(phase: str) -> dict:
 
 
 def status() -> dict:
-    """What is patched, deferred or missing and why, which implementation each op runs here,
+    """What is patched, deferred, missing or unsupported and why, which implementation each op runs here,
     the backend and the versions."""
     implementations = {
         "moe_prefill": moe_prefill_implementation(),

@@ -359,21 +359,27 @@ def test_a_routed_block_takes_the_fused_op_only_through_the_patched_experts_call
     x = mx.random.normal((1, 1, model.args.hidden_size))
     fused = []
 
-    def fused_op(x, logits, routing, experts):
-        fused.append(routing)
+    def fused_op(x, logits, routing, experts, residual):
+        fused.append((routing, residual))
         return mx.zeros(x.shape, x.dtype)
 
     monkeypatch.setattr(switch_layers, "routed_plan", lambda *args, **kwargs: Plan("decode", "kernel", "fused", fused_op))
     seen = []
+    residual = mx.random.normal(x.shape)
     with mlx_moe_fix.patched():
         trace.reset_path_counts()
         assert mx.array_equal(block(x), mx.zeros(x.shape)).item()
-        assert fused == [Routing("softmax_topk", block.top_k, bool(block.norm_topk_prob))]
-        assert trace.path_counts() == {trace.PathRecord("SwitchGLU", "decode", "kernel", "fused"): 1}
+        block(x, residual)  # the decoder layer's residual (patches/decoder_layers.py) goes to the fused op
+        routing = Routing("softmax_topk", block.top_k, bool(block.norm_topk_prob))
+        assert fused == [(routing, None), (routing, residual)]
+        assert trace.path_counts() == {trace.PathRecord("SwitchGLU", "decode", "kernel", "fused"): 2}
         with zoo.intercepting([block.switch_mlp], lambda layer, call, *args, **kwargs: seen.append(kwargs) or call(*args, **kwargs)):
             intercepted = block(x)
-    assert len(fused) == 1 and [set(kwargs) for kwargs in seen] == [{"weights"}]
+            intercepted_with_residual = block(x, residual)
+    assert len(fused) == 2 and [set(kwargs) for kwargs in seen] == [{"weights"}] * 2
     assert not mx.array_equal(intercepted, mx.zeros(x.shape)).item()
+    # the experts' call unfused: the residual added after it
+    assert mx.array_equal(intercepted_with_residual, residual + intercepted).item()
 
 
 def test_status_says_whether_prefill_shapes_are_compiled_and_why(monkeypatch):
@@ -453,3 +459,75 @@ def test_replayed_path_records_count_as_calls_past_the_fold_and_with_restore():
     trace.replay(one_prefill)
     trace.reset_path_counts()
     assert trace.path_counts() == {}
+
+
+def first_layer_and_block(model):
+    layer = model.model.layers[0] if hasattr(model, "model") else model.layers[0]
+    block_name = "block_sparse_moe" if "block_sparse_moe" in layer else "mlp"
+    return layer, layer[block_name]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_a_decoder_layer_hands_its_residual_to_its_moe_block_and_gives_stocks_output(cpu_device, family, monkeypatch):
+    """patches/decoder_layers.py: the layer calls block(norm(h), h), whose wrapper adds h (on the
+    CPU after the experts' call: kernels.add_residual); the output is upstream's bit for bit (the
+    CUDA kernel's add: tests/parity/test_router.py). With the switch off, or a block that cannot
+    take the residual, upstream's method runs."""
+    from mlx_moe_fix import env, zoo
+    from mlx_moe_fix.patches import methods, moe_blocks
+
+    model = zoo.build(family, 4)
+    layer, block = first_layer_and_block(model)
+    x = mx.random.normal((1, 3, model.args.hidden_size), key=mx.random.key(0))
+    mask = None if family != "gpt_oss" else "causal"
+    stock = layer(x, mask)
+    block_calls = []  # the arguments of each call of the block
+    with mlx_moe_fix.patched():
+        patched_call = type(block).__call__
+
+        def spy(self, *args, **kwargs):
+            block_calls.append(args)
+            return patched_call(self, *args, **kwargs)
+
+        setattr(spy, methods._WRAPPER, wrapper_of(patched_call))  # still the routed block's patched method
+        type(block).__call__ = spy
+        try:
+            assert moe_blocks.takes_residual(block)
+            assert mx.array_equal(layer(x, mask), stock).item()
+            assert len(block_calls) == 1 and len(block_calls[0]) == 2 and block_calls[0][1].shape == x.shape
+            monkeypatch.setenv("MLX_MOE_FIX_RESIDUAL_IN_BLOCK", "0")
+            env.refresh()
+            assert mx.array_equal(layer(x, mask), stock).item() and len(block_calls[1]) == 1
+        finally:
+            type(block).__call__ = patched_call
+            monkeypatch.delenv("MLX_MOE_FIX_RESIDUAL_IN_BLOCK", raising=False)
+            env.refresh()
+        block.sharding_group = object()  # a sharded block's call is upstream's, of x alone
+        assert not moe_blocks.takes_residual(block)
+        del block.sharding_group
+    assert not moe_blocks.takes_residual(block)  # reverted: upstream's block
+
+
+def test_a_restating_patch_leaves_another_version_of_its_method_as_it_is(monkeypatch):
+    """A decoder-layer wrapper restates upstream's method: where the source differs from the one
+    it restates (here: a digest that matches no source), the method stays upstream's and status()
+    says why."""
+    import dataclasses
+
+    from mlx_lm.models.qwen3_moe import Qwen3MoeDecoderLayer
+    from mlx_moe_fix import patches
+    from mlx_moe_fix.patches.targets import source_digest
+
+    original = Qwen3MoeDecoderLayer.__dict__["__call__"]
+    (target,) = [t for t in patches.TARGETS if t.cls == "Qwen3MoeDecoderLayer"]
+    assert target.source_digest == source_digest(original)  # the installed mlx-lm's is the one restated
+    other = dataclasses.replace(target, source_digest="0" * 16)
+    monkeypatch.setattr(patches, "TARGETS", tuple(other if t is target else t for t in patches.TARGETS))
+    mlx_moe_fix.apply()
+    try:
+        assert Qwen3MoeDecoderLayer.__dict__["__call__"] is original
+        state, reason = patches.target_state(other)
+        assert state == "unsupported" and "0000000000000000" in reason and target.source_digest in reason
+    finally:
+        mlx_moe_fix.revert()
+    assert patches.target_state(other)[0] == "not applied"

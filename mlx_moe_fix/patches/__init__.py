@@ -20,13 +20,14 @@ from .. import env
 from ..env import flag
 from . import mlx_lm, mlx_vlm, options
 from .methods import patched_method
-from .targets import Target
+from .targets import Target, source_digest
 
 TARGETS = mlx_lm.TARGETS + mlx_vlm.TARGETS
 MODULES = tuple(dict.fromkeys(t.module for t in TARGETS))
 
 _originals: Dict[str, object] = {}  # target name -> the original function, while patched
 _missing: Dict[str, str] = {}  # target name -> why it could not be patched
+_unsupported: Dict[str, str] = {}  # target name -> why its method was left as it is
 _hooked: set = set()  # modules with a post-import hook registered in this process
 _applied = False
 
@@ -50,6 +51,11 @@ def _patch_module(module) -> None:
         original = None if cls is None else cls.__dict__.get(target.method)
         if original is None:
             _missing[target.name] = f"{target.module} has no {target.cls}.{target.method} in this version"
+            continue
+        if target.source_digest is not None and source_digest(original) != target.source_digest:
+            _unsupported[target.name] = (f"{target.cls}.{target.method} is not the version its patch restates "
+                                         f"(source digest {source_digest(original)}, not {target.source_digest}): "
+                                         "left as it is")
             continue
         setattr(cls, target.method, patched_method(original, target.wrapper))
         _originals[target.name] = original
@@ -87,6 +93,7 @@ def revert() -> None:
         if original is not None:
             setattr(getattr(sys.modules[target.module], target.cls), target.method, original)
     _missing.clear()
+    _unsupported.clear()
     options.set_phases(True, True)
 
 
@@ -110,11 +117,13 @@ def is_applied() -> bool:
 
 
 def target_state(target: Target) -> tuple:
-    """(state, reason): patched / deferred / missing / not applied."""
+    """(state, reason): patched / deferred / missing / unsupported / not applied."""
     if not _installed(target.module):
         return "missing", f"{target.module.split('.')[0]} is not installed"
     if target.name in _missing:
         return "missing", _missing[target.name]
+    if target.name in _unsupported:
+        return "unsupported", _unsupported[target.name]
     if target.name in _originals:
         return "patched", "calls go through mlx_moe_fix ops when supported"
     if disabled_by_env():

@@ -122,8 +122,9 @@ def _scalars(instance) -> tuple:
 
 
 class _LastStep:
-    """A layer's last compiled call of one array argument (a decode step's): its step and all
-    that decided it, as _step_key and eligible() read them. The layer's children (its dict's
+    """A layer's last compiled call of one array argument, or two of one shape and dtype (a
+    decode step's x, with the decoder layer's residual: moe_blocks.py): its step and all that
+    decided it, as _step_key and eligible() read them. The layer's children (its dict's
     values: modules and arrays) are held and compared by identity, its attributes (its __dict__,
     whose values are scalars and objects: nn.Module keeps arrays, dicts and lists as items) held as
     a copy and compared as a dict (each value identical or equal): the scalars among them are in
@@ -134,11 +135,11 @@ class _LastStep:
     3.12 the ids of a layer's attributes and children cost 4.3 and 1.6 µs a call to build:
     docs/benchmarks.md, thirty-second session.)"""
 
-    __slots__ = ("shape", "dtype", "switches", "enabled", "device", "backends", "children", "attributes", "step",
+    __slots__ = ("arity", "shape", "dtype", "switches", "enabled", "device", "backends", "children", "attributes", "step",
                  "__weakref__")
 
-    def __init__(self, x, switches, enabled, children, step):
-        self.shape, self.dtype, self.switches, self.enabled = x.shape, x.dtype, switches, enabled
+    def __init__(self, arity, x, switches, enabled, children, step):
+        self.arity, self.shape, self.dtype, self.switches, self.enabled = arity, x.shape, x.dtype, switches, enabled
         self.device, self.backends, self.children, self.step = mx.default_device(), BACKENDS, children, step
         self.attributes = None
 
@@ -244,7 +245,7 @@ def _last_step(instance, args: tuple, kwargs: dict):
     children are compared by identity, its attributes as a dict (see _LastStep). (Per decode step
     and layer: written for speed, in one frame.)"""
     last = instance.__dict__.get(_LAST_STEP)
-    if last is None or kwargs or len(args) != 1 or _suspensions[0] or getattr(_state, "nested", False):
+    if last is None or kwargs or len(args) != last.arity or _suspensions[0] or getattr(_state, "nested", False):
         return None
     x, children = args[0], last.children
     if (type(x) is not mx.array or x.shape != last.shape or snapshot() is not last.switches
@@ -252,6 +253,10 @@ def _last_step(instance, args: tuple, kwargs: dict):
             or mx.default_device() != last.device or len(instance) != len(children)
             or not all(map(operator.is_, dict.values(instance), children))):
         return None
+    if last.arity == 2:
+        residual = args[1]
+        if type(residual) is not mx.array or residual.shape != last.shape or residual.dtype != last.dtype:
+            return None
     try:
         return last.step if vars(instance) == last.attributes else None
     except Exception:  # an attribute whose == does not give a truth value: changed, as far as this can tell
@@ -259,12 +264,16 @@ def _last_step(instance, args: tuple, kwargs: dict):
 
 
 def _remember(instance, args: tuple, kwargs: dict, key: tuple, step) -> None:
-    """Make `step`, taken for `key`, the layer's last step (calls of one array argument only)."""
-    if not kwargs and len(args) == 1 and type(args[0]) is mx.array:
-        _, _, _, switches, enabled = key
-        last = _LastStep(args[0], switches, enabled, tuple(dict.values(instance)), step)
-        object.__setattr__(instance, _LAST_STEP, last)
-        last.attributes = {**vars(instance), _LAST_STEP: _Self(last)}
+    """Make `step`, taken for `key`, the layer's last step (calls of one array argument, or two
+    of one shape and dtype, only)."""
+    if kwargs or not 1 <= len(args) <= 2 or any(type(a) is not mx.array for a in args):
+        return
+    if len(args) == 2 and (args[1].shape != args[0].shape or args[1].dtype != args[0].dtype):
+        return
+    _, _, _, switches, enabled = key
+    last = _LastStep(len(args), args[0], switches, enabled, tuple(dict.values(instance)), step)
+    object.__setattr__(instance, _LAST_STEP, last)
+    last.attributes = {**vars(instance), _LAST_STEP: _Self(last)}
 
 
 _suspensions = [0]

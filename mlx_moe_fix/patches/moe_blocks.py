@@ -7,14 +7,18 @@ launch); at decode, where one kernel can take both, the routing and the experts 
 token can also compute the logits from the router's quantized linear (`fusable_router`). The others
 (DeepSeek's): upstream's code as is. Both compile their calls per shape (patches/compiled.py).
 A block with a sharding group runs upstream's code uncompiled (its experts still go through the
-patched switch layer). No math here."""
+patched switch layer). The routed blocks also take the decoder layer's residual after x
+(`block(x, residual)`, from decoder_layers.py only, where takes_residual(block)): they then return
+`residual + block(x)`, added inside the fused decode's down launch where it runs (one node fewer a
+layer) and by kernels.add_residual elsewhere. No math here."""
 
 from __future__ import annotations
 
 import functools
 
-from ..kernels import Routing, fusable_router, moe_router
+from ..kernels import Routing, add_residual, fusable_router, moe_router
 from .compiled import compiled_per_shape
+from .methods import wrapper_of
 from .switch_layers import bind, routed_experts_call
 
 
@@ -23,10 +27,14 @@ from .switch_layers import bind, routed_experts_call
 routing = functools.lru_cache(maxsize=None)(Routing)
 
 
+def sharded(instance) -> bool:
+    return getattr(instance, "sharding_group", None) is not None
+
+
 def unsharded_compiled(wrapper):
     """`wrapper` with decode steps compiled (patches/compiled.py), except in a block with a
     sharding group: upstream's sharded block sums over its group after the experts."""
-    return compiled_per_shape(wrapper, runs_as_is=lambda instance: getattr(instance, "sharding_group", None) is not None)
+    return compiled_per_shape(wrapper, runs_as_is=sharded)
 
 
 def upstream(wrapped, instance, args, kwargs):
@@ -41,20 +49,21 @@ upstream_block = unsharded_compiled(upstream)
 
 def routed_block(routing_of, router: str = "gate", experts: str = "switch_mlp"):
     """The wrapper of a block `__call__(x)` whose `router` linear gives the logits, routed with
-    `routing_of(block)`, and whose `experts` outputs are combined with the routing weights."""
+    `routing_of(block)`, and whose `experts` outputs are combined with the routing weights; also
+    of `__call__(x, residual)` (see the module's docstring)."""
 
     def routed(wrapped, instance, args, kwargs):
-        (x,) = bind(args, kwargs, ("x",))
+        x, residual = bind(args, kwargs, ("x", "residual"))
         gate, layer, block_routing = instance[router], instance[experts], routing_of(instance)
-        fused = routed_experts_call(layer, x, fusable_router(gate), block_routing)
+        fused = routed_experts_call(layer, x, fusable_router(gate), block_routing, residual)
         if fused is not None:
             return fused
         logits = gate(x)
-        fused = routed_experts_call(layer, x, logits, block_routing)
+        fused = routed_experts_call(layer, x, logits, block_routing, residual)
         if fused is not None:
             return fused
         indices, weights = moe_router(logits, block_routing)
-        return layer(x, indices, weights=weights)
+        return add_residual(layer(x, indices, weights=weights), residual)
 
     return unsharded_compiled(routed)
 
@@ -77,3 +86,13 @@ def gpt_oss_routing(block) -> Routing:
 qwen3_moe = routed_block(qwen3_moe_routing)
 mixtral = routed_block(mixtral_routing)
 gpt_oss = routed_block(gpt_oss_routing, "router", "experts")
+
+
+_RESIDUAL_BLOCKS = frozenset((qwen3_moe, mixtral, gpt_oss))
+
+
+def takes_residual(block) -> bool:
+    """Whether `block(x, residual)` runs a routed block's wrapper above: its class's call is that
+    wrapper's patched method (not a subclass's override, nor another module), and it has no
+    sharding group (whose call is upstream's, of x alone)."""
+    return wrapper_of(type(block).__call__) in _RESIDUAL_BLOCKS and not sharded(block)

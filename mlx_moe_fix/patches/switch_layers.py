@@ -139,10 +139,11 @@ switch_mlp = expert_block_wrapper("SwitchMLP", MLP_PROJECTIONS)
 _EXPERT_BLOCKS = {switch_glu: ("SwitchGLU", GLU_PROJECTIONS), switch_mlp: ("SwitchMLP", MLP_PROJECTIONS)}
 
 
-def routed_experts_call(layer, x, logits, routing: Routing):
+def routed_experts_call(layer, x, logits, routing: Routing, residual=None):
     """What `layer(x, indices, weights=weights)` gives for the indices and weights that `routing`
-    makes of `logits` (the logits, or the RouterLinear that gives them; None: no call),
-    computed by one fused op (kernels.routed_plan) and counted as that call; or None, and the
+    makes of `logits` (the logits, or the RouterLinear that gives them; None: no call), plus
+    `residual` where given (kernels.add_residual), computed by one fused op (kernels.routed_plan)
+    and counted as that call; or None, and the
     caller routes and calls the layer. Only where the layer's call is the patched expert block's
     own: not a subclass's override, nor a tool's interception (zoo.intercepting), which must see
     the call."""
@@ -155,7 +156,7 @@ def routed_experts_call(layer, x, logits, routing: Routing):
         return None
     trace.record(kind[0], chosen.phase, chosen.path, chosen.reason,
                  lambda: shape_class(chosen.phase, x, routing.top_k, experts))
-    return chosen.function(x, logits, routing, experts)
+    return chosen.function(x, logits, routing, experts, residual)
 
 
 def quantized_switch_linear(wrapped, instance, args, kwargs):

@@ -252,6 +252,33 @@ def test_a_layer_takes_its_last_step_only_while_that_steps_key_holds(compiled_st
     assert mx.array_equal(new_gate, built_new_gate).item() and not mx.array_equal(new_gate, first).item()
 
 
+def test_a_blocks_last_step_with_a_residual_holds_for_that_arity_shape_and_dtype_only(compiled_steps):
+    """A routed block called with the decoder layer's residual (patches/decoder_layers.py) replays
+    its last step for calls of x and a residual of x's shape and dtype, and for no other call:
+    each replay adds the residual it is given, as a call built in Python does."""
+    model = zoo.build("qwen3_moe", 4, dtype=mx.bfloat16)
+    block = next(m for _, m in model.named_modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock")
+    hidden = block.gate.scales.shape[-1] * block.gate.group_size
+    x, residual, other = (mx.random.normal((1, 1, hidden), key=mx.random.key(seed)).astype(mx.bfloat16) for seed in (3, 4, 5))
+    with mlx_moe_fix.patched():
+        compiled_steps(True)
+        for _ in range(3):
+            alone = block(x)
+        assert compiled._last_step(block, (x,), {}) is not None
+        assert compiled._last_step(block, (x, residual), {}) is None, "another arity must not take the step"
+        replayed = [block(x, r) for r in (residual, residual, residual, other)]
+        assert compiled._last_step(block, (x, residual), {}) is not None
+        assert compiled._last_step(block, (x,), {}) is None
+        assert compiled._last_step(block, (x, residual.astype(mx.float32)), {}) is None
+        assert compiled._last_step(block, (x, residual[..., :1]), {}) is None
+        assert compiled._last_step(block, (x, None), {}) is None
+        compiled_steps(False)
+        built = [block(x, r) for r in (residual, other)]
+    assert steps_of(model) > 0
+    assert mx.array_equal(replayed[2], built[0]).item() and mx.array_equal(replayed[3], built[1]).item()
+    assert mx.array_equal(built[0], residual + alone).item()
+
+
 # deepseek_v4's small layers differ in structure (a hash-routed one) and each of its models has a
 # config object of its own (counted by identity): none of its steps is shared here.
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "deepseek_v4"])
