@@ -27,8 +27,8 @@ experts in separate launches).
 
 Given a residual (the decoder layer's, patches/decoder_layers.py), the down launch adds it to its
 output, bit for bit as MLX adds two arrays of the output's dtype: the layer's add is then no node of
-its own (qwen3_moe at batch 1 1.006 and 1.002 of its dense equivalent against 0.983 and 0.941
-without, in two processes; docs/benchmarks.md, thirty-fourth session).
+its own (qwen3_moe at batch 1 0.989-1.030 of its dense equivalent against 0.941-0.985 without, in
+six processes; docs/benchmarks.md, thirty-fourth session).
 """
 
 from __future__ import annotations
