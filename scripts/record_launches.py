@@ -28,6 +28,7 @@ sys.path.insert(0, "tests")
 import mlx_moe_fix  # noqa: E402
 from mlx_moe_fix import zoo  # noqa: E402
 from mlx_moe_fix.kernels import MoEExperts  # noqa: E402
+from mlx_moe_fix.kernels.launch import absent  # noqa: E402
 from parity.cases import make_case  # noqa: E402
 
 calls = []
@@ -67,7 +68,7 @@ class Recorder:
 
 def stand_in(constant) -> mx.array:
     if constant.values is None:
-        return mx.array([0.0], dtype=mx.float32)
+        return absent()
     return mx.array(constant.values, dtype=getattr(mx, constant.dtype))
 
 

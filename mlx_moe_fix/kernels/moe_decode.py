@@ -172,15 +172,17 @@ def gate_up_fixed_inputs(experts: MoEExperts, top_k: int) -> dict:
 
 
 def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype, weights_dtype,
-                 input_per_pair: bool, backend: str, stage: str = "down", residual: Optional[bool] = None) -> Launch:
-    """residual (routed_down only): whether a call passes the residual input after the hidden one."""
+                 input_per_pair: bool, backend: str, stage: str = "down", residual: bool = False) -> Launch:
+    """residual (routed_down): whether a call passes the residual input after the hidden one;
+    without it routed_down declares that input absent in its source."""
+    routed = stage == "routed_down"
     combined = weights_dtype is not None
     rows_out = pairs // top_k if combined else pairs
     shape = down_block_shape(top_k, combined, linear.bits, dtype, backend)
     # With the combine, a block's warps split over the token's pairs (cuda/moe_decode.cu, down).
     grid, block = _grid(linear.output_dims, rows_out, shape, shape.warps // min(top_k, shape.warps) if combined else None)
     kernel, fixed = gpu_kernel(stage, backend, shape, {
-        **({} if residual is None or residual else {"residual": None}),
+        **({"residual": None} if routed and not residual else {}),
         "w": linear.weight, "s": linear.scales, "b": linear.biases, "bias": linear.bias, "out_scale": out_scale,
         "dims": kernel_dims(linear.input_dims, linear.output_dims, top_k, None, linear.bias is not None, out_scale is not None)})
     return Launch(
@@ -189,7 +191,7 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
             ("SC", out_scale.dtype if out_scale is not None else mx.float32),
             ("WT", weights_dtype if combined else mx.float32),
             ("INPUT_PER_PAIR", input_per_pair), ("COMBINE", combined), bias_template(linear)]
-        + ([] if residual is None else [("RESIDUAL", residual)]),
+        + ([("RESIDUAL", residual)] if routed else []),
         grid, block, [(rows_out, linear.output_dims)], [dtype],
     )
 

@@ -52,10 +52,10 @@ def _patch_module(module) -> None:
         if original is None:
             _missing[target.name] = f"{target.module} has no {target.cls}.{target.method} in this version"
             continue
-        if target.source_digest is not None and source_digest(original) != target.source_digest:
+        digest = None if target.source_digest is None else source_digest(original)
+        if digest != target.source_digest:
             _unsupported[target.name] = (f"{target.cls}.{target.method} is not the version its patch restates "
-                                         f"(source digest {source_digest(original)}, not {target.source_digest}): "
-                                         "left as it is")
+                                         f"(source digest {digest}, not {target.source_digest}): left as it is")
             continue
         setattr(cls, target.method, patched_method(original, target.wrapper))
         _originals[target.name] = original
