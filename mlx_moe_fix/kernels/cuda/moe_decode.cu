@@ -254,8 +254,38 @@ struct QuantizedRows {
   }
 };
 
+// The sums over the warp of each lane's N values, in groups of K (N / K a power of two up to 32),
+// lane l left with group l / (32 K / N)'s K sums in `sums`: each butterfly step of warp_sum, while a
+// lane holds more than one group, sends half of its groups to its partner and keeps the other half
+// (the halves the partner sends), so that N sums take far fewer shuffles than N warp_sums (8 sums,
+// K = 1: 9 against 40). Every sum is warp_sum's bit for bit: the same additions in the same order,
+// a lane's own value first.
+template <int N, int K, int OFFSET = 16>
+__device__ __forceinline__ void warp_sum_spread(float (&sums)[K], const float (&v)[N]) {
+  static_assert(N % K == 0 && N / K <= 2 * OFFSET && ((N / K) & (N / K - 1)) == 0, "a power of two of groups, at most the lanes left");
+  if constexpr (N == K) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      sums[k] = v[k];
+#pragma unroll
+      for (int offset = OFFSET; offset > 0; offset /= 2) sums[k] = sums[k] + __shfl_xor_sync(0xffffffffu, sums[k], offset);
+    }
+  } else {
+    const bool upper = threadIdx.x & OFFSET;
+    float kept[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      const float send = upper ? v[i] : v[i + N / 2];
+      kept[i] = (upper ? v[i + N / 2] : v[i]) + __shfl_xor_sync(0xffffffffu, send, OFFSET);
+    }
+    warp_sum_spread<N / 2, K, OFFSET / 2>(sums, kept);
+  }
+}
+
 // Dot products of RPW consecutive rows (first_row on, each past last_row reading last_row) of
-// each of M matrices with an activation row, summed over the warp: out[m * RPW + r]. A = 1: one
+// each of M matrices with an activation row, summed over the warp (warp_sum_spread): lane l is
+// left with KEPT rows' (KEPT dividing RPW), rows first_row + l / (32 KEPT / RPW) * KEPT + k for
+// k < KEPT: out[k * M + m] for matrix m. A = 1: one
 // row for every matrix; A = M: matrix m's is activations[m] (the fixed-point path only);
 // SHARED_SPLIT: the one row's vectors already split, in `split` (fixed point, A = 1). Each lane
 // takes whole 16-byte vectors; a vector never straddles a quantization group (GROUP >= 32
@@ -267,9 +297,9 @@ struct QuantizedRows {
 // scales loaded apart from the weights, a tensor-core loop with a third of the instructions,
 // the vectors staged through shared memory with the next stage in flight, more warps an SM;
 // docs/decode-attribution.md, sections 14-15.)
-template <int BITS, int GROUP, int M, int RPW, int A, bool SHARED_SPLIT = false, typename S, typename T>
+template <int BITS, int GROUP, int M, int RPW, int A, int KEPT, bool SHARED_SPLIT = false, typename S, typename T>
 __device__ __forceinline__ void rows_dot(
-    float* out, const QuantizedRows<S> (&m)[M], int first_row, int last_row, const T* const (&activations)[A], int in_dim, int lane,
+    float (&out)[KEPT * M], const QuantizedRows<S> (&m)[M], int first_row, int last_row, const T* const (&activations)[A], int in_dim, int lane,
     const SharedFixed<BITS>* split = nullptr) {
   static_assert(A == 1 || (A == M && FIXED_POINT<T>), "one activation row, or one a matrix in fixed point");
   static_assert(!SHARED_SPLIT || (A == 1 && FIXED_POINT<T>), "a shared split of one row, in fixed point");
@@ -330,8 +360,10 @@ __device__ __forceinline__ void rows_dot(
       }
     }
   }
+  float by_row[RPW * M];  // grouped by row for the spread
 #pragma unroll
-  for (int i = 0; i < M * RPW; ++i) out[i] = warp_sum(acc[i]);
+  for (int i = 0; i < M * RPW; ++i) by_row[i % RPW * M + i / RPW] = acc[i];
+  warp_sum_spread(out, by_row);
 }
 
 // A warp's RPW rows (from first_row) of one pair's hidden row: the gate and up GEMVs of its
@@ -350,27 +382,26 @@ __device__ __forceinline__ void gate_up_rows(
   // This warp's RPW rows of the expert's matrices, up then gate (rows past OUT_DIM read the last
   // row and are not written).
   const QuantizedRows<S> up_rows = up_matrices.template of_expert<BITS, GROUP>(expert, d);
-  float dots[2 * RPW];
-  if (GATED) {
+  float dots[GATED ? 2 : 1];  // the lane's row's (rows_dot)
+  if constexpr (GATED) {
     const QuantizedRows<S> matrices[2] = {up_rows, gate_matrices.template of_expert<BITS, GROUP>(expert, d)};
-    rows_dot<BITS, GROUP, 2, RPW, 1, SHARED_SPLIT>(dots, matrices, first_row, d.out_dim - 1, {activations}, d.in_dim, lane, split);
+    rows_dot<BITS, GROUP, 2, RPW, 1, 1, SHARED_SPLIT>(dots, matrices, first_row, d.out_dim - 1, {activations}, d.in_dim, lane, split);
   } else {
     const QuantizedRows<S> matrices[1] = {up_rows};
-    rows_dot<BITS, GROUP, 1, RPW, 1, SHARED_SPLIT>(dots, matrices, first_row, d.out_dim - 1, {activations}, d.in_dim, lane, split);
+    rows_dot<BITS, GROUP, 1, RPW, 1, 1, SHARED_SPLIT>(dots, matrices, first_row, d.out_dim - 1, {activations}, d.in_dim, lane, split);
   }
-  // Every lane holds every row's sums: lane r writes row first_row + r.
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    const int row = first_row + r;
-    if (lane != r || row >= d.out_dim) continue;
-    float up = rnd<T>(dots[r]), gate = GATED ? rnd<T>(dots[RPW + r]) : 0.f;
-    if (d.has_bias) {
-      up = rnd<T>(up + static_cast<float>(up_bias[expert * d.out_dim + row]));
-      if (GATED) gate = rnd<T>(gate + static_cast<float>(gate_bias[expert * d.out_dim + row]));
-    }
-    if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(gate_scale[expert])));
-    hidden[(size_t)pair * d.out_dim + row] = static_cast<T>(activate<T>(d.act, d.has_limit, up, gate, params[0], params[1]));
+  // Lane l holds row first_row + l / (32 / RPW)'s sums; the first lane of each row writes it, so
+  // that the rows' epilogues run side by side (a pass a row repeated the activation's
+  // instructions RPW times over the warp).
+  const int row = first_row + lane / (32 / RPW);
+  if (lane % (32 / RPW) != 0 || row >= d.out_dim) return;
+  float up = rnd<T>(dots[0]), gate = GATED ? rnd<T>(dots[GATED ? 1 : 0]) : 0.f;
+  if (d.has_bias) {
+    up = rnd<T>(up + static_cast<float>(up_bias[expert * d.out_dim + row]));
+    if (GATED) gate = rnd<T>(gate + static_cast<float>(gate_bias[expert * d.out_dim + row]));
   }
+  if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(gate_scale[expert])));
+  hidden[(size_t)pair * d.out_dim + row] = static_cast<T>(activate<T>(d.act, d.has_limit, up, gate, params[0], params[1]));
 }
 
 // A block's share of the down GEMV: its RPW-row slots of OUT_DIM, for one pair (blockIdx.y), or
@@ -393,11 +424,21 @@ __device__ __forceinline__ void down_rows(
   const int pair_slot = warp % pair_slots, row_slot = warp / pair_slots;
   const int first_row = (blockIdx.x * row_slots + row_slot) * RPW;
   const bool active = row_slot < row_slots && first_row < d.out_dim;
-  float total[RPW];
+  // Two pairs at once where the fixed-point GEMV takes an activation row a matrix: their weights
+  // are then in flight together, where one pair after the other cost a round trip to memory each
+  // (at 4 rows a warp and top-k 8 a warp has two of its token's eight pairs).
+  constexpr int PAIRS_AT_ONCE = FIXED_POINT<T> && BITS == 4 && RPW <= 4 ? 2 : 1;  // more: two spill at the bound
+  // The rows whose sums a lane keeps after the GEMV (rows_dot's KEPT): its own, so that the
+  // warp's lanes run the rows' epilogues side by side, or at two pairs at once every row (where
+  // keeping one spilled at the bound): lanes own_first + k, for k < KEPT_ROWS.
+  constexpr int KEPT_ROWS = PAIRS_AT_ONCE == 2 ? RPW : 1;
+  constexpr int LANES_A_GROUP = 32 * KEPT_ROWS / RPW;
+  const int own_first = lane / LANES_A_GROUP * KEPT_ROWS;
+  float total[KEPT_ROWS];
 #pragma unroll
-  for (int r = 0; r < RPW; ++r) total[r] = 0.f;
+  for (int k = 0; k < KEPT_ROWS; ++k) total[k] = 0.f;
   // The pairs j, j + pair_slots, ... (P of them) of this warp: their rows' dot products in one
-  // rows_dot, then each pair's epilogue, added in pair order.
+  // rows_dot, then the kept rows' epilogue of each pair, added in pair order.
   auto add_pairs = [&](auto pairs_at_once, int j) {
     constexpr int P = decltype(pairs_at_once)::value;
     QuantizedRows<S> matrices[P];
@@ -408,27 +449,23 @@ __device__ __forceinline__ void down_rows(
       matrices[p] = matrices_of_all.template of_expert<BITS, GROUP>(indices[pair], d);
       activations[p] = hidden + (size_t)(INPUT_PER_PAIR ? pair : pair / d.top_k) * d.in_dim;
     }
-    float dots[P * RPW];
-    rows_dot<BITS, GROUP, P, RPW, P>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
+    float dots[KEPT_ROWS * P];
+    rows_dot<BITS, GROUP, P, RPW, P, KEPT_ROWS>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
 #pragma unroll
     for (int p = 0; p < P; ++p) {
       const int pair = first_pair + j + p * pair_slots;
       const size_t expert = indices[pair];  // read again rather than held through rows_dot: registers
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        const int row = min(first_row + r, d.out_dim - 1);
-        float y = rnd<T>(dots[p * RPW + r]);
+      for (int k = 0; k < KEPT_ROWS; ++k) {
+        const int row = min(first_row + own_first + k, d.out_dim - 1);
+        float y = rnd<T>(dots[k * P + p]);
         if (d.has_bias) y = rnd<T>(y + static_cast<float>(bias[expert * d.out_dim + row]));
         if (d.has_scale) y = rnd<T>(y * rnd<T>(static_cast<float>(out_scale[expert])));
         if (COMBINE) y = rnd<T>(y * rnd<T>(static_cast<float>(weights[pair])));
-        total[r] += y;
+        total[k] += y;
       }
     }
   };
-  // Two pairs at once where the fixed-point GEMV takes an activation row a matrix: their weights
-  // are then in flight together, where one pair after the other cost a round trip to memory each
-  // (at 4 rows a warp and top-k 8 a warp has two of its token's eight pairs).
-  constexpr int PAIRS_AT_ONCE = FIXED_POINT<T> && BITS == 4 && RPW <= 4 ? 2 : 1;  // more: two spill at the bound
   for (int j = pair_slot; active && j < pairs; j += PAIRS_AT_ONCE * pair_slots) {
     if constexpr (PAIRS_AT_ONCE == 2) {
       if (j + pair_slots < pairs) {
@@ -438,25 +475,25 @@ __device__ __forceinline__ void down_rows(
     }
     add_pairs(cuda::std::integral_constant<int, 1>{}, j);
   }
+  const bool first_of_group = lane % LANES_A_GROUP == 0;
   if (COMBINE) {
-    // Every lane holds its warp's sums; lane r of each warp leaves row r's.
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      if (lane == r) partial[warp * RPW + r] = total[r];
+    for (int k = 0; k < KEPT_ROWS; ++k) {
+      if (first_of_group) partial[warp * RPW + own_first + k] = total[k];
     }
     __syncthreads();
     if (pair_slot != 0 || !active) return;  // warps past the last row slot (TOP_K not dividing WARPS) sum nothing
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      total[r] = 0.f;
-      for (int slot = 0; slot < pair_slots; ++slot) total[r] += partial[(row_slot * pair_slots + slot) * RPW + r];
+    for (int k = 0; k < KEPT_ROWS; ++k) {
+      total[k] = 0.f;
+      for (int slot = 0; slot < pair_slots; ++slot) total[k] += partial[(row_slot * pair_slots + slot) * RPW + own_first + k];
     }
   }
 #pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    if (active && lane == r && first_row + r < d.out_dim) {
-      const size_t at = (size_t)blockIdx.y * d.out_dim + first_row + r;
-      out[at] = static_cast<T>(RESIDUAL ? static_cast<float>(residual[at]) + rnd<T>(total[r]) : total[r]);
+  for (int k = 0; k < KEPT_ROWS; ++k) {
+    if (active && first_of_group && first_row + own_first + k < d.out_dim) {
+      const size_t at = (size_t)blockIdx.y * d.out_dim + first_row + own_first + k;
+      out[at] = static_cast<T>(RESIDUAL ? static_cast<float>(residual[at]) + rnd<T>(total[k]) : total[k]);
     }
   }
 }
