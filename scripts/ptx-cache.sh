@@ -14,6 +14,13 @@ mkdir -p "$MLX_PTX_CACHE_DIR"
 if compgen -G ".mlx-ptx-cache/mlx-ptx-cache.tar.xz.*" >/dev/null; then
     cat .mlx-ptx-cache/mlx-ptx-cache.tar.xz.* | tar xJf - -C "$MLX_PTX_CACHE_DIR" &&
         echo "ptx cache: $(find "$MLX_PTX_CACHE_DIR" -type f | wc -l) files restored" >&2
+    # A call killed while saving leaves a truncated archive, and a kernel restored with its .ptx
+    # but without its .txt (the names it holds) fails every later launch ("There is no kernel
+    # named ..."). Keep only kernels whose three files all came back.
+    for ptx_cache_stem in $(find "$MLX_PTX_CACHE_DIR" -type f | sed 's/\.[a-z]*$//' | sort -u); do
+        [ -s "$ptx_cache_stem.cu" ] && [ -s "$ptx_cache_stem.ptx" ] && [ -s "$ptx_cache_stem.txt" ] ||
+            rm -f "$ptx_cache_stem.cu" "$ptx_cache_stem.ptx" "$ptx_cache_stem.txt"
+    done
 fi
 
 ptx_cache_save() {
