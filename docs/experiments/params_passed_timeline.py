@@ -1,4 +1,6 @@
-"""An A/B prepared in the thirty-fourth session, not yet run: `benchmarks.gpu_timeline` with the CUDA
+"""An A/B prepared in the thirty-fourth session and run in the thirty-fifth (docs/benchmarks.md,
+thirty-fifth session, item 2: the router-inside launch 26.3 µs a layer both ways, so the source
+constants did not move it; the machines did): `benchmarks.gpu_timeline` with the CUDA
 decode launches' params passed as an input array (their layout before 1f7c964 declared them in the
 kernels' source), to tell whether the source constants or the machine moved Qwen3's router-inside
 launch from 24.7 (thirty-second session) to 26.3 µs a layer (thirty-third). Run it between two
