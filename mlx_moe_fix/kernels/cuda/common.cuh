@@ -22,11 +22,12 @@ __device__ __forceinline__ float rnd(float v) {
 }
 
 // The sum over a warp, in every lane: a butterfly from offset 16 down, as cooperative_groups'
-// reduce does (the router kernel reproduces MLX's reductions with it).
-template <typename A>
+// reduce does (the router kernel reproduces MLX's reductions with it). FROM < 16: the butterfly's
+// last steps, from offset FROM down (the sum over lanes that differ in those bits only).
+template <int FROM = 16, typename A>
 __device__ __forceinline__ A warp_sum(A v) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v = v + __shfl_xor_sync(0xffffffffu, v, offset);
+  for (int offset = FROM; offset > 0; offset /= 2) v = v + __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
 

@@ -265,11 +265,7 @@ __device__ __forceinline__ void warp_sum_spread(float (&sums)[K], const float (&
   static_assert(N % K == 0 && N / K <= 2 * OFFSET && ((N / K) & (N / K - 1)) == 0, "a power of two of groups, at most the lanes left");
   if constexpr (N == K) {
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      sums[k] = v[k];
-#pragma unroll
-      for (int offset = OFFSET; offset > 0; offset /= 2) sums[k] = sums[k] + __shfl_xor_sync(0xffffffffu, sums[k], offset);
-    }
+    for (int k = 0; k < K; ++k) sums[k] = warp_sum<OFFSET>(v[k]);
   } else {
     const bool upper = threadIdx.x & OFFSET;
     float kept[N / 2];
