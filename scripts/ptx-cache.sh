@@ -14,18 +14,21 @@ mkdir -p "$MLX_PTX_CACHE_DIR"
 if compgen -G ".mlx-ptx-cache/mlx-ptx-cache.tar.xz.*" >/dev/null; then
     cat .mlx-ptx-cache/mlx-ptx-cache.tar.xz.* | tar xJf - -C "$MLX_PTX_CACHE_DIR" &&
         echo "ptx cache: $(find "$MLX_PTX_CACHE_DIR" -type f | wc -l) files restored" >&2
-    # A call killed while saving leaves a truncated archive, and a kernel restored with its .ptx
-    # but without its .txt (the names it holds) fails every later launch ("There is no kernel
-    # named ..."). Keep only kernels whose three files all came back.
+    # An archive truncated on its way here (saved before ptx_cache_save packed aside, or cut in
+    # transfer) restores a kernel's .ptx without its .txt (the names it holds), which fails every
+    # later launch ("There is no kernel named ..."). Keep only kernels whose three files all came back.
     for ptx_cache_stem in $(find "$MLX_PTX_CACHE_DIR" -type f | sed 's/\.[a-z]*$//' | sort -u); do
         [ -s "$ptx_cache_stem.cu" ] && [ -s "$ptx_cache_stem.ptx" ] && [ -s "$ptx_cache_stem.txt" ] ||
             rm -f "$ptx_cache_stem.cu" "$ptx_cache_stem.ptx" "$ptx_cache_stem.txt"
     done
 fi
 
+# The parts are packed in DIR/ptx-cache-incomplete and moved into DIR once whole, so that a call
+# killed while packing leaves no truncated archive where the next call's copy looks.
 ptx_cache_save() {
-    local dest=$1
-    mkdir -p "$dest" && rm -f "$dest"/mlx-ptx-cache.tar.xz.* &&
-        tar cJf - -C "$MLX_PTX_CACHE_DIR" . | split -b 15M -d - "$dest/mlx-ptx-cache.tar.xz." &&
+    local dest=$1 packing=$1/ptx-cache-incomplete
+    mkdir -p "$packing" && rm -f "$dest"/mlx-ptx-cache.tar.xz.* "$packing"/* &&
+        tar cJf - -C "$MLX_PTX_CACHE_DIR" . | split -b 15M -d - "$packing/mlx-ptx-cache.tar.xz." &&
+        mv "$packing"/mlx-ptx-cache.tar.xz.* "$dest"/ && rmdir "$packing" &&
         echo "ptx cache: $(find "$MLX_PTX_CACHE_DIR" -type f | wc -l) files saved in $(ls "$dest"/mlx-ptx-cache.tar.xz.* | wc -l) parts" >&2
 }
