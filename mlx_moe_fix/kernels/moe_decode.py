@@ -105,8 +105,16 @@ def shared_split_bytes(experts: MoEExperts, dtype, backend: str) -> int:
     return size if size <= MAX_SPLIT_BYTES else 0
 
 
+# The GEMV addresses a row's packed words, scales and biases with 32-bit offsets within one
+# expert's matrix (rows_dot in cuda/moe_decode.cu).
+MAX_EXPERT_WORDS = 2**32
+
+
 def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:
-    return quantized_experts_reason(experts)
+    reason = quantized_experts_reason(experts)
+    if reason is None and any(p.output_dims * p.weight.shape[-1] >= MAX_EXPERT_WORDS for p in experts.projections):
+        return "an expert matrix of 2^32 packed words or more: the CUDA decode GEMV addresses one with 32-bit offsets"
+    return reason
 
 
 def _grid(rows: int, blocks_y: int, shape: BlockShape, row_warps: Optional[int] = None) -> tuple:

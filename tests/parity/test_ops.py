@@ -116,6 +116,22 @@ def test_gate_and_up_quantized_differently_are_left_to_stock():
         assert "quantized differently" in reason
 
 
+def test_experts_past_32_bit_offsets_are_left_to_stock():
+    # The CUDA decode GEMV addresses one expert's packed rows with 32-bit offsets. The arrays
+    # stay lazy, so the 16 GiB expert is never allocated.
+    from mlx_moe_fix.kernels.moe_decode import MAX_EXPERT_WORDS, cuda_unsupported_reason
+
+    def linear(rows, words):
+        group, bits = 64, 4
+        scales = mx.zeros((1, rows, words * 32 // bits // group), mx.bfloat16)
+        return ExpertLinear(mx.zeros((1, rows, words), mx.uint32), scales, scales, group_size=group, bits=bits)
+
+    largest = MoEExperts((linear(MAX_EXPERT_WORDS // 4096 - 1, 4096),))
+    assert cuda_unsupported_reason(largest) is None
+    reason = cuda_unsupported_reason(MoEExperts((linear(MAX_EXPERT_WORDS // 4096, 4096),)))
+    assert "32-bit offsets" in reason
+
+
 @pytest.mark.parametrize(
     "projections, activation",
     [(2, Activation("swiglu")), (3, Activation("gelu")), (1, Activation("gelu")), (3, None)],
