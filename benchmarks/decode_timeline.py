@@ -214,6 +214,18 @@ class Decoder:
         return phases
 
 
+def take_turns(labels: list, cycles: int, turn, tag: str) -> None:
+    """`turn(label)` for every label, `cycles` times, each cycle starting one label further on: no
+    variant always follows the same one (in one process, main's path under two labels, one run
+    after stock's turn and one after another patched variant's, read 3% apart: docs/benchmarks.md,
+    thirtieth session)."""
+    for cycle in range(cycles):
+        for label in labels[cycle % len(labels):] + labels[:cycle % len(labels)]:
+            turn(label)
+        if (cycle + 1) % 8 == 0 or cycle + 1 == cycles:
+            log(f"[{tag}] cycle {cycle + 1} of {cycles}")
+
+
 def summary_row(label: str, phases: list, rates: list, dense_rates: list, layers: int) -> list:
     per_phase = [statistics.median(p[i] for p in phases) * 1e6 for i in range(len(PHASES))]
     token = statistics.median(sum(p) for p in phases) * 1e6
@@ -259,20 +271,16 @@ def main(argv=None):
         with with_setting(setting), replaced_calls(*(swap or ((), None)), around=True):
             decoders[label] = Decoder(built[dense], prompt)
             decoders[label].burst(args.burst)  # warm-up at exactly the timed shapes (compiled steps traced)
-    labels = list(variants)
-    for cycle in range(args.cycles):
-        # each cycle's turns start one variant further on: no variant always follows the same one
-        # (in one process, main's path under two labels, one run after stock's turn and one after
-        # another patched variant's, read 3% apart: docs/benchmarks.md, thirtieth session)
-        for label in labels[cycle % len(labels):] + labels[:cycle % len(labels)]:
-            dense, mode, setting, swap = variants[label]
-            models.set_mode(mode)
-            with with_setting(setting), replaced_calls(*(swap or ((), None)), around=True):
-                run = decoders[label].burst(args.burst)
-            phases[label] += run[1:]
-            rates[label].append((args.burst - 1) / sum(map(sum, run[1:])))
-        if (cycle + 1) % 8 == 0 or cycle + 1 == args.cycles:
-            log(f"[timeline] cycle {cycle + 1} of {args.cycles}")
+
+    def turn(label):
+        dense, mode, setting, swap = variants[label]
+        models.set_mode(mode)
+        with with_setting(setting), replaced_calls(*(swap or ((), None)), around=True):
+            run = decoders[label].burst(args.burst)
+        phases[label] += run[1:]
+        rates[label].append((args.burst - 1) / sum(map(sum, run[1:])))
+
+    take_turns(list(variants), args.cycles, turn, "timeline")
     models.set_mode("stock")
 
     print(f"{args.model} ({layers} layers) and its dense equivalent, {args.prompt}-token prompt, "

@@ -15,6 +15,7 @@
 #         # every GPU test but the greedy ones, kernels on and (at the same time) off
 #     DECODE=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh   # the decode benchmarks
 #     TIMELINE=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh # batch-1 decode / dense, in bursts
+#     BATCHED=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh  # batched decode / dense, in bursts
 #
 # (the *_ARGS replace the defaults below; see `python3 -m benchmarks.kernels --help` and
 # `python3 -m benchmarks.models --help`). Each part runs under a time limit (TESTS_TIMEOUT,
@@ -125,6 +126,13 @@ if [ -n "${TIMELINE:-}" ]; then
     run_part timeline "${TIMELINE_TIMEOUT:-420}" bash -c "for model in \$(echo ${TIMELINE_MODELS:-qwen3_moe,inkling,deepseek_v4} | tr , ' '); do
         python3 -m benchmarks.decode_timeline --model \$model --deepseek-layers 6 --cycles ${TIMELINE_CYCLES:-12} || exit 1; done"
     statuses+=("decode timelines: $out/timeline.log")
+fi
+if [ -n "${BATCHED:-}" ]; then
+    # BATCHED=1: BatchGenerator decode at batch 1, 4 and 16 of each model against its dense
+    # equivalent, in turns of bursts (benchmarks/batched_timeline.py); BATCHED_MODELS, comma-separated.
+    run_part batched "${BATCHED_TIMEOUT:-300}" bash -c "for model in \$(echo ${BATCHED_MODELS:-qwen3_moe,mixtral} | tr , ' '); do
+        python3 -m benchmarks.batched_timeline --model \$model || exit 1; done"
+    statuses+=("batched decode timelines: $out/batched.log")
 fi
 if [ -z "${SKIP_MODELS:-}" ]; then
     # shellcheck disable=SC2086

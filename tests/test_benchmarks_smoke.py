@@ -213,6 +213,38 @@ def test_decode_timeline_splits_each_variants_token_into_its_host_phases(model):
     assert rows["dense equivalent"][-1] == "1.000"
 
 
+def test_batched_timeline_gives_each_variant_and_batch_size_its_own_generator_in_its_mode(monkeypatch):
+    import mlx_moe_fix
+    from benchmarks import batched_timeline, models
+
+    seen = []
+    burst = batched_timeline.BatchedDecoder.burst
+
+    def recording_burst(self, steps):
+        dense = self.generator.model.__class__.__module__.endswith(".qwen3")
+        seen.append(("dense" if dense else "moe", mlx_moe_fix.is_applied(), self.batch))
+        return burst(self, steps)
+
+    monkeypatch.setattr(batched_timeline.BatchedDecoder, "burst", recording_burst)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        batched_timeline.main(["--smoke", "--batch-sizes", "2,1"])
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.getvalue().splitlines()
+            if line.startswith(("| stock", "| patched", "| dense"))]
+    assert [row[:2] for row in rows] == [[label, batch] for label in ("stock", "patched", "dense equivalent") for batch in ("1", "2")]
+    for label, batch, step_ms, tok_s, versus_dense, versus_batch_1 in rows:
+        assert float(step_ms) > 0 and float(tok_s) > 0
+        assert versus_dense == "1.000" if label == "dense equivalent" else float(versus_dense) > 0
+        assert versus_batch_1 == "1.000" if batch == "1" else float(versus_batch_1) > 0
+    variants = [("moe", False, 1), ("moe", False, 2), ("moe", True, 1), ("moe", True, 2), ("dense", False, 1), ("dense", False, 2)]
+    # the warm-ups, then two cycles of turns, the second starting one further on; stock after
+    assert seen == variants + variants + variants[1:] + variants[:1] and not mlx_moe_fix.is_applied()
+    with pytest.raises(SystemExit):
+        batched_timeline.main(["--smoke", "--batch-sizes", "0"])
+    with pytest.raises(SystemExit):  # a family whose caches BatchGenerator does not take
+        batched_timeline.main(["--smoke", "--model", sorted(models.NO_BATCHED_DECODE & set(models.MOE_MODELS))[0]])
+
+
 def test_decode_timeline_runs_a_patched_variant_per_switch_setting_with_that_switch_set(monkeypatch):
     from benchmarks import decode_timeline
     from mlx_moe_fix import env
