@@ -5,6 +5,7 @@ for earlier work MLX makes there), and waiting for its result.
     python3 -m benchmarks.decode_timeline                           # qwen3_moe, 24 cycles
     python3 -m benchmarks.decode_timeline --model mixtral --burst 8
     python3 -m benchmarks.decode_timeline --smoke                   # tiny configs, CPU
+    python3 -m benchmarks.decode_timeline --batch 4                 # 4 sequences a step, one cache
     python3 -m benchmarks.decode_timeline --patched-with MLX_MOE_FIX_CUDA_ROUTED_DECODE=0
                                         # one more variant: patched with that switch set
     python3 -m benchmarks.decode_timeline --block-variant moe-identity --block-variant dense-identity \
@@ -43,6 +44,7 @@ import statistics
 import time
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -181,20 +183,32 @@ def switch_setting(text: str) -> tuple:
     return name, value
 
 
-class Decoder:
-    """One model's greedy decode with its own cache, its next token pending between bursts."""
+def add_batch_argument(parser) -> None:
+    parser.add_argument("--batch", type=int, default=1,
+                        help="sequences decoded at once (the first the --prompt tokens, the others random ones of its length)")
 
-    def __init__(self, model, prompt: mx.array):
+
+def prompts_of(tokens: list, batch: int, vocab: int) -> mx.array:
+    """[batch, len(tokens)]: `tokens`, then batch - 1 random prompts of its length."""
+    others = np.random.default_rng(1).integers(0, vocab, (batch - 1, len(tokens))).tolist()
+    return mx.array([tokens] + others)
+
+
+class Decoder:
+    """One model's greedy decode of a batch of prompts ([batch, tokens], all of one length: one
+    cache), its next tokens pending between bursts."""
+
+    def __init__(self, model, prompts: mx.array):
         self.model, self.cache = model, make_prompt_cache(model)
         with mx.stream(generation_stream):
-            model(prompt[None, :-1], cache=self.cache)
+            model(prompts[:, :-1], cache=self.cache)
             mx.eval([c.state for c in self.cache])
-        self.y, self.logprobs = self.step(prompt[-1:])
+        self.y, self.logprobs = self.step(prompts[:, -1])
         mx.eval(self.y, self.logprobs)
 
     def step(self, y):
         with mx.stream(generation_stream):
-            logits = self.model(y[None], cache=self.cache)[:, -1, :]
+            logits = self.model(y[:, None], cache=self.cache)[:, -1, :]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return mx.argmax(logprobs, axis=-1), logprobs
 
@@ -207,10 +221,10 @@ class Decoder:
             built = time.perf_counter()
             mx.async_eval(next_y, next_logprobs)
             submitted = time.perf_counter()
-            self.y.item()
+            self.y.tolist()
             phases.append((built - start, submitted - built, time.perf_counter() - submitted))
             self.y, self.logprobs = next_y, next_logprobs
-        self.y.item()
+        self.y.tolist()
         return phases
 
 
@@ -238,6 +252,7 @@ def summary_row(label: str, phases: list, rates: list, dense_rates: list, layers
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     models.add_decode_pair_arguments(parser)
+    add_batch_argument(parser)
     parser.add_argument("--burst", type=int, default=8, help="tokens a variant decodes per turn")
     parser.add_argument("--cycles", type=int, default=24, help="turns of every variant")
     parser.add_argument("--smoke", action="store_true", help="tiny configs, few tokens (CPU)")
@@ -251,6 +266,8 @@ def main(argv=None):
         args.prompt, args.burst, args.cycles = 12, 3, 2
     if args.burst < 2:
         parser.error("--burst must be at least 2 (a burst's first token is left out)")
+    if args.batch < 1:
+        parser.error("--batch must be at least 1")
 
     rebuilt = set(REBUILT) & set(args.block_variant)
     if rebuilt and args.model not in ROUTINGS:
@@ -264,12 +281,12 @@ def main(argv=None):
         variants[f"{'dense equivalent' if dense else 'patched'}, {name}"] = (dense, "stock" if dense else "patched", None,
                                                                            (classes, make))
     layers = spec.config["num_hidden_layers"]
-    prompt = mx.array(tokens)
+    prompts = prompts_of(tokens, args.batch, spec.config["vocab_size"])
     decoders, phases, rates = {}, {label: [] for label in variants}, {label: [] for label in variants}
     for label, (dense, mode, setting, swap) in variants.items():
         models.set_mode(mode)
         with with_setting(setting), replaced_calls(*(swap or ((), None)), around=True):
-            decoders[label] = Decoder(built[dense], prompt)
+            decoders[label] = Decoder(built[dense], prompts)
             decoders[label].burst(args.burst)  # warm-up at exactly the timed shapes (compiled steps traced)
 
     def turn(label):
@@ -278,14 +295,14 @@ def main(argv=None):
         with with_setting(setting), replaced_calls(*(swap or ((), None)), around=True):
             run = decoders[label].burst(args.burst)
         phases[label] += run[1:]
-        rates[label].append((args.burst - 1) / sum(map(sum, run[1:])))
+        rates[label].append(args.batch * (args.burst - 1) / sum(map(sum, run[1:])))
 
     take_turns(list(variants), args.cycles, turn, "timeline")
     models.set_mode("stock")
 
-    print(f"{args.model} ({layers} layers) and its dense equivalent, {args.prompt}-token prompt, "
+    print(f"{args.model} ({layers} layers) and its dense equivalent, batch {args.batch}, {args.prompt}-token prompts, "
           f"{args.cycles} cycles of {args.burst}-token bursts, MLX {mx.__version__}, {mx.default_device()}; "
-          "µs per token, medians")
+          "µs per step (a token of each sequence), medians; tok/s counts every sequence")
     rows = [summary_row(label, phases[label], rates[label], rates["dense equivalent"], layers) for label in variants]
     print(markdown_table(["variant", *PHASES, "token", "token / layer", "tok/s", "/ dense"], rows))
 

@@ -6,6 +6,7 @@ ones included), beside the host's build and evaluation of the same work. Needs t
     python3 -m benchmarks.gpu_timeline                                # decode blocks, then qwen3_moe's token
     python3 -m benchmarks.gpu_timeline --parts blocks --shapes qwen3  # one shape's blocks only
     python3 -m benchmarks.gpu_timeline --parts tokens --model inkling --deepseek-layers 6
+    python3 -m benchmarks.gpu_timeline --parts tokens --batch 4      # a decode step of 4 sequences
     python3 -m benchmarks.gpu_timeline --parts blocks --shapes qwen3 --block-shapes gate_up=4x2x24
                                        # production's block shapes, then these (benchmarks/block_shapes.py)
     python3 -m benchmarks.gpu_timeline --parts blocks --routers   # also with each layer's quantized router
@@ -23,8 +24,8 @@ The blocks take each layer's router logits as given; with --routers, two more ro
 each layer's quantized router (8-bit at Qwen3's shape, as mlx-lm quantizes qwen3_moe's `mlp.gate`;
 4-bit at Mixtral's), its matmul as a node of its own ("router node", MLX_MOE_FIX_CUDA_FUSED_ROUTER=0)
 or inside the gate+up launch ("router inside"), so that the router's device time counts.
-tokens: one batch-1 decode token of --model, patched, and of its dense equivalent (mlx-lm's
-generate_step loop, benchmarks.decode_timeline.Decoder): the token's build and evaluation against
+tokens: one decode token of --model (of --batch sequences at once), patched, and of its dense
+equivalent (mlx-lm's generate_step loop, benchmarks.decode_timeline.Decoder): the token's build and evaluation against
 the kernels' device time (where the device time is well under the token's, the token is host time).
 Per part the kernels are also listed by name (the longest first: count a layer or token, mean µs).
 """
@@ -180,14 +181,16 @@ def blocks_part(shapes: list, layers: int, reps: int, bits: int = 4, variants: t
 
 def tokens_part(args, reps: int) -> list:
     from . import models
-    from .decode_timeline import Decoder
+    from .decode_timeline import Decoder, prompts_of
 
     spec, built, prompt = models.build_decode_pair(args)
+    prompts = prompts_of(prompt, args.batch, spec.config["vocab_size"])
+    step = "a token" if args.batch == 1 else f"a step of batch {args.batch}"
     results = []
-    for label, dense, mode in ((f"{args.model} patched, a token", False, "patched"),
-                               ("dense equivalent, a token", True, "stock")):
+    for label, dense, mode in ((f"{args.model} patched, {step}", False, "patched"),
+                               (f"dense equivalent, {step}", True, "stock")):
         models.set_mode(mode)
-        decoder = Decoder(built[dense], mx.array(prompt))
+        decoder = Decoder(built[dense], prompts)
         decoder.burst(4)  # compiled steps traced at exactly these shapes
 
         def token(decoder=decoder):
@@ -202,6 +205,7 @@ def tokens_part(args, reps: int) -> list:
 
 def main(argv=None):
     from . import block_shapes, models
+    from .decode_timeline import add_batch_argument
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="blocks,tokens", help="blocks and / or tokens")
@@ -213,6 +217,7 @@ def main(argv=None):
                         help="blocks: one more variant with these decode block shapes (benchmarks/block_shapes.py; repeatable)")
     parser.add_argument("--routers", action="store_true", help="blocks: also with a quantized router a layer (node / inside)")
     models.add_decode_pair_arguments(parser)
+    add_batch_argument(parser)
     args = parser.parse_args(argv)
     args.smoke = False
     if not mx.cuda.is_available():

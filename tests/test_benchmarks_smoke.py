@@ -245,6 +245,26 @@ def test_batched_timeline_gives_each_variant_and_batch_size_its_own_generator_in
         batched_timeline.main(["--smoke", "--model", sorted(models.NO_BATCHED_DECODE & set(models.MOE_MODELS))[0]])
 
 
+def test_decode_timeline_decodes_a_batch_of_sequences_a_step_and_counts_each_token(monkeypatch):
+    from benchmarks import decode_timeline
+
+    shapes = set()
+    step = decode_timeline.Decoder.step
+    monkeypatch.setattr(decode_timeline.Decoder, "step", lambda self, y: shapes.add(y.shape) or step(self, y))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        decode_timeline.main(["--smoke", "--batch", "3"])
+    assert shapes == {(3,)}
+    rows = [[cell.strip() for cell in line.split("|")[2:-1]] for line in out.getvalue().splitlines()
+            if line.startswith(("| stock", "| patched", "| dense"))]
+    assert len(rows) == 3 and "batch 3" in out.getvalue()
+    for build, submit, wait, step_us, per_layer, tok_s, versus in rows:
+        # tok/s: 3 tokens a step (medians of bursts against the median step: within 2x)
+        assert 0.5 < float(tok_s) * float(step_us) / 3e6 < 2
+    with pytest.raises(SystemExit):
+        decode_timeline.main(["--smoke", "--batch", "0"])
+
+
 def test_decode_timeline_runs_a_patched_variant_per_switch_setting_with_that_switch_set(monkeypatch):
     from benchmarks import decode_timeline
     from mlx_moe_fix import env
