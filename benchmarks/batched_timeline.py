@@ -7,9 +7,9 @@ is read between bursts run seconds apart).
     python3 -m benchmarks.batched_timeline --model mixtral --batch-sizes 1,8
     python3 -m benchmarks.batched_timeline --smoke                # tiny configs, CPU
 
-Every (variant, batch size) keeps its own BatchGenerator, started from prompt caches that the
-model's own mode built once (the MoE model's patched, as benchmarks.models does), --batch
-sequences of --prompt random tokens each, with its next step pending between bursts; a burst
+Every (variant, batch size) keeps its own BatchGenerator of that many sequences, started from
+prompt caches of --prompt random tokens each that the model built once (the MoE model patched, as
+benchmarks.models does), with its next step pending between bursts; a burst
 ends once its last step's tokens are computed, so the next starts on an idle GPU. Each cycle
 runs every (variant, batch size) once, starting one further on than the cycle before. The table
 gives, over every step but each burst's first: the median step time, tok/s counting every
