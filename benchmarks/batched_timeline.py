@@ -25,7 +25,6 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import BatchGenerator
 
 from . import models
 from .decode_timeline import VARIANTS, take_turns
@@ -36,12 +35,8 @@ class BatchedDecoder:
     """One BatchGenerator of `batch` sequences, its next step pending between bursts."""
 
     def __init__(self, model, prompts: list, caches: list, batch: int, steps: int):
-        # prefill_batch_size = batch: with the default (8) a batch of 16 would start decoding 8
-        # sequences while the other 8 are still being admitted, mixing batch sizes.
         self.batch = batch
-        self.generator = BatchGenerator(model, max_tokens=steps, completion_batch_size=batch, prefill_batch_size=batch)
-        # Given a cache, a one-token prompt goes straight to decoding; merging copies the caches.
-        self.generator.insert([[p[-1]] for p in prompts[:batch]], caches=caches[:batch])
+        self.generator = models.batch_generator(model, prompts, caches, batch, steps)
 
     def burst(self, steps: int) -> list:
         """Seconds per step."""
@@ -60,7 +55,7 @@ class BatchedDecoder:
 
 
 def batch_sizes(text: str) -> list:
-    sizes = [int(s) for s in text.split(",") if s.strip()]
+    sizes = models.int_list(text)
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated batch sizes of at least 1")
     return sorted(set(sizes))

@@ -555,20 +555,27 @@ def build_prompt_caches(model, prompts: List[List[int]], args) -> List[List[Any]
     return caches
 
 
-def time_batch_decode(model, prompts, caches, batch: int, args) -> float:
-    """Seconds for the decode steps after the first, `batch` sequences at once."""
-    sync_all()
+def batch_generator(model, prompts, caches, batch: int, max_tokens: int) -> BatchGenerator:
+    """A BatchGenerator decoding the first `batch` prompts from their caches (each cache holding
+    its prompt but the last token, as build_prompt_caches makes them)."""
     # prefill_batch_size = batch: with the default (8) a batch of 16 would start decoding 8
     # sequences while the other 8 are still being admitted, mixing batch sizes.
     generator = BatchGenerator(
         model,
-        max_tokens=args.batch_tokens,
+        max_tokens=max_tokens,
         completion_batch_size=batch,
         prefill_batch_size=batch,
     )
     # Given a cache, a one-token prompt goes straight to decoding: no prompt processing.
     # Merging copies the caches into a batch cache, so the originals stay reusable.
     generator.insert([[p[-1]] for p in prompts[:batch]], caches=caches[:batch])
+    return generator
+
+
+def time_batch_decode(model, prompts, caches, batch: int, args) -> float:
+    """Seconds for the decode steps after the first, `batch` sequences at once."""
+    sync_all()
+    generator = batch_generator(model, prompts, caches, batch, args.batch_tokens)
     steps, first_at = 0, None
     while responses := generator.next_generated():
         steps += 1
