@@ -15,9 +15,10 @@ stock (prompts up to --stock-max-prompt); the dense equivalent (benchmarks.model
 without their MoE block / MLP. Every variant runs once per round, --reps forwards, and the rounds repeat, so that
 each ratio to the dense equivalent is taken between runs seconds apart (this host's speed drifts;
 docs/benchmarks.md, tenth session); the first round starts each variant with two untimed forwards
-at the same shape (MLX compiles its kernels per shape; the compiled variant traces at its second
-call). The build of a new length's first three calls (L + 1 tokens: built, traced, replayed) is
-printed last. Build: the Python call that makes the lazy graph; eval: mx.eval of the logits; both the
+at the same shape (MLX compiles its kernels per shape; the compiled variant traces by its second
+call). The build of a new length's first three calls (L + 1 tokens), patched (in a model called
+before: traced by its first MoE block and replayed by the others from the first call) and of the
+dense equivalent, is printed last. Build: the Python call that makes the lazy graph; eval: mx.eval of the logits; both the
 median over rounds of each round's median. A model's total less its variant's without MoE block /
 MLP is the blocks' share of the forward.
 """
@@ -127,13 +128,14 @@ def main(argv=None):
                          " / ".join(f"{q:.3f}" for q in ratios), f"{statistics.median(ratios):.3f}"])
         new_length = mx.array(rng.integers(0, spec.config["vocab_size"], (1, length + 1)))
         with mlx_moe_fix.patched():
-            first_builds.append([length + 1] + [f"{ms:.2f}" for ms in first_calls(moe, new_length)])
+            first_builds.append([length + 1, "MoE, patched"] + [f"{ms:.2f}" for ms in first_calls(moe, new_length)])
+        first_builds.append([length + 1, "dense equivalent"] + [f"{ms:.2f}" for ms in first_calls(dense, new_length)])
     print(f"{args.model} and {spec.dense}: one forward (no cache), ms, medians over {args.rounds} rounds of "
           f"{args.reps} forwards per variant; MLX {mx.__version__}, {mx.default_device()}")
     print(markdown_table(["tokens", "variant", "build", "eval", "total", "dense total / total, per round", "median"],
                          rows))
-    print(f"\n{args.model} patched, build ms of a new prompt length's first calls:")
-    print(markdown_table(["tokens", "1st (built in Python)", "2nd (traced)", "3rd (replayed)"], first_builds))
+    print(f"\nbuild ms of a new prompt length's first calls, {args.model} and {spec.dense}:")
+    print(markdown_table(["tokens", "model", "1st call", "2nd", "3rd"], first_builds))
     with mlx_moe_fix.patched():
         state = mlx_moe_fix.status()["compiled_prefill_shapes"]
     print(f"prefill compiled per shape, patched: {'on' if state['on'] else 'off'} ({state['reason']})")

@@ -37,8 +37,9 @@ def compiled_state(phase: str) -> dict:
     if why_not is None:
         calls = (f"calls of at most {compiled.DECODE_TOKENS} tokens" if phase == "decode"
                  else f"calls of more than {compiled.DECODE_TOKENS} tokens")
-        return {"on": True, "reason": f"a patched block's {calls} are traced at the second call of a shape, once per "
-                "layer and shape, and replayed from the third on"}
+        return {"on": True, "reason": f"a patched block's {calls} are traced once per shape and replayed: by layers "
+                "of one structure together, at a shape's first call in a model called before (its first call ever: "
+                "at the second)"}
     return {"on": False, "reason": why_not}
 
 

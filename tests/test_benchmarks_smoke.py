@@ -383,8 +383,9 @@ def test_prefill_forward_smoke_times_every_variant(tmp_path):
                                         "dense equivalent, without MLPs"]
     assert all(float(row[4]) > 0 for row in rows)
     assert rows[4][5] == "1.000 / 1.000" and rows[4][6] == "1.000"  # two rounds, each against itself
-    [first_calls] = written["first_builds"]  # the smoke's one prompt length, plus one token
-    assert first_calls[0] == 41 and len(first_calls) == 4 and all(float(ms) > 0 for ms in first_calls[1:])
+    patched_calls, dense_calls = written["first_builds"]  # the smoke's one prompt length, plus one token
+    assert patched_calls[:2] == [41, "MoE, patched"] and dense_calls[:2] == [41, "dense equivalent"]
+    assert all(len(calls) == 5 and all(float(ms) > 0 for ms in calls[2:]) for calls in (patched_calls, dense_calls))
     # the CPU runs the references, whose calls are not compiled: the benchmark says so
     assert "prefill compiled per shape, patched: off (cpu: only the CUDA kernels' calls are compiled)" in out
 

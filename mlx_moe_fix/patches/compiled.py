@@ -8,12 +8,16 @@ time (docs/decode-attribution.md; docs/benchmarks.md, tenth session). `mx.compil
 patched call once per layer and shape; later calls replay the recorded graph in C++, with the
 layer's current weights as inputs.
 
-The first call of a shape is built in Python, the second traced, the later ones replayed; a
-layer's last replayed step is found again without building its key while that key holds. Decode
-steps (at most DECODE_TOKENS tokens) repeat their shapes at every token; longer calls repeat
-theirs where a long prompt is prefilled in chunks (mlx-lm's 2048 tokens) or a prompt length
-comes back. A prompt length seen once costs its key only, and each layer keeps at most MAX_KEYS
-keys (the oldest untraced go first). Only on CUDA, with the phase's kernel switched on, and
+A layer's first call ever is built in Python (upstream code may fill a cache by evaluating an
+array, which a trace cannot do) and its second traced. After that a new shape's first call is
+traced by the first layer of its structure to see it, and the other layers of that structure
+replay that trace from their own first call of the shape (below), so that a new prompt length's
+forward costs one trace and no layer's build in Python (a layer that shares no step builds a
+shape's first call in Python and traces its second). Later calls replay; a layer's last step is
+found again without building its key while that key holds. Decode steps (at most DECODE_TOKENS
+tokens) repeat their shapes at every token; longer calls repeat theirs where a long prompt is
+prefilled in chunks (mlx-lm's 2048 tokens) or a prompt length comes back. Each layer keeps at most
+MAX_KEYS keys (the oldest untraced go first). Only on CUDA, with the phase's kernel switched on, and
 per phase where its switch is on: MLX_MOE_FIX_COMPILED_DECODE and MLX_MOE_FIX_COMPILED_PREFILL
 (each on unless 0). A trace is keyed by everything the patched call decides on besides the weights:
 the arguments' shapes and dtypes, the switches and phases, the identity of the layer's children
@@ -27,8 +31,11 @@ docs/benchmarks.md, twenty-seventh session). The structure is everything a trace
 besides the weights' values: the classes of the layer's module tree, its arrays' shapes and dtypes,
 every attribute of every module (scalars by value, other objects by identity, held by weak
 reference so that an identity is never reused while it counts); a layer with an array outside its
-module tree (which a trace would keep as a constant) shares with no other. MLX_MOE_FIX_SHARED_STEPS=0
-gives each layer steps of its own.
+module tree (which a trace would keep as a constant) shares with no other. A layer's structure is
+read once and kept with its last step while its children are the same objects and its attributes
+equal (as its own steps are kept: not by its descendants' state), so that at a new shape's first
+call the layers after the first find the shared trace for a fraction of a read's ~0.1 ms.
+MLX_MOE_FIX_SHARED_STEPS=0 gives each layer steps of its own.
 """
 
 from __future__ import annotations
@@ -136,12 +143,12 @@ class _LastStep:
     docs/benchmarks.md, thirty-second session.)"""
 
     __slots__ = ("arity", "shape", "dtype", "switches", "enabled", "device", "backends", "children", "attributes", "step",
-                 "__weakref__")
+                 "structure", "__weakref__")
 
-    def __init__(self, arity, x, switches, enabled, children, step):
+    def __init__(self, arity, x, switches, enabled, children, step, structure):
         self.arity, self.shape, self.dtype, self.switches, self.enabled = arity, x.shape, x.dtype, switches, enabled
         self.device, self.backends, self.children, self.step = mx.default_device(), BACKENDS, children, step
-        self.attributes = None
+        self.attributes, self.structure = None, structure
 
 
 class _Self:
@@ -163,14 +170,12 @@ _OWN_ATTRIBUTES = "_mlx_moe_fix"  # this package's caches on a layer: derived fr
 # Structures' compiled steps kept for layers to share (least recently traced or taken go first).
 MAX_SHARED_STEPS = 256
 _shared_steps = OrderedDict()  # (key, structure) -> (step, weak references to the objects counted by identity)
-_shared_kinds = set()  # (class, arguments) of the keys of _shared_steps, and of keys since dropped
 
 
 def forget_shared_steps() -> None:
     """Drop the steps kept for layers to share: later layers trace their own again (tests that
     swap an implementation in, which the keys do not hold)."""
     _shared_steps.clear()
-    _shared_kinds.clear()
 
 
 class _Unshareable(Exception):
@@ -203,16 +208,39 @@ def _structure(value, objects: list, attribute: bool = False):
     return kind, id(value)
 
 
-def _shared_key(instance, key: tuple):
-    """(the key under which layers of this layer's structure share steps, weak references to its
-    objects counted by identity), or None where the layer shares with no other."""
+_UNREAD = "not read"
+
+
+def _layer_structure(instance):
+    """(the layer's structure, weak references to its objects counted by identity), or None where
+    the layer shares with no other."""
     objects = []
     try:
-        shared = (type(instance), key[0], key[3], key[4], _structure(instance, objects))
-        hash(shared)
-        return shared, [weakref.ref(o) for o in objects]
+        structure = _structure(instance, objects)
+        hash(structure)
+        return structure, [weakref.ref(o) for o in objects]
     except (_Unshareable, TypeError, RecursionError):  # TypeError: an unhashable value, or no weak reference
         return None
+
+
+def _kept_structure(instance):
+    """The layer's _layer_structure as its last step's record keeps it, where the layer's children
+    and attributes are still the ones recorded there; else _UNREAD (module docstring)."""
+    last = instance.__dict__.get(_LAST_STEP)
+    if last is None or last.structure is _UNREAD or not _unchanged_since(instance, last):
+        return _UNREAD
+    return last.structure
+
+
+def _shared_key(instance, key: tuple, layer=_UNREAD):
+    """(the key under which layers of this layer's structure share steps, weak references to its
+    objects counted by identity), or None where the layer shares with no other; `layer`: the
+    layer's _layer_structure, where already read."""
+    if layer is _UNREAD:
+        layer = _layer_structure(instance)
+    if layer is None:
+        return None
+    return (type(instance), key[0], key[3], key[4], layer[0]), layer[1]
 
 
 def _shared_step(shared):
@@ -234,7 +262,6 @@ def _share(shared, step) -> None:
     if shared is None:
         return
     _shared_steps[shared[0]] = (step, shared[1])
-    _shared_kinds.add(shared[0][:2])
     while len(_shared_steps) > MAX_SHARED_STEPS:
         _shared_steps.popitem(last=False)
 
@@ -243,35 +270,45 @@ def _last_step(instance, args: tuple, kwargs: dict):
     """The step of the layer's last compiled call where this call would take it too (its key and
     its eligibility unchanged), found without building and hashing the key; else None. The layer's
     children are compared by identity, its attributes as a dict (see _LastStep). (Per decode step
-    and layer: written for speed, in one frame.)"""
+    and layer: written for speed.)"""
     last = instance.__dict__.get(_LAST_STEP)
     if last is None or kwargs or len(args) != last.arity or _suspensions[0] or getattr(_state, "nested", False):
         return None
-    x, children = args[0], last.children
+    x = args[0]
     if (type(x) is not mx.array or x.shape != last.shape or snapshot() is not last.switches
             or options.enabled() is not last.enabled or BACKENDS is not last.backends or x.dtype != last.dtype
-            or mx.default_device() != last.device or len(instance) != len(children)
-            or not all(map(operator.is_, dict.values(instance), children))):
+            or mx.default_device() != last.device):
         return None
     if last.arity == 2:
         residual = args[1]
         if type(residual) is not mx.array or residual.shape != last.shape or residual.dtype != last.dtype:
             return None
+    return last.step if _unchanged_since(instance, last) else None
+
+
+def _unchanged_since(instance, last: _LastStep) -> bool:
+    """The layer's children are the objects `last` recorded and its attributes equal theirs."""
+    children = last.children
+    if len(instance) != len(children) or not all(map(operator.is_, dict.values(instance), children)):
+        return False
     try:
-        return last.step if vars(instance) == last.attributes else None
+        return vars(instance) == last.attributes
     except Exception:  # an attribute whose == does not give a truth value: changed, as far as this can tell
-        return None
+        return False
 
 
-def _remember(instance, args: tuple, kwargs: dict, key: tuple, step) -> None:
+def _remember(instance, args: tuple, kwargs: dict, key: tuple, step, structure=_UNREAD) -> None:
     """Make `step`, taken for `key`, the layer's last step (calls of one array argument, or two
-    of one shape and dtype, only)."""
+    of one shape and dtype, only), with the layer's structure where this call read it or the
+    last step's record kept it."""
     if kwargs or not 1 <= len(args) <= 2 or any(type(a) is not mx.array for a in args):
         return
     if len(args) == 2 and (args[1].shape != args[0].shape or args[1].dtype != args[0].dtype):
         return
+    if structure is _UNREAD:
+        structure = _kept_structure(instance)
     _, _, _, switches, enabled = key
-    last = _LastStep(len(args), args[0], switches, enabled, tuple(dict.values(instance)), step)
+    last = _LastStep(len(args), args[0], switches, enabled, tuple(dict.values(instance)), step, structure)
     object.__setattr__(instance, _LAST_STEP, last)
     last.attributes = {**vars(instance), _LAST_STEP: _Self(last)}
 
@@ -348,42 +385,71 @@ def compiled_per_shape(wrapper, runs_as_is=None):
             steps = {}
             object.__setattr__(instance, _ATTRIBUTE, steps)
         step = steps.get(key)
-        # A layer's structure costs ~0.1 ms to read: at a key's first call only where a layer of
-        # its class has a traced step for these arguments.
-        if step is _TRACE_NEXT or (step is None and (type(instance), key[0]) in _shared_kinds):
-            shared = _shared_key(instance, key) if flag(SHARE_SWITCH) else None
+        if step is None and not steps:
+            # A layer's first call ever is built in Python and its second traced: upstream code may
+            # fill a cache by evaluating an array (InklingSwitchGLU.scales_trivial), which a trace
+            # cannot do.
+            steps[key] = _TRACE_NEXT
+            with _outer_call():
+                return wrapper(wrapped, instance, args, kwargs)
+        shared, structure = None, _UNREAD
+        if (step is None or step is _TRACE_NEXT) and flag(SHARE_SWITCH):
+            structure = _kept_structure(instance)
+            if structure is _UNREAD:
+                structure = _layer_structure(instance)
+            shared = _shared_key(instance, key, structure)
             found = _shared_step(shared)
             if found is not None:
                 if step is None:
                     _make_room(steps)
                 steps[key] = step = found
-        if step is None:
-            # The first call of a key is built in Python: upstream code may fill a cache by
-            # evaluating an array (InklingSwitchGLU.scales_trivial), which a trace cannot do.
+        first_call = step is None
+        if first_call:
             _make_room(steps)
             steps[key] = _TRACE_NEXT
-            with _outer_call():
-                return wrapper(wrapped, instance, args, kwargs)
+            if shared is None:
+                # A layer that shares no step builds a key's first call in Python and traces its
+                # second: a prompt length seen once would cost it a trace (~10 builds).
+                with _outer_call():
+                    return wrapper(wrapped, instance, args, kwargs)
+            # A layer called before that can share traces a new key at once, and the other layers
+            # of its structure replay that trace from their own first call of it: a new prompt
+            # length's forward costs one trace instead of every layer's build in Python.
+            step = _TRACE_NEXT
         if step is _TRACE_NEXT:
             step = _Step(wrapper, wrapped)
             try:
                 result = step(instance, args, kwargs)
-            except ValueError:
-                # MLX refused the trace (an evaluation inside it, or arguments it cannot take):
-                # this key's calls stay built in Python.
-                steps[key] = _BUILT_IN_PYTHON
-                return wrapper(wrapped, instance, args, kwargs)
+            except (ValueError, RuntimeError):
+                # MLX refused the trace (an evaluation inside it, or arguments it cannot take; any
+                # other error comes again from the call built in Python below). A key's first call
+                # tries again at its second (the call built here may fill a cache as the layer's
+                # first call ever does); after that the key's calls stay built in Python.
+                steps[key] = _TRACE_NEXT if first_call else _BUILT_IN_PYTHON
+                with _outer_call() if first_call else contextlib.nullcontext():
+                    return wrapper(wrapped, instance, args, kwargs)
             steps[key] = step
             _share(shared, step)
-            _remember(instance, args, kwargs, key, step)
+            _remember(instance, args, kwargs, key, step, structure)
             return result
         if step is _BUILT_IN_PYTHON:
             return wrapper(wrapped, instance, args, kwargs)
-        _remember(instance, args, kwargs, key, step)
+        _remember(instance, args, kwargs, key, step, structure)
         return step(instance, args, kwargs)
 
     compiled_wrapper.last_step = _last_step
     return compiled_wrapper
+
+
+def _arrays_in(tree, found=None) -> list:
+    """(container, name, array) of every array in the lists and dicts (modules) of `tree`."""
+    found = [] if found is None else found
+    for name, value in (tree.items() if isinstance(tree, dict) else enumerate(tree)):
+        if isinstance(value, mx.array):
+            found.append((tree, name, value))
+        elif isinstance(value, (dict, list)):
+            _arrays_in(value, found)
+    return found
 
 
 _TRACE_NEXT = "trace at the next call"
@@ -439,8 +505,15 @@ class _Step:
             traced_before = len(self.traces)
             self.children[:] = instance.values()
             self.caller[0] = instance
+            # A trace that raises leaves MLX's tracers in place of the layer's arrays: the first
+            # call (the trace) puts them back.
+            arrays = None if traced_before else _arrays_in(self.children)
             try:
                 result = self.compiled(*args, **kwargs)
+            except BaseException:
+                for container, name, array in arrays or ():
+                    container[name] = array
+                raise
             finally:
                 self.caller[0] = None
                 self.children.clear()

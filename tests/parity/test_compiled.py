@@ -138,16 +138,24 @@ def test_compiled_batched_decode_matches_python_built(compiled_steps, family):
 
 def test_a_call_mlx_cannot_trace_stays_built_in_python(compiled_steps):
     """Upstream code that evaluates an array inside the call (MLX refuses that in a trace): the
-    first call is built in Python, the failed trace of the second leaves the key built in Python."""
+    first call is built in Python, the failed trace of the second leaves the key built in Python,
+    and the layer's arrays, its modules' included, are its own again after the failed trace (MLX
+    leaves its tracers in their place)."""
     import mlx.nn as nn
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = mx.full((4,), 0.5)
 
     class Evaluating(nn.Module):
         def __init__(self):
             super().__init__()
             self.w = mx.ones((4,))
+            self.inner = Inner()
 
         def __call__(self, x):
-            return x * self.w.sum().item()
+            return x * self.w.sum().item() * self.inner.w.sum().item()
 
     def counted(wrapped, instance, args, kwargs):
         trace.record("Evaluating", "decode", "stock", "test", lambda: ())
@@ -157,7 +165,7 @@ def test_a_call_mlx_cannot_trace_stays_built_in_python(compiled_steps):
     call = compiled.compiled_per_shape(counted)
     layer, x = Evaluating(), mx.ones((1, 4))
     outputs = [call(layer.__call__, layer, (x,), {}) for _ in range(3)]
-    assert all(mx.array_equal(out, x * 4).item() for out in outputs)
+    assert all(mx.array_equal(out, x * 8).item() for out in outputs)
     assert list(layer.__dict__[STEPS].values()) == [compiled._BUILT_IN_PYTHON]
     assert list(mlx_moe_fix.path_counts().values()) == [3], "the failed trace's call must count once"
 
@@ -194,8 +202,8 @@ def test_prefill_at_a_repeated_shape_replays_what_python_builds(compiled_steps, 
 
 
 def test_a_layer_keeps_at_most_max_keys_dropping_untraced_ones_first(compiled_steps, monkeypatch):
-    """Prompt lengths seen once leave a key each; past MAX_KEYS the oldest untraced key goes, and
-    a traced one stays."""
+    """Prompt lengths seen once leave a key each (untraced where steps are not shared); past
+    MAX_KEYS the oldest untraced key goes, and a traced one stays."""
     import mlx.nn as nn
 
     class Doubling(nn.Module):
@@ -203,6 +211,7 @@ def test_a_layer_keeps_at_most_max_keys_dropping_untraced_ones_first(compiled_st
             return x * 2
 
     monkeypatch.setenv(compiled.PREFILL_COMPILE_SWITCH, "1")
+    monkeypatch.setenv(compiled.SHARE_SWITCH, "0")
     compiled_steps(True)  # (refreshes the switches)
     monkeypatch.setattr(compiled, "MAX_KEYS", 3)
     call = compiled.compiled_per_shape(lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs))
@@ -213,6 +222,40 @@ def test_a_layer_keeps_at_most_max_keys_dropping_untraced_ones_first(compiled_st
     steps = layer.__dict__[STEPS]
     assert [key[0][0][0] for key in steps] == [(1, 4), (60, 4), (70, 4)]
     assert isinstance(steps[next(iter(steps))], compiled._Step)
+
+
+def test_a_new_prompt_length_is_traced_once_and_replayed_by_every_layer(compiled_steps, monkeypatch):
+    """After a model's first call, a prompt length's first call is traced by the first layer and
+    replayed by every other layer of its structure from its own first call (none builds it in
+    Python), with the logits and path counts of the forward built in Python; then it replays. At
+    the next new length the layers take their structures as kept, without reading them again."""
+    family = "qwen3_moe"
+    model = zoo.build(family, 4, dtype=mx.bfloat16)
+    blocks = [m for _, m in model.named_modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
+    assert len(blocks) >= 2
+    length = compiled.DECODE_TOKENS + 9
+    monkeypatch.setenv(compiled.PREFILL_COMPILE_SWITCH, "1")
+    with mlx_moe_fix.patched():
+        compiled_steps(True)  # (refreshes the switches)
+        prefill_logits(model, family, length - 1)  # the model's first call: built in Python
+        assert steps_of(model) == 0
+        calls = [prefill_logits(model, family, length)]
+        taken = [step for block in blocks for key, step in block.__dict__[STEPS].items() if key[0][0][0][1] == length]
+        assert len(taken) == len(blocks) and all(isinstance(step, compiled._Step) for step in taken)
+        assert len(set(map(id, taken))) == 1 and len(taken[0].traces) == 1, "one trace, shared by every layer"
+        calls.append(prefill_logits(model, family, length))
+        assert len(taken[0].traces) == 1
+        reads = []
+        read = compiled._layer_structure
+        monkeypatch.setattr(compiled, "_layer_structure", lambda layer: reads.append(layer) or read(layer))
+        prefill_logits(model, family, length + 1)
+        assert not reads, "a layer's structure is kept with its last step while the layer is unchanged"
+        monkeypatch.setenv(compiled.PREFILL_COMPILE_SWITCH, "0")
+        env.refresh()
+        built = prefill_logits(model, family, length)
+    for logits, counts in calls:
+        assert mx.array_equal(logits, built[0]).item()
+        assert counts == built[1]
 
 
 def test_a_layer_takes_its_last_step_only_while_that_steps_key_holds(compiled_steps):
