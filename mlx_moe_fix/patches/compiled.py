@@ -505,8 +505,8 @@ class _Step:
             traced_before = len(self.traces)
             self.children[:] = instance.values()
             self.caller[0] = instance
-            # A trace that raises leaves MLX's tracers in place of the layer's arrays: the first
-            # call (the trace) puts them back.
+            # Where a trace raises, MLX leaves its tracers in place of the layer's arrays: the
+            # step's first call (its trace) puts the layer's own back.
             arrays = None if traced_before else _arrays_in(self.children)
             try:
                 result = self.compiled(*args, **kwargs)
