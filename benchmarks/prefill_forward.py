@@ -16,9 +16,9 @@ without their MoE block / MLP. Every variant runs once per round, --reps forward
 each ratio to the dense equivalent is taken between runs seconds apart (this host's speed drifts;
 docs/benchmarks.md, tenth session); the first round starts each variant with two untimed forwards
 at the same shape (MLX compiles its kernels per shape; the compiled variant traces by its second
-call). The build of a new length's first three calls (L + 1 tokens), patched (in a model called
+call). A new length's first three calls (L + 1 tokens), build and eval, patched (in a model called
 before: traced by its first MoE block and replayed by the others from the first call) and of the
-dense equivalent, is printed last. Build: the Python call that makes the lazy graph; eval: mx.eval of the logits; both the
+dense equivalent, and the ratio of their first calls' totals, are printed last. Build: the Python call that makes the lazy graph; eval: mx.eval of the logits; both the
 median over rounds of each round's median. A model's total less its variant's without MoE block /
 MLP is the blocks' share of the forward.
 """
@@ -75,15 +75,16 @@ def _built_in_python():
 
 
 def first_calls(model, prompt: mx.array, calls: int = 3) -> list:
-    """Build ms of the first `calls` forwards at the shape of `prompt`, each evaluated."""
-    builds = []
+    """(build ms, eval ms) of the first `calls` forwards at the shape of `prompt`."""
+    times = []
     for _ in range(calls):
         start = time.perf_counter()
         logits = model(prompt)
-        builds.append((time.perf_counter() - start) * 1e3)
+        built = time.perf_counter()
         mx.eval(logits)
+        times.append(((built - start) * 1e3, (time.perf_counter() - built) * 1e3))
         del logits
-    return builds
+    return times
 
 
 @contextlib.contextmanager
@@ -128,14 +129,18 @@ def main(argv=None):
                          " / ".join(f"{q:.3f}" for q in ratios), f"{statistics.median(ratios):.3f}"])
         new_length = mx.array(rng.integers(0, spec.config["vocab_size"], (1, length + 1)))
         with mlx_moe_fix.patched():
-            first_builds.append([length + 1, "MoE, patched"] + [f"{ms:.2f}" for ms in first_calls(moe, new_length)])
-        first_builds.append([length + 1, "dense equivalent"] + [f"{ms:.2f}" for ms in first_calls(dense, new_length)])
+            patched_calls = first_calls(moe, new_length)
+        dense_calls = first_calls(dense, new_length)
+        versus = sum(dense_calls[0]) / sum(patched_calls[0])
+        for label, calls in (("MoE, patched", patched_calls), ("dense equivalent", dense_calls)):
+            first_builds.append([length + 1, label] + [f"{b:.2f} / {e:.2f}" for b, e in calls] + [f"{versus:.3f}"])
     print(f"{args.model} and {spec.dense}: one forward (no cache), ms, medians over {args.rounds} rounds of "
           f"{args.reps} forwards per variant; MLX {mx.__version__}, {mx.default_device()}")
     print(markdown_table(["tokens", "variant", "build", "eval", "total", "dense total / total, per round", "median"],
                          rows))
-    print(f"\nbuild ms of a new prompt length's first calls, {args.model} and {spec.dense}:")
-    print(markdown_table(["tokens", "model", "1st call", "2nd", "3rd"], first_builds))
+    print(f"\na new prompt length's first calls, build / eval ms, {args.model} and {spec.dense} (one run each; "
+          "the 1st call's eval includes what MLX compiles for the shape):")
+    print(markdown_table(["tokens", "model", "1st call", "2nd", "3rd", "dense / patched, 1st call"], first_builds))
     with mlx_moe_fix.patched():
         state = mlx_moe_fix.status()["compiled_prefill_shapes"]
     print(f"prefill compiled per shape, patched: {'on' if state['on'] else 'off'} ({state['reason']})")

@@ -385,7 +385,9 @@ def test_prefill_forward_smoke_times_every_variant(tmp_path):
     assert rows[4][5] == "1.000 / 1.000" and rows[4][6] == "1.000"  # two rounds, each against itself
     patched_calls, dense_calls = written["first_builds"]  # the smoke's one prompt length, plus one token
     assert patched_calls[:2] == [41, "MoE, patched"] and dense_calls[:2] == [41, "dense equivalent"]
-    assert all(len(calls) == 5 and all(float(ms) > 0 for ms in calls[2:]) for calls in (patched_calls, dense_calls))
+    for calls in (patched_calls, dense_calls):  # (build / eval) of three calls, then the first calls' ratio
+        assert len(calls) == 6 and all(float(ms) > 0 for cell in calls[2:5] for ms in cell.split(" / "))
+        assert float(calls[5]) > 0 and calls[5] == patched_calls[5]
     # the CPU runs the references, whose calls are not compiled: the benchmark says so
     assert "prefill compiled per shape, patched: off (cpu: only the CUDA kernels' calls are compiled)" in out
 
