@@ -184,8 +184,15 @@ def switch_setting(text: str) -> tuple:
 
 
 def add_batch_argument(parser) -> None:
-    parser.add_argument("--batch", type=int, default=1,
+    parser.add_argument("--batch", type=batch_size, default=1,
                         help="sequences decoded at once (the first the --prompt tokens, the others random ones of its length)")
+
+
+def batch_size(text: str) -> int:
+    size = int(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a batch size of at least 1")
+    return size
 
 
 def prompts_of(tokens: list, batch: int, vocab: int) -> mx.array:
@@ -266,8 +273,6 @@ def main(argv=None):
         args.prompt, args.burst, args.cycles = 12, 3, 2
     if args.burst < 2:
         parser.error("--burst must be at least 2 (a burst's first token is left out)")
-    if args.batch < 1:
-        parser.error("--batch must be at least 1")
 
     rebuilt = set(REBUILT) & set(args.block_variant)
     if rebuilt and args.model not in ROUTINGS:

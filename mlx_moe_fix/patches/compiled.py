@@ -232,12 +232,10 @@ def _kept_structure(instance):
     return last.structure
 
 
-def _shared_key(instance, key: tuple, layer=_UNREAD):
+def _shared_key(instance, key: tuple, layer):
     """(the key under which layers of this layer's structure share steps, weak references to its
     objects counted by identity), or None where the layer shares with no other; `layer`: the
-    layer's _layer_structure, where already read."""
-    if layer is _UNREAD:
-        layer = _layer_structure(instance)
+    layer's _layer_structure."""
     if layer is None:
         return None
     return (type(instance), key[0], key[3], key[4], layer[0]), layer[1]

@@ -365,7 +365,7 @@ def test_a_layer_with_an_array_outside_its_module_tree_shares_no_step(compiled_s
                 block(x)
     steps = [next(s for s in b.__dict__[STEPS].values() if isinstance(s, compiled._Step)) for b in (odd, *others)]
     assert steps[0] is not steps[1]
-    assert compiled._shared_key(odd, next(iter(odd.__dict__[STEPS]))) is None
+    assert compiled._shared_key(odd, next(iter(odd.__dict__[STEPS])), compiled._layer_structure(odd)) is None
     assert len(compiled._shared_steps) == 1
 
 
@@ -388,8 +388,8 @@ def test_objects_in_a_structure_count_by_identity_while_they_live(compiled_steps
         (key, step), (other_key, other_step) = (next(iter(block.__dict__[STEPS].items())) for block in blocks)
         assert isinstance(step, compiled._Step) and other_step is step, "the same config: shared"
         object.__setattr__(blocks[1], "config", Config())
-        assert compiled._shared_step(compiled._shared_key(blocks[1], other_key)) is None, "another config: not shared"
-        shared = compiled._shared_key(blocks[0], key)
+        assert compiled._shared_step(compiled._shared_key(blocks[1], other_key, compiled._layer_structure(blocks[1]))) is None, "another config: not shared"
+        shared = compiled._shared_key(blocks[0], key, compiled._layer_structure(blocks[0]))
         assert compiled._shared_step(shared) is not None
         del config
         object.__setattr__(blocks[0], "config", None)
