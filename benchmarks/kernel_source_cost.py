@@ -23,6 +23,7 @@ from .timing import markdown_table
 
 # (file, section) of every CUDA kernel the ops launch
 KERNELS = (("moe_decode.cu", "gate_up"), ("moe_decode.cu", "down"), ("moe_decode.cu", "routed_down"),
+           ("moe_decode.cu", "shared_gate_up"), ("moe_decode.cu", "shared_down"),
            ("moe_routed_decode.cu", "routed_gate_up"), ("moe_router.cu", "topk"), ("moe_router.cu", "sigmoid_topk"),
            ("moe_prefill.cu", "grouped"), ("moe_prefill.cu", "grouped_wgmma"), ("moe_prefill.cu", "route"),
            ("moe_prefill.cu", "combine"))

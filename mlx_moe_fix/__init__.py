@@ -16,6 +16,7 @@ from .kernels.moe_decode import moe_decode_implementation
 from .kernels.moe_prefill import gemm_state, moe_prefill_implementation
 from .kernels.moe_routed_decode import fused_router_state, moe_routed_decode_implementation
 from .kernels.moe_router import moe_router_implementation
+from .kernels.moe_shared_decode import moe_shared_decode_implementation
 from .patches import TARGETS, apply, compiled, disabled_by_env, is_applied, options, patched, revert, target_state
 from .patches.activations import known_activation_names
 from .trace import path_counts, reset_path_counts
@@ -51,6 +52,7 @@ def status() -> dict:
         "moe_decode": moe_decode_implementation(),
         "moe_router": moe_router_implementation(),
         "moe_routed_decode": moe_routed_decode_implementation(),
+        "moe_shared_decode": moe_shared_decode_implementation(),
     }
     return {
         "applied": is_applied(),

@@ -26,7 +26,7 @@ ROUTED = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
 
 # C types of the inputs, as cuda_kernel declares them from the arrays the launchers pass.
 INT_INPUTS = {"indices": "uint32_t", "row_pair": "int32_t", "tile_expert": "int32_t", "dims": "int32_t", "sizes": "int32_t"}
-WEIGHT_INPUTS = {"gate_w", "up_w", "w", "w0", "w1", "router_w"}
+WEIGHT_INPUTS = {"gate_w", "up_w", "w", "w0", "w1", "router_w", "shared_gate_w", "shared_up_w", "shared_w"}
 FLOAT_INPUTS = {"params", "gate_scale", "out_scale", "scale"}
 
 
@@ -109,6 +109,9 @@ def test_decode_kernels_compile(tmp_path, t):
                      for gated in (True, False) for split in (False, t != "float")]
         variants += [("down", t, {**base, "INPUT_PER_PAIR": p, "COMBINE": c}) for p in (True, False) for c in (True, False)]
         variants += [("routed_down", t, {**base, "RESIDUAL": residual}) for residual in (False, True)]
+        variants += [("shared_gate_up", t, {**base, "GATED": True, "SHARED_SPLIT": split, "SHARED": 2})
+                     for split in (False, t != "float")]
+        variants += [("shared_down", t, {**base, "SHARED": shared}) for shared in (1, 2)]
     compile_all(tmp_path, translation_units(DECODE, "moe_decode.cu", variants))
 
 
@@ -205,6 +208,8 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
          *shaped(DECODE.DOWN_BLOCK, [{**base, "INPUT_PER_PAIR": True, "COMBINE": combine} for combine in (True, False)])),
         *[(DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.DOWN_BLOCK, [{**base, "RESIDUAL": residual}]))
           for residual in (False, True)],
+        (DECODE, "moe_decode.cu", "shared_gate_up", *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": True, "SHARED": 2}])),
+        (DECODE, "moe_decode.cu", "shared_down", *shaped(DECODE.DOWN_BLOCK, [{**base, "SHARED": 2}])),
         (ROUTED, "moe_routed_decode.cu", "routed_gate_up",
          *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": True, "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True}])),
     ]
@@ -216,6 +221,7 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
     if t != "float" and bits == 4:  # the combining down of one pair a warp (moe_decode.down_block_shape), its own bounds
         units += [(DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [{**base, "RESIDUAL": residual}]))
                   for residual in (False, True)]
+        units.append((DECODE, "moe_decode.cu", "shared_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [{**base, "SHARED": 2}])))
     # each unit as MLX compiles it at a model's shape without bias or scales (its params and absent
     # inputs declared in its source: launch.source_constants), and with every input passed
     units = [(*unit, constants) for unit in units
@@ -239,12 +245,12 @@ def source_constants_of(stage, hidden, intermediate, top_k, experts, residual=Fa
     (SwiGLU); routed_down's residual absent unless `residual`."""
     from mlx_moe_fix.kernels.launch import kernel_dims, kernel_params, source_constants
 
-    if stage in ("down", "routed_down"):
+    if stage in ("down", "routed_down", "shared_down"):
         fixed = {"bias": None, "out_scale": None, "dims": kernel_dims(intermediate, hidden, top_k)}
         if stage == "routed_down" and not residual:
             fixed = {"residual": None, **fixed}
     else:
-        dims = kernel_dims(hidden, intermediate, top_k, None).tolist() + ([experts] if stage != "gate_up" else [])
+        dims = kernel_dims(hidden, intermediate, top_k, None).tolist() + ([experts] if "routed" in stage or "router" in stage else [])
         fixed = {"gate_bias": None, "up_bias": None, "gate_scale": None, "dims": mx.array(dims, dtype=mx.int32),
                  "params": kernel_params(None)}
     return source_constants(fixed)[0]

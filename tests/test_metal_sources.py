@@ -40,8 +40,8 @@ def translation_unit(module, filename, variants):
     return text
 
 
-# Sections only CUDA needs: the launch after moe_routed_decode's gate+up, which has no Metal kernel.
-CUDA_ONLY = {"moe_decode": {"routed_down"}}
+# Sections only CUDA needs: the launch after moe_routed_decode's gate+up, and moe_shared_decode's two (no Metal kernels).
+CUDA_ONLY = {"moe_decode": {"routed_down", "shared_gate_up", "shared_down"}}
 
 
 def test_metal_sources_have_the_cuda_sources_sections():

@@ -1,7 +1,8 @@
 """MoE ops: each has `<op>_reference` (pure MLX), a dispatcher `<op>` with the same signature,
 and `<op>_implementation()` saying which one the current backend runs: `moe_prefill` and
 `moe_decode` (the experts), `moe_router` (a block's top-k routing), `moe_routed_decode` (the
-two fused: a block's routing inside the decode kernel's first launch).
+two fused: a block's routing inside the decode kernel's first launch), `moe_shared_decode` (the
+experts with a block's always-on shared experts in the same two launches).
 
 `plan()` picks the op for a call: the sorted grouped prefill when many (token, expert) pairs are
 present, the fused decode otherwise, or none (stock code) when the call is not supported.
@@ -15,7 +16,7 @@ import mlx.core as mx
 
 from ..env import flag, snapshot
 from .backend import current_backend
-from .experts import Activation, ExpertLinear, MoEExperts, RouterLinear
+from .experts import Activation, ExpertLinear, MoEExperts, RouterLinear, SharedExperts
 from .moe_decode import CUDA_KERNEL_SWITCH as DECODE_SWITCH
 from .moe_decode import METAL_KERNEL_SWITCH as METAL_DECODE_SWITCH
 from .moe_decode import moe_decode, moe_decode_implementation, moe_decode_reference
@@ -25,6 +26,8 @@ from .moe_routed_decode import fusable_router, fused_router_reason, logits_dtype
 from .moe_routed_decode import moe_routed_decode_implementation
 from .moe_routed_decode import moe_routed_decode_reference
 from .moe_router import Routing, moe_router, moe_router_implementation, moe_router_reference
+from .moe_shared_decode import moe_shared_decode, moe_shared_decode_call_reason, moe_shared_decode_implementation
+from .moe_shared_decode import moe_shared_decode_reference
 from .reference import add_residual, combine
 
 # mlx-lm's SwitchGLU sorts at this many pairs; the references follow it so that they reproduce
@@ -86,6 +89,22 @@ def routed_plan(x: mx.array, logits, routing: Routing, experts: MoEExperts, *, d
                         lambda: _routed_plan(x, experts_count, dtype, routing, experts, router))
 
 
+def shared_plan(x: mx.array, indices: mx.array, experts: MoEExperts, shared: SharedExperts, shared_weights: mx.array, *,
+                decode: bool = True) -> Optional[Plan]:
+    """The plan of an experts call (routing weights given) whose block adds always-on shared
+    experts, where one fused kernel takes both (moe_shared_decode), or None: the caller then calls
+    its experts (planned as any experts call) and its shared experts apart."""
+    if not decode or indices.size >= PREFILL_MIN_PAIRS or _grouped_sized(indices.size, experts):
+        return None
+    if experts.unsupported_reason(x, indices) is not None or moe_shared_decode_call_reason(x, shared, shared_weights):
+        return None
+    implementation = moe_shared_decode_implementation(experts, shared, x.dtype)
+    if implementation.path != "kernel":
+        return None
+    return Plan("decode", "kernel", f"{implementation.reason}: the shared experts inside the decode launches",
+                implementation.function)
+
+
 def _grouped_sized(pairs: int, experts: MoEExperts) -> bool:
     """Enough pairs for a decode call to take the grouped kernel (each routed expert read once)."""
     return pairs >= GROUPED_MIN_PAIRS_PER_EXPERT * experts.num_experts
@@ -140,6 +159,7 @@ __all__ = [
     "Plan",
     "RouterLinear",
     "Routing",
+    "SharedExperts",
     "add_residual",
     "combine",
     "current_backend",
@@ -154,6 +174,10 @@ __all__ = [
     "moe_routed_decode",
     "moe_routed_decode_implementation",
     "moe_routed_decode_reference",
+    "moe_shared_decode",
+    "moe_shared_decode_implementation",
+    "moe_shared_decode_reference",
     "plan",
     "routed_plan",
+    "shared_plan",
 ]

@@ -11,14 +11,20 @@ from typing import Callable
 import mlx.core as mx
 
 
-def inkling_block(x: mx.array, gate_weight: mx.array, route: Callable, routed: Callable, shared: Callable) -> mx.array:
+def inkling_block(x: mx.array, gate_weight: mx.array, route: Callable, routed: Callable, shared: Callable, shared_width: int,
+                  together: Callable) -> mx.array:
     """Inkling's sparse MoE block off Metal (InklingSparseMoE.__call__) on x [B, L, D]: router
-    logits in x's dtype, `route(logits)` -> (experts, weights, shared experts' weights),
-    `routed(rows, experts, weights)` -> the weighted sum over the k, `shared(rows, shared
-    weights)`, their sum in x's shape and dtype."""
+    logits in x's dtype, `route(logits)` -> (experts, weights, one weight a shared expert),
+    `routed(rows, experts, weights)` -> the weighted sum over the k, `shared(rows, shared weights
+    repeated over their shared_width columns each)` (upstream's module), their sum in x's shape and
+    dtype; `together(rows, experts, weights, shared weights)` gives that sum in one op where it
+    can, else None."""
     batch, length, dims = x.shape
     rows = x.reshape(-1, dims)
     if gate_weight.dtype != x.dtype:
         gate_weight = gate_weight.astype(x.dtype)
     indices, weights, shared_weights = route(rows @ gate_weight.T)
-    return (routed(rows, indices, weights) + shared(rows, shared_weights)).reshape(batch, length, dims).astype(x.dtype)
+    out = together(rows, indices, weights, shared_weights)
+    if out is None:
+        out = routed(rows, indices, weights) + shared(rows, mx.repeat(shared_weights, shared_width, axis=-1))
+    return out.reshape(batch, length, dims).astype(x.dtype)

@@ -129,6 +129,38 @@ class RouterLinear:
         return logits if self.bias is None else logits + self.bias
 
 
+@dataclass(frozen=True, eq=False)
+class SharedExperts:
+    """A block's always-on shared experts as one dense SwiGLU (mlx-vlm's Inkling:
+    InklingSharedExpertsDense): `count` experts of `width` intermediate columns each, their gate
+    and up projections concatenated along the output ([count * width, in]) and their down along
+    the input ([out, count * width]), each an nn.QuantizedLinear (as RouterLinear reads one).
+    Called on x with per-token weights [..., count], it gives what upstream's module does with
+    them repeated over each expert's columns: down(silu(gate(x)) * up(x) * repeated weights)."""
+
+    gate: RouterLinear
+    up: RouterLinear
+    down: RouterLinear
+    count: int
+
+    @property
+    def width(self) -> int:
+        return self.gate.output_dims // self.count
+
+    @classmethod
+    def from_module(cls, module, count: int) -> Optional["SharedExperts"]:
+        """Reads a module with quantized `gate_proj`, `up_proj` and `down_proj` linears; None for
+        anything else."""
+        linears = [RouterLinear.from_module(module[name]) if name in module else None
+                   for name in ("gate_proj", "up_proj", "down_proj")]
+        if any(linear is None for linear in linears) or count < 1 or linears[0].output_dims % count:
+            return None
+        return cls(*linears, count)
+
+    def __call__(self, x: mx.array, weights: mx.array) -> mx.array:
+        return self.down(nn.silu(self.gate(x)) * self.up(x) * mx.repeat(weights, self.width, axis=-1))
+
+
 @dataclass(frozen=True)
 class Activation:
     """The activation between the first and last expert projections.

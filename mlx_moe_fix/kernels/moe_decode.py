@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 
 from .backend import Implementation, choose, current_backend
-from .experts import ExpertLinear, MoEExperts
+from .experts import ExpertLinear, MoEExperts, SharedExperts
 from .launch import (Launch, absent, bias_template, cuda_kernel_object, fixed_or_absent, kernel_dims, kernel_params,
                      metal_kernel_object, per_pair, quantized_experts_reason, source_constants)
 from .reference import combine, expert_chain
@@ -78,8 +78,15 @@ INPUTS = {
     # CUDA only: down after moe_routed_decode's gate+up, the experts and weights in its output
     # (`residual`: a decoder layer's, added to the output; absent: declared in the source)
     "routed_down": ["hidden", "residual", "w", "s", "b", "bias", "out_scale", "dims"],
+    # CUDA only: gate+up and down with a block's always-on shared experts (moe_shared_decode)
+    "shared_gate_up": ["x", "indices", "shared_weights", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
+                       "gate_bias", "up_bias", "gate_scale", "shared_gate_w", "shared_gate_s", "shared_gate_b",
+                       "shared_up_w", "shared_up_s", "shared_up_b", "dims", "params"],
+    "shared_down": ["hidden", "indices", "weights", "w", "s", "b", "bias", "out_scale", "shared_w", "shared_s", "shared_b",
+                    "dims"],
 }
-OUTPUTS = {"gate_up": ["hidden"], "down": ["out"], "routed_down": ["out"]}
+OUTPUTS = {"gate_up": ["hidden"], "down": ["out"], "routed_down": ["out"], "shared_gate_up": ["hidden"],
+           "shared_down": ["out"]}
 
 def gpu_kernel(stage: str, backend: str, shape: BlockShape, fixed: dict, shared_bytes: int = 0) -> tuple:
     """(the kernel object of one stage ("gate_up" or "down") on `backend` ("cuda" or "metal"), or
@@ -136,10 +143,11 @@ def gate_up_block_shape() -> BlockShape:
     return GATE_UP_BLOCK
 
 
-def down_block_shape(top_k: int, combined: bool, bits: int, dtype, backend: str) -> BlockShape:
+def down_block_shape(pairs_a_token: int, combined: bool, bits: int, dtype, backend: str) -> BlockShape:
     """The blocks of a down launch: ONE_PAIR_A_WARP_DOWN for the combining down of 4-bit experts in
-    fixed point (CUDA, 16-bit activations) at top-k of at least its warps, else DOWN_BLOCK."""
-    if combined and bits == 4 and backend == "cuda" and dtype.size == 2 and top_k >= ONE_PAIR_A_WARP_DOWN.warps:
+    fixed point (CUDA, 16-bit activations) at top-k (with the shared experts, if any) of at least
+    its warps, else DOWN_BLOCK."""
+    if combined and bits == 4 and backend == "cuda" and dtype.size == 2 and pairs_a_token >= ONE_PAIR_A_WARP_DOWN.warps:
         return ONE_PAIR_A_WARP_DOWN
     return DOWN_BLOCK
 
@@ -150,21 +158,35 @@ def gate_up_grid(experts: MoEExperts, pairs: int) -> tuple:
     return _grid(experts.projections[1 if len(experts.projections) == 3 else 0].output_dims, pairs, gate_up_block_shape())
 
 
-def gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: str) -> Launch:
+def gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: str,
+                   shared: Optional[SharedExperts] = None) -> Launch:
+    """With `shared` (CUDA): the shared_gate_up section, `pairs` counting each token's shared
+    experts' rows too; a call passes (x, indices, shared weights)."""
     gated = len(experts.projections) == 3
     up = experts.projections[1 if gated else 0]
     has_scale = experts.gate_scale is not None
     shape = gate_up_block_shape()
     grid, block = gate_up_grid(experts, pairs)
     split_bytes = shared_split_bytes(experts, dtype, backend)
-    kernel, fixed = gpu_kernel("gate_up", backend, shape, gate_up_fixed_inputs(experts, top_k), split_bytes)
+    fixed = gate_up_fixed_inputs(experts, top_k)
+    if shared is not None:
+        dims, params = fixed.pop("dims"), fixed.pop("params")
+        fixed.update(_linear_inputs("shared_gate_", shared.gate), **_linear_inputs("shared_up_", shared.up),
+                     dims=dims, params=params)
+    kernel, fixed = gpu_kernel("gate_up" if shared is None else "shared_gate_up", backend, shape, fixed, split_bytes)
     return Launch(
         kernel, fixed,
         _quant_templates(up, dtype, shape) + [("SC", experts.gate_scale.dtype if has_scale else mx.float32),
                                               ("GATED", gated), bias_template(up)]
-        + ([("SHARED_SPLIT", split_bytes > 0)] if backend == "cuda" else []),
+        + ([("SHARED_SPLIT", split_bytes > 0)] if backend == "cuda" else [])
+        + ([("SHARED", shared.count)] if shared is not None else []),
         grid, block, [(pairs, up.output_dims)], [dtype],
     )
+
+
+def _linear_inputs(prefix: str, linear) -> dict:
+    """A quantized linear's packed weight, scales and biases as kernel inputs `prefix` + w, s, b."""
+    return {f"{prefix}w": linear.weight, f"{prefix}s": linear.scales, f"{prefix}b": linear.biases}
 
 
 def gate_up_fixed_inputs(experts: MoEExperts, top_k: int) -> dict:
@@ -180,18 +202,22 @@ def gate_up_fixed_inputs(experts: MoEExperts, top_k: int) -> dict:
 
 
 def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype, weights_dtype,
-                 input_per_pair: bool, backend: str, stage: str = "down", residual: bool = False) -> Launch:
+                 input_per_pair: bool, backend: str, stage: str = "down", residual: bool = False,
+                 shared: Optional[SharedExperts] = None) -> Launch:
     """residual (routed_down): whether a call passes the residual input after the hidden one;
-    without it routed_down declares that input absent in its source."""
+    without it routed_down declares that input absent in its source. shared (shared_down): the
+    shared experts whose down projection the launch adds, a token's hidden rows after its pairs'."""
     routed = stage == "routed_down"
     combined = weights_dtype is not None
     rows_out = pairs // top_k if combined else pairs
-    shape = down_block_shape(top_k, combined, linear.bits, dtype, backend)
+    slots = top_k + (0 if shared is None else shared.count)
+    shape = down_block_shape(slots, combined, linear.bits, dtype, backend)
     # With the combine, a block's warps split over the token's pairs (cuda/moe_decode.cu, down).
-    grid, block = _grid(linear.output_dims, rows_out, shape, shape.warps // min(top_k, shape.warps) if combined else None)
+    grid, block = _grid(linear.output_dims, rows_out, shape, shape.warps // min(slots, shape.warps) if combined else None)
     kernel, fixed = gpu_kernel(stage, backend, shape, {
         **({"residual": None} if routed and not residual else {}),
         "w": linear.weight, "s": linear.scales, "b": linear.biases, "bias": linear.bias, "out_scale": out_scale,
+        **({} if shared is None else _linear_inputs("shared_", shared.down)),
         "dims": kernel_dims(linear.input_dims, linear.output_dims, top_k, None, linear.bias is not None, out_scale is not None)})
     return Launch(
         kernel, fixed,
@@ -199,7 +225,8 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
             ("SC", out_scale.dtype if out_scale is not None else mx.float32),
             ("WT", weights_dtype if combined else mx.float32),
             ("INPUT_PER_PAIR", input_per_pair), ("COMBINE", combined), bias_template(linear)]
-        + ([("RESIDUAL", residual)] if routed else []),
+        + ([("RESIDUAL", residual)] if routed else [])
+        + ([("SHARED", shared.count)] if shared is not None else []),
         grid, block, [(rows_out, linear.output_dims)], [dtype],
     )
 
@@ -225,6 +252,17 @@ def routed_down_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, resid
     launch adds the residual to its output."""
     return _down_launch(experts.projections[-1], experts.out_scale, top_k, pairs, dtype, dtype,
                         input_per_pair=True, backend="cuda", stage="routed_down", residual=residual)
+
+
+def shared_decode_launches(experts: MoEExperts, shared: SharedExperts, top_k: int, tokens: int, dtype) -> tuple:
+    """(shared_gate_up, shared_down) of moe_shared_decode (CUDA) for this call's shape, cached on
+    the experts object: decode_launches' two with each token's shared experts after its pairs."""
+    def plan():
+        return (gate_up_launch(experts, top_k, tokens * (top_k + shared.count), dtype, "cuda", shared),
+                _down_launch(experts.projections[-1], experts.out_scale, top_k, tokens * top_k, dtype, dtype,
+                             input_per_pair=True, backend="cuda", stage="shared_down", shared=shared))
+
+    return experts.memo(("shared decode launches", shared, top_k, tokens, dtype), plan)
 
 
 def moe_decode_kernel(

@@ -39,7 +39,8 @@ class Routing:
     largest sigmoid(logit) + correction bias among the first experts, then a softmax over the
     log-sigmoids of their logits and of the last `shared` (always-on) experts' logits, times
     `scale` (route_scale) and the global scale; the shared experts' weights come repeated over
-    their `shared_width` intermediate columns each (the dense shared experts' layout)."""
+    their `shared_width` intermediate columns each (the dense shared experts' layout; 1: one
+    weight a shared expert, with no op to repeat them)."""
 
     kind: str
     top_k: int

@@ -9,9 +9,10 @@ from ..kernels import current_backend, moe_router
 from ..kernels.blocks import inkling_block
 from . import switch_layers
 from .compiled import compiled_per_shape
+from .methods import wrapper_of
 from . import moe_blocks
 from .moe_blocks import routing
-from .switch_layers import GLU_PROJECTIONS, bind, choose, describe
+from .switch_layers import GLU_PROJECTIONS, bind, choose, describe, shared_experts_call
 from .targets import Target
 
 SWITCH_LAYERS = "mlx_vlm.models.switch_layers"
@@ -47,10 +48,12 @@ inkling_switch_glu = switch_layers.expert_block_wrapper("InklingSwitchGLU", GLU_
 
 
 def inkling_sparse_moe(wrapped, instance, args, kwargs):
-    """InklingSparseMoE.__call__(x): upstream's steps (kernels.blocks.inkling_block) with the
-    routing weights handed to the experts call, so that the expert op does the weighted sum. On
-    Metal upstream's own routing and down-combine kernels stay."""
-    if current_backend() == "metal":
+    """InklingSparseMoE.__call__(x): upstream's steps (kernels.blocks.inkling_block) routed by
+    moe_router, with the routing weights handed to the experts call, so that the expert op does
+    the weighted sum, and at decode the shared experts too where one op takes both
+    (switch_layers.shared_experts_call). On Metal upstream's own routing and down-combine kernels
+    stay; so does upstream's block where the class routes by a `_route` of its own."""
+    if current_backend() == "metal" or wrapper_of(type(instance)._route) is not inkling_route:
         return wrapped(*args, **kwargs)
     return compiled_inkling_block(wrapped, instance, args, kwargs)
 
@@ -58,10 +61,22 @@ def inkling_sparse_moe(wrapped, instance, args, kwargs):
 @compiled_per_shape
 def compiled_inkling_block(wrapped, instance, args, kwargs):
     (x,) = bind(args, kwargs, ("x",))
-    experts = instance.switch_mlp
-    return inkling_block(x, instance.gate_weight, instance._route,
-                         lambda rows, indices, weights: experts(rows, indices, weights=weights),
-                         instance.shared_experts)
+    experts, shared = instance.switch_mlp, instance.shared_experts
+    # one weight a shared expert (shared_width 1): the fused op reads them so, and the block
+    # repeats them for upstream's shared module only where that runs
+    per_expert = inkling_routing(instance, shared_width=1)
+    return inkling_block(
+        x, instance.gate_weight,
+        lambda logits: moe_router(logits, per_expert, instance.e_score_correction_bias, instance.global_scale),
+        lambda rows, indices, weights: experts(rows, indices, weights=weights), shared, instance.intermediate_size,
+        lambda rows, indices, weights, shared_weights: shared_experts_call(
+            experts, rows, indices, weights, shared, instance.n_shared, shared_weights))
+
+
+def inkling_routing(instance, shared_width: int):
+    """InklingSparseMoE's Routing, its shared experts' weights repeated over `shared_width` columns."""
+    return routing("sigmoid_topk", instance.top_k, shared=instance.n_shared, shared_width=shared_width,
+                   scale=float(instance.route_scale))
 
 
 def inkling_route(wrapped, instance, args, kwargs):
@@ -70,9 +85,8 @@ def inkling_route(wrapped, instance, args, kwargs):
     if current_backend() == "metal":
         return wrapped(*args, **kwargs)
     (logits,) = bind(args, kwargs, ("logits",))
-    inkling = routing("sigmoid_topk", instance.top_k, shared=instance.n_shared,
-                      shared_width=instance.intermediate_size, scale=float(instance.route_scale))
-    return moe_router(logits, inkling, instance.e_score_correction_bias, instance.global_scale)
+    return moe_router(logits, inkling_routing(instance, instance.intermediate_size), instance.e_score_correction_bias,
+                      instance.global_scale)
 
 
 TARGETS = (

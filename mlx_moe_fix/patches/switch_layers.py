@@ -6,10 +6,11 @@ either runs it or calls the original method. No math happens here.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from .. import trace
-from ..kernels import PREFILL_MIN_PAIRS, ExpertLinear, MoEExperts, Plan, Routing, combine, plan, routed_plan
+from ..kernels import (PREFILL_MIN_PAIRS, ExpertLinear, MoEExperts, Plan, Routing, SharedExperts, combine, plan, routed_plan,
+                       shared_plan)
 from . import options
 from .activations import recognise
 from .compiled import compiled_per_shape
@@ -43,19 +44,39 @@ def describe(layer, projection_names: tuple, gate_scale=None, out_scale=None):
     Cached on the layer while its activation, per-expert scales and every projection array
     (weight, scales, quantization biases, additive bias) are the same objects: describing costs
     more host time per decode step than the GPU spends on a layer."""
-    parts = [layer.get("activation"), gate_scale, out_scale]
+    parts = [layer.get("activation"), gate_scale, out_scale, *_projection_arrays(layer, projection_names)]
+    return _cached_on(layer, _CACHE_ATTRIBUTE, parts, lambda: _describe(layer, projection_names, gate_scale, out_scale))
+
+
+def _projection_arrays(layer, projection_names: tuple) -> list:
+    arrays = []
     for name in projection_names:
         projection = layer.get(name)
-        parts += (None,) * len(PROJECTION_ARRAYS) if projection is None else map(projection.get, PROJECTION_ARRAYS)
+        arrays += (None,) * len(PROJECTION_ARRAYS) if projection is None else map(projection.get, PROJECTION_ARRAYS)
+    return arrays
+
+
+def _cached_on(module, attribute: str, parts: list, compute: Callable):
+    """compute(), kept on `module` under `attribute` while `parts` are the same objects."""
     identities = tuple(map(id, parts))
-    cached = layer.__dict__.get(_CACHE_ATTRIBUTE)
+    cached = module.__dict__.get(attribute)
     if cached is not None and cached[0] == identities:
         return cached[2]
-    described = _describe(layer, projection_names, gate_scale, out_scale)
+    computed = compute()
     # The cache holds `parts` itself: while it does, none of them can be freed, so equal ids
     # mean the same objects.
-    object.__setattr__(layer, _CACHE_ATTRIBUTE, (identities, parts, described))
-    return described
+    object.__setattr__(module, attribute, (identities, parts, computed))
+    return computed
+
+
+_SHARED_CACHE_ATTRIBUTE = "_mlx_moe_fix_shared_described"
+
+
+def describe_shared(module, count: int) -> Optional[SharedExperts]:
+    """SharedExperts of a dense shared-experts module (quantized gate_proj, up_proj, down_proj),
+    or None; cached on the module as describe() caches."""
+    parts = [count, *_projection_arrays(module, ("gate_proj", "up_proj", "down_proj"))]
+    return _cached_on(module, _SHARED_CACHE_ATTRIBUTE, parts, lambda: SharedExperts.from_module(module, count))
 
 
 def _describe(layer, projection_names: tuple, gate_scale, out_scale):
@@ -113,50 +134,86 @@ def no_expert_scales(layer) -> tuple:
     return None, None
 
 
+class ExpertBlock(NamedTuple):
+    """What an expert block wrapper knows of the layers it wraps."""
+
+    kind: str
+    projection_names: tuple
+    expert_scales: Callable
+
+    def describe(self, layer):
+        return describe(layer, self.projection_names, *self.expert_scales(layer))
+
+
+# The patched expert blocks' wrappers, each with its ExpertBlock.
+_EXPERT_BLOCKS: dict = {}
+
+
 def expert_block_wrapper(layer_kind: str, projection_names: tuple, expert_scales: Callable = no_expert_scales):
     """The wrapper of a `__call__(x, indices) -> [..., k, D]` expert block, whose per-expert
     (gate_scale, out_scale) are `expert_scales(layer)`. The patched MoE blocks (moe_blocks.py,
     Inkling's in mlx_vlm.py) also pass `weights=` [..., k], which upstream's method does not take:
     the call then returns the weighted sum over k, [..., D]."""
+    block = ExpertBlock(layer_kind, projection_names, expert_scales)
 
     def wrapper(wrapped, instance, args, kwargs):
         x, indices = bind(args, kwargs, ("x", "indices"))
         weights = kwargs.pop("weights", None)
-        experts, why_not = describe(instance, projection_names, *expert_scales(instance))
+        experts, why_not = block.describe(instance)
         chosen = choose(layer_kind, x, indices, experts, why_not)
         if chosen.function is None:
             return combine(wrapped(*args, **kwargs), weights)
         return chosen.function(x, indices, experts, weights)
 
-    return compiled_per_shape(wrapper)
+    compiled = compiled_per_shape(wrapper)
+    _EXPERT_BLOCKS[compiled] = block
+    return compiled
 
 
 switch_glu = expert_block_wrapper("SwitchGLU", GLU_PROJECTIONS)
 switch_mlp = expert_block_wrapper("SwitchMLP", MLP_PROJECTIONS)
 
 
-# The patched expert blocks' wrappers: (layer kind, projection names).
-_EXPERT_BLOCKS = {switch_glu: ("SwitchGLU", GLU_PROJECTIONS), switch_mlp: ("SwitchMLP", MLP_PROJECTIONS)}
+def _patched_expert_block(layer) -> Optional[ExpertBlock]:
+    """The ExpertBlock of `layer` where its call is a patched expert block wrapper's own: not a
+    subclass's override, nor a tool's interception (zoo.intercepting), which must see the call."""
+    return _EXPERT_BLOCKS.get(wrapper_of(type(layer).__call__))
 
 
 def routed_experts_call(layer, x, logits, routing: Routing, residual=None):
     """What `layer(x, indices, weights=weights)` gives for the indices and weights that `routing`
     makes of `logits` (the logits, or the RouterLinear that gives them; None: no call), plus
     `residual` where given (kernels.add_residual), computed by one fused op (kernels.routed_plan)
-    and counted as that call; or None, and the
-    caller routes and calls the layer. Only where the layer's call is the patched expert block's
-    own: not a subclass's override, nor a tool's interception (zoo.intercepting), which must see
-    the call."""
-    kind = _EXPERT_BLOCKS.get(wrapper_of(type(layer).__call__))
-    if kind is None or logits is None:
+    and counted as that call; or None, and the caller routes and calls the layer. Only where the
+    layer's call is a patched expert block's own (_patched_expert_block)."""
+    block = _patched_expert_block(layer)
+    if block is None or logits is None:
         return None
-    experts, _ = describe(layer, kind[1])
+    experts, _ = block.describe(layer)
     chosen = None if experts is None else routed_plan(x, logits, routing, experts, decode=options.enabled()[1])
     if chosen is None:
         return None
-    trace.record(kind[0], chosen.phase, chosen.path, chosen.reason,
+    trace.record(block.kind, chosen.phase, chosen.path, chosen.reason,
                  lambda: shape_class(chosen.phase, x, routing.top_k, experts))
     return chosen.function(x, logits, routing, experts, residual)
+
+
+def shared_experts_call(layer, x, indices, weights, shared_module, count: int, shared_weights):
+    """What `layer(x, indices, weights=weights) + shared_module(x, shared_weights)` gives (a block
+    with `count` always-on shared experts as one dense module: describe_shared), computed by one
+    fused op (kernels.shared_plan) and counted as the experts call; or None, and the caller makes
+    the two calls. Only where the layer's call is a patched expert block's own."""
+    block = _patched_expert_block(layer)
+    if block is None:
+        return None
+    experts, _ = block.describe(layer)
+    shared = None if experts is None else describe_shared(shared_module, count)
+    chosen = None if shared is None else shared_plan(x, indices, experts, shared, shared_weights, decode=options.enabled()[1])
+    if chosen is None:
+        return None
+    trace.record(block.kind, chosen.phase, chosen.path, chosen.reason,
+                 lambda: shape_class(chosen.phase, x, indices.shape[-1], experts))
+    return chosen.function(x, indices, experts, weights, shared, shared_weights)
 
 
 def quantized_switch_linear(wrapped, instance, args, kwargs):

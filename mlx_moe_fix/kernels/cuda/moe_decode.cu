@@ -305,7 +305,9 @@ __device__ __forceinline__ uint4 load_streamed(const uint32_t* p) {
 // SHARED_SPLIT: the one row's vectors already split, in `split` (fixed point, A = 1). Each lane
 // takes whole 16-byte vectors; a vector never straddles a quantization group (GROUP >= 32
 // values >= one vector's values). Rows are addressed from the matrices' bases, so that the
-// warp keeps M bases and RPW row offsets live rather than 3 M RPW pointers. A lane issues the
+// warp keeps M bases and RPW row offsets live rather than 3 M RPW pointers; `row_dim` (default
+// in_dim) is the values from one row's start to the next's: a matrix of in_dim columns within a
+// wider one (a shared expert's columns of Inkling's concatenated down projection). A lane issues the
 // loads of LOADS_AHEAD packed vectors (UNROLL per row and matrix), whatever M x RPW, with their
 // groups' scales and biases, before using any. Each vector's dot products are FIXED_POINT's
 // where it applies, else the fp32 loop's. (Measured on the H200, none of these was faster:
@@ -315,13 +317,14 @@ __device__ __forceinline__ uint4 load_streamed(const uint32_t* p) {
 template <int BITS, int GROUP, int M, int RPW, int A, int KEPT, bool SHARED_SPLIT = false, typename S, typename T>
 __device__ __forceinline__ void rows_dot(
     float (&out)[KEPT * M], const QuantizedRows<S> (&m)[M], int first_row, int last_row, const T* const (&activations)[A], int in_dim, int lane,
-    const SharedFixed<BITS>* split = nullptr) {
+    const SharedFixed<BITS>* split = nullptr, int row_dim = 0) {
   static_assert(A == 1 || (A == M && FIXED_POINT<T>), "one activation row, or one a matrix in fixed point");
   static_assert(!SHARED_SPLIT || (A == 1 && FIXED_POINT<T>), "a shared split of one row, in fixed point");
   constexpr int N = VALUES<BITS>;
   constexpr int LOADS_AHEAD = 8;
   constexpr int UNROLL = M * RPW >= LOADS_AHEAD ? 1 : LOADS_AHEAD / (M * RPW);
-  const int vectors = in_dim / N, groups = in_dim / GROUP, words = in_dim * BITS / 32;
+  const int stride = row_dim ? row_dim : in_dim;
+  const int vectors = in_dim / N, groups = stride / GROUP, words = stride * BITS / 32;
   int rows[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) rows[r] = min(first_row + r, last_row);
@@ -390,12 +393,14 @@ __device__ __forceinline__ void rows_dot(
 // expert on the token's `activations`, additive biases, the gate scale, the activation.
 // `gate_matrices` / `up_matrices` hold every expert's. GATED false: an MLP's first projection:
 // only `up_matrices` is read. SHARED_SPLIT: `activations` also split in `split` (split_row).
+// `hidden_scale`: where given, one value that the activation's rows are multiplied by, rounded (a
+// shared expert's weight, applied before its down projection as Inkling's block applies it).
 template <int BITS, int GROUP, int RPW, bool GATED, bool HAS_BIAS, bool SHARED_SPLIT, typename T, typename S, typename GB, typename UB,
           typename SC>
 __device__ __forceinline__ void gate_up_rows(
     T* hidden, int pair, size_t expert, int first_row, const T* activations, const SharedFixed<BITS>* split,
     QuantizedRows<S> gate_matrices, QuantizedRows<S> up_matrices, const GB* gate_bias, const UB* up_bias, const SC* gate_scale,
-    const Dims& d, const float* params) {
+    const Dims& d, const float* params, const T* hidden_scale = nullptr) {
   static_assert(bias_signature_matches<HAS_BIAS, S, const GB*> && bias_signature_matches<HAS_BIAS, S, const UB*>,
                 "HAS_BIAS disagrees with the bias inputs");
   const int lane = threadIdx.x % 32;
@@ -421,25 +426,35 @@ __device__ __forceinline__ void gate_up_rows(
     if (GATED) gate = rnd<T>(gate + static_cast<float>(gate_bias[expert * d.out_dim + row]));
   }
   if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(gate_scale[expert])));
-  hidden[(size_t)pair * d.out_dim + row] = static_cast<T>(activate<T>(d.act, d.has_limit, up, gate, params[0], params[1]));
+  float h = activate<T>(d.act, d.has_limit, up, gate, params[0], params[1]);
+  if (hidden_scale != nullptr) h = rnd<T>(h * static_cast<float>(*hidden_scale));
+  hidden[(size_t)pair * d.out_dim + row] = static_cast<T>(h);
 }
 
 // A block's share of the down GEMV: its RPW-row slots of OUT_DIM, for one pair (blockIdx.y), or
 // with COMBINE for one token's TOP_K pairs (blockIdx.y = token), the pairs' rows weighted by
 // `weights` and summed; with RESIDUAL, each output the sum rounded to T and added to `residual`'s
-// element in fp32 (MLX's add of two T arrays, bit for bit); see the `down` section for the block's
-// layout.
-template <int BITS, int GROUP, int WARPS, int RPW, bool INPUT_PER_PAIR, bool COMBINE, bool HAS_BIAS, bool RESIDUAL, typename T,
+// element in fp32 (MLX's add of two T arrays, bit for bit); with SHARED (and COMBINE), the token's
+// SHARED shared experts after its TOP_K pairs (hidden rows TOP_K + SHARED a token, the shared ones
+// already weighted: gate_up_rows' hidden_scale), whose down projection `shared` is one matrix of
+// SHARED x IN_DIM columns (Inkling's concatenated experts): their sums are added unrounded, as one
+// GEMV over the concatenation adds them, and the output is that sum rounded plus the routed sum
+// rounded (upstream's add of the two). See the `down` section for the block's layout.
+template <int BITS, int GROUP, int WARPS, int RPW, bool INPUT_PER_PAIR, bool COMBINE, bool HAS_BIAS, bool RESIDUAL, int SHARED, typename T,
           typename S, typename B, typename SC, typename WT, typename R>
 __device__ __forceinline__ void down_rows(
     T* out, const T* hidden, const uint32_t* indices, const WT* weights, QuantizedRows<S> matrices_of_all,
-    const B* bias, const SC* out_scale, const Dims& d, const R* residual) {
+    const B* bias, const SC* out_scale, const Dims& d, const R* residual, QuantizedRows<S> shared = {}) {
   static_assert(bias_signature_matches<HAS_BIAS, S, const B*>, "HAS_BIAS disagrees with the bias input");
+  static_assert(SHARED == 0 || (COMBINE && INPUT_PER_PAIR && !RESIDUAL), "shared experts in a combining down of per-pair rows");
   __shared__ float partial[WARPS * RPW];  // COMBINE: each warp's sums, [WARPS][RPW]
+  __shared__ float shared_partial[SHARED ? WARPS * RPW : 1];
   const int first_pair = COMBINE ? blockIdx.y * d.top_k : blockIdx.y;
   const int pairs = COMBINE ? d.top_k : 1;
+  const int slots = pairs + SHARED;  // a token's hidden rows (COMBINE), from first_slot on
+  const int first_slot = COMBINE ? blockIdx.y * slots : blockIdx.y;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int pair_slots = COMBINE ? min(d.top_k, WARPS) : 1;
+  const int pair_slots = COMBINE ? min(slots, WARPS) : 1;
   const int row_slots = WARPS / pair_slots;
   const int pair_slot = warp % pair_slots, row_slot = warp / pair_slots;
   const int first_row = (blockIdx.x * row_slots + row_slot) * RPW;
@@ -454,9 +469,9 @@ __device__ __forceinline__ void down_rows(
   constexpr int KEPT_ROWS = PAIRS_AT_ONCE == 2 ? RPW : 1;
   constexpr int LANES_A_GROUP = 32 * KEPT_ROWS / RPW;
   const int own_first = lane / LANES_A_GROUP * KEPT_ROWS;
-  float total[KEPT_ROWS];
+  float total[KEPT_ROWS], shared_total[KEPT_ROWS];
 #pragma unroll
-  for (int k = 0; k < KEPT_ROWS; ++k) total[k] = 0.f;
+  for (int k = 0; k < KEPT_ROWS; ++k) total[k] = shared_total[k] = 0.f;
   // The pairs j, j + pair_slots, ... (P of them) of this warp: their rows' dot products in one
   // rows_dot, then the kept rows' epilogue of each pair, added in pair order.
   auto add_pairs = [&](auto pairs_at_once, int j) {
@@ -467,7 +482,7 @@ __device__ __forceinline__ void down_rows(
     for (int p = 0; p < P; ++p) {
       const int pair = first_pair + j + p * pair_slots;
       matrices[p] = matrices_of_all.template of_expert<BITS, GROUP>(indices[pair], d);
-      activations[p] = hidden + (size_t)(INPUT_PER_PAIR ? pair : pair / d.top_k) * d.in_dim;
+      activations[p] = hidden + (size_t)(INPUT_PER_PAIR ? first_slot + j + p * pair_slots : pair / d.top_k) * d.in_dim;
     }
     float dots[KEPT_ROWS * P];
     rows_dot<BITS, GROUP, P, RPW, P, KEPT_ROWS>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
@@ -486,7 +501,25 @@ __device__ __forceinline__ void down_rows(
       }
     }
   };
-  for (int j = pair_slot; active && j < pairs; j += PAIRS_AT_ONCE * pair_slots) {
+  // Shared expert `expert`'s columns of the shared down projection on its hidden row.
+  auto add_shared = [&](int expert, int j) {
+    const size_t column = (size_t)expert * d.in_dim;
+    const QuantizedRows<S> matrices[1] = {{shared.w + column * BITS / 32, shared.s + column / GROUP, shared.b + column / GROUP}};
+    const T* activations[1] = {hidden + (size_t)(first_slot + j) * d.in_dim};
+    float dots[KEPT_ROWS];
+    rows_dot<BITS, GROUP, 1, RPW, 1, KEPT_ROWS>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane, nullptr,
+                                                SHARED * d.in_dim);
+#pragma unroll
+    for (int k = 0; k < KEPT_ROWS; ++k) shared_total[k] += dots[k];
+  };
+  for (int j = pair_slot; active && j < slots; j += PAIRS_AT_ONCE * pair_slots) {
+    if constexpr (SHARED > 0) {
+      if (j >= pairs) {
+        add_shared(j - pairs, j);
+        if (PAIRS_AT_ONCE == 2 && j + pair_slots < slots) add_shared(j + pair_slots - pairs, j + pair_slots);  // the step's second slot
+        continue;
+      }
+    }
     if constexpr (PAIRS_AT_ONCE == 2) {
       if (j + pair_slots < pairs) {
         add_pairs(cuda::std::integral_constant<int, 2>{}, j);
@@ -494,19 +527,30 @@ __device__ __forceinline__ void down_rows(
       }
     }
     add_pairs(cuda::std::integral_constant<int, 1>{}, j);
+    if constexpr (SHARED > 0 && PAIRS_AT_ONCE == 2) {
+      if (j + pair_slots >= pairs && j + pair_slots < slots) add_shared(j + pair_slots - pairs, j + pair_slots);
+    }
   }
   const bool first_of_group = lane % LANES_A_GROUP == 0;
   if (COMBINE) {
 #pragma unroll
     for (int k = 0; k < KEPT_ROWS; ++k) {
-      if (first_of_group) partial[warp * RPW + own_first + k] = total[k];
+      if (first_of_group) {
+        partial[warp * RPW + own_first + k] = total[k];
+        if (SHARED) shared_partial[warp * RPW + own_first + k] = shared_total[k];
+      }
     }
     __syncthreads();
     if (pair_slot != 0 || !active) return;  // warps past the last row slot (TOP_K not dividing WARPS) sum nothing
 #pragma unroll
     for (int k = 0; k < KEPT_ROWS; ++k) {
-      total[k] = 0.f;
-      for (int slot = 0; slot < pair_slots; ++slot) total[k] += partial[(row_slot * pair_slots + slot) * RPW + own_first + k];
+      total[k] = shared_total[k] = 0.f;
+      for (int slot = 0; slot < pair_slots; ++slot) {
+        const int at = (row_slot * pair_slots + slot) * RPW + own_first + k;
+        total[k] += partial[at];
+        if (SHARED) shared_total[k] += shared_partial[at];
+      }
+      if (SHARED) total[k] = rnd<T>(total[k]) + rnd<T>(shared_total[k]);
     }
   }
 #pragma unroll
@@ -566,7 +610,7 @@ struct RoutingTail {
 // memory and are added in pair order.
 {
   using namespace moe_decode;
-  down_rows<BITS, GROUP, WARPS, RPW, INPUT_PER_PAIR, COMBINE, HAS_BIAS, false, T, S>(
+  down_rows<BITS, GROUP, WARPS, RPW, INPUT_PER_PAIR, COMBINE, HAS_BIAS, false, 0, T, S>(
       out, hidden, indices, weights, {w, s, b}, bias, out_scale, Dims(dims), static_cast<const T*>(nullptr));
 }
 
@@ -582,6 +626,56 @@ struct RoutingTail {
   using namespace moe_decode;
   const Dims d(dims);
   const RoutingTail<T> tail(hidden, gridDim.y * d.top_k, d.in_dim);
-  down_rows<BITS, GROUP, WARPS, RPW, true, true, HAS_BIAS, RESIDUAL, T, S>(
+  down_rows<BITS, GROUP, WARPS, RPW, true, true, HAS_BIAS, RESIDUAL, 0, T, S>(
       out, hidden, tail.indices, static_cast<const T*>(tail.weights), {w, s, b}, bias, out_scale, d, residual);
+}
+
+//// shared_gate_up
+// gate_up for a block with SHARED always-on shared experts beside its routed ones (Inkling's): a
+// token's TOP_K pairs, then its shared experts, TOP_K + SHARED hidden rows a token; a shared
+// expert's row times its weight (`shared_weights`), without the routed experts' additive biases
+// and gate scale. The shared
+// experts' gate and up projections are one matrix each of SHARED x OUT_DIM rows (upstream
+// concatenates them), read as SHARED experts' matrices.
+// inputs: x, indices, shared_weights [N, SHARED], gate_up's from gate_w to gate_scale,
+//         shared_gate_w, shared_up_w [SHARED * OUT_DIM, IN_DIM * BITS / 32], shared_gate_s,
+//         shared_gate_b, shared_up_s, shared_up_b [SHARED * OUT_DIM, IN_DIM / GROUP], dims, params
+// output: hidden [N * (TOP_K + SHARED), OUT_DIM]
+{
+  using namespace moe_decode;
+  const Dims d(dims);
+  const int slots = d.top_k + SHARED;
+  const int pair = blockIdx.y, token = pair / slots, slot = pair % slots;
+  const T* activations = x + (size_t)token * d.in_dim;
+  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT>(activations, d.in_dim);
+  if (SHARED_SPLIT) __syncthreads();
+  const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
+  if (first_row >= d.out_dim) return;
+  if (slot < d.top_k) {
+    gate_up_rows<BITS, GROUP, RPW, true, HAS_BIAS, SHARED_SPLIT, T, S>(
+        hidden, pair, indices[token * d.top_k + slot], first_row, activations, split,
+        {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
+  } else {
+    Dims plain = d;
+    plain.has_bias = plain.has_scale = false;
+    const int expert = slot - d.top_k;
+    gate_up_rows<BITS, GROUP, RPW, true, false, SHARED_SPLIT, T, S>(
+        hidden, pair, expert, first_row, activations, split,
+        {shared_gate_w, shared_gate_s, shared_gate_b}, {shared_up_w, shared_up_s, shared_up_b},
+        static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), plain, params,
+        shared_weights + (size_t)token * SHARED + expert);
+  }
+}
+
+//// shared_down
+// The combining down after shared_gate_up: each token's TOP_K routed pairs weighted and summed,
+// plus its shared experts' down projection (down_rows' SHARED).
+// inputs: hidden [N * (TOP_K + SHARED), IN_DIM], indices, weights [N * TOP_K], w, s, b, bias,
+//         out_scale as down's, shared_w [OUT_DIM, SHARED * IN_DIM * BITS / 32], shared_s, shared_b
+//         [OUT_DIM, SHARED * IN_DIM / GROUP], dims;  output: out [N, OUT_DIM]
+{
+  using namespace moe_decode;
+  down_rows<BITS, GROUP, WARPS, RPW, true, true, HAS_BIAS, false, SHARED, T, S>(
+      out, hidden, indices, weights, {w, s, b}, bias, out_scale, Dims(dims), static_cast<const T*>(nullptr),
+      {shared_w, shared_s, shared_b});
 }

@@ -1,0 +1,106 @@
+"""Fused decode MoE with always-on shared experts beside the routed ones (mlx-vlm's Inkling): the
+routed experts' weighted sum plus the shared experts' output, in moe_decode's two launches.
+
+Reference: moe_decode_reference's weighted sum, plus the shared experts as upstream's module
+computes them (SharedExperts.__call__), added as upstream's block adds the two. CUDA kernel
+(`cuda/moe_decode.cu`, sections shared_gate_up and shared_down): the shared experts are more rows
+of the gate+up launch (each times its weight, as upstream applies it before their down
+projection) and more pairs of the combining down launch, so that the block makes the two routed
+launches and nothing else, where it made them, the shared experts' three quantized matmuls, their
+activation and the add: at batch 1 each node costs the host a few µs, more than its GPU time
+(docs/decode-attribution.md). MLX_MOE_FIX_CUDA_SHARED_DECODE=0 turns it off (the shared experts
+then run apart, as upstream's).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from .backend import Implementation, choose
+from .experts import MoEExperts, SharedExperts
+from .launch import per_pair
+from .moe_decode import MAX_EXPERT_WORDS, moe_decode_implementation, moe_decode_reference, shared_decode_launches
+
+CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_SHARED_DECODE"
+
+
+def moe_shared_decode_reference(x: mx.array, indices: mx.array, experts: MoEExperts, weights: mx.array,
+                                shared: SharedExperts, shared_weights: mx.array) -> mx.array:
+    """x: [..., D], indices and weights: [..., k], shared_weights: [..., shared.count]; returns
+    [..., out]."""
+    return moe_decode_reference(x, indices, experts, weights) + shared(x, shared_weights)
+
+
+def moe_shared_decode_kernel(x: mx.array, indices: mx.array, experts: MoEExperts, weights: mx.array,
+                             shared: SharedExperts, shared_weights: mx.array) -> mx.array:
+    """The CUDA implementation; same contract as moe_shared_decode_reference, for shared weights of
+    x's dtype (moe_shared_decode_call_reason). As moe_decode_kernel, it takes x, the indices and
+    the weights in the caller's shapes and gives the output in x's leading shape."""
+    top_k = indices.shape[-1]
+    gate_up, down = shared_decode_launches(experts, shared, top_k, indices.size // top_k, x.dtype)
+    pair_indices = indices.astype(mx.uint32)
+    (hidden,) = gate_up(x, pair_indices, shared_weights)
+    return down(hidden, pair_indices, per_pair(weights, indices), output_shapes=[(*x.shape[:-1], experts.output_dims)])[0]
+
+
+def moe_shared_decode(x: mx.array, indices: mx.array, experts: MoEExperts, weights: mx.array,
+                      shared: SharedExperts, shared_weights: mx.array) -> mx.array:
+    """Dispatcher: the implementation for the current backend, these experts and this call."""
+    implementation = moe_shared_decode_implementation(experts, shared, x.dtype)
+    if implementation.path == "kernel" and moe_shared_decode_call_reason(x, shared, shared_weights) is not None:
+        return moe_shared_decode_reference(x, indices, experts, weights, shared, shared_weights)
+    return implementation.function(x, indices, experts, weights, shared, shared_weights)
+
+
+def moe_shared_decode_call_reason(x: mx.array, shared: SharedExperts, shared_weights: mx.array) -> Optional[str]:
+    """Why the kernel cannot take this call's shared weights, or None: one row of x's dtype a token."""
+    expected = (*x.shape[:-1], shared.count)
+    if shared_weights.shape != expected or shared_weights.dtype != x.dtype:
+        return (f"shared weights {tuple(shared_weights.shape)} of {shared_weights.dtype}: the kernel reads "
+                f"{expected} of {x.dtype}")
+    return None
+
+
+def cuda_unsupported_reason(experts: MoEExperts, shared: SharedExperts, dtype) -> Optional[str]:
+    """Why the kernel cannot take these experts with these shared experts (dtype: the
+    activations'), or None: what moe_decode's kernel needs, SwiGLU experts (the shared experts'
+    activation), and shared experts quantized as the routed experts' projections they join (one
+    BITS and GROUP a launch), of the routed experts' widths."""
+    decode = moe_decode_implementation(experts, dtype)
+    if decode.path != "kernel":
+        return decode.reason
+    activation = experts.activation
+    if activation is None or activation.kind != "swiglu" or activation.limit is not None:
+        return "routed experts other than plain SwiGLU: the shared experts' rows take the routed experts' activation"
+    gate, up, down = experts.projections
+    for name, linear, routed in (("gate", shared.gate, gate), ("up", shared.up, up), ("down", shared.down, down)):
+        if linear.mode != "affine" or linear.biases is None or linear.bias is not None:
+            return f"a shared {name} projection other than affine-quantized without an additive bias"
+        if (linear.bits, linear.group_size, linear.scales.dtype) != (routed.bits, routed.group_size, routed.scales.dtype):
+            return (f"shared experts quantized otherwise than the routed ones ({name}: {linear.bits}-bit, group "
+                    f"{linear.group_size}, {linear.scales.dtype} scales)")
+    width = up.output_dims
+    if (shared.gate.output_dims, shared.up.output_dims, shared.down.input_dims) != (shared.count * width,) * 3:
+        return f"{shared.count} shared experts not {width} columns wide each, as the routed ones"
+    if (shared.gate.input_dims, shared.up.input_dims, shared.down.output_dims) != (experts.input_dims,) * 2 + (experts.output_dims,):
+        return "shared experts of other input or output widths than the routed ones"
+    if shared.down.output_dims * shared.down.weight.shape[-1] >= MAX_EXPERT_WORDS:
+        return "a shared down projection of 2^32 packed words or more: the GEMV addresses one with 32-bit offsets"
+    return None
+
+
+def moe_shared_decode_implementation(experts: Optional[MoEExperts] = None, shared: Optional[SharedExperts] = None,
+                                     dtype=None) -> Implementation:
+    """Without experts: what runs here for experts that moe_decode's kernel takes (its kernel only
+    where that one's is on)."""
+
+    def unsupported_reason():
+        if experts is None:
+            decode = moe_decode_implementation()
+            return None if decode.path == "kernel" else decode.reason
+        return experts.memo(("shared decode", shared, dtype), lambda: cuda_unsupported_reason(experts, shared, dtype))
+
+    return choose("moe_shared_decode", moe_shared_decode_reference, moe_shared_decode_kernel, CUDA_KERNEL_SWITCH,
+                  unsupported_reason)
