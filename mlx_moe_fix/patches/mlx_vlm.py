@@ -47,19 +47,17 @@ def inkling_expert_scales(layer) -> tuple:
 inkling_switch_glu = switch_layers.expert_block_wrapper("InklingSwitchGLU", GLU_PROJECTIONS, inkling_expert_scales)
 
 
-def inkling_sparse_moe(wrapped, instance, args, kwargs):
+def runs_upstream_block(instance) -> bool:
+    """On Metal upstream's own routing and down-combine kernels stay; so does upstream's block
+    where the class routes by a `_route` of its own."""
+    return current_backend() == "metal" or wrapper_of(type(instance)._route) is not inkling_route
+
+
+def inkling_block_call(wrapped, instance, args, kwargs):
     """InklingSparseMoE.__call__(x): upstream's steps (kernels.blocks.inkling_block) routed by
     moe_router, with the routing weights handed to the experts call, so that the expert op does
     the weighted sum, and at decode the shared experts too where one op takes both
-    (switch_layers.shared_experts_call). On Metal upstream's own routing and down-combine kernels
-    stay; so does upstream's block where the class routes by a `_route` of its own."""
-    if current_backend() == "metal" or wrapper_of(type(instance)._route) is not inkling_route:
-        return wrapped(*args, **kwargs)
-    return compiled_inkling_block(wrapped, instance, args, kwargs)
-
-
-@compiled_per_shape
-def compiled_inkling_block(wrapped, instance, args, kwargs):
+    (switch_layers.shared_experts_call)."""
     (x,) = bind(args, kwargs, ("x",))
     experts, shared = instance.switch_mlp, instance.shared_experts
     # one weight a shared expert (shared_width 1): the fused op reads them so, and the block
@@ -71,6 +69,11 @@ def compiled_inkling_block(wrapped, instance, args, kwargs):
         lambda rows, indices, weights: experts(rows, indices, weights=weights), shared, instance.intermediate_size,
         lambda rows, indices, weights, shared_weights: shared_experts_call(
             experts, rows, indices, weights, shared, instance.n_shared, shared_weights))
+
+
+# The patched method's wrapper is the compiled one itself, so that a decode step finds the
+# layer's last step first (patches/methods.py), before any check of its own.
+inkling_sparse_moe = compiled_per_shape(inkling_block_call, runs_as_is=runs_upstream_block)
 
 
 def inkling_routing(instance, shared_width: int):

@@ -430,3 +430,15 @@ def test_a_block_given_a_sharding_group_after_its_step_was_compiled_runs_upstrea
         block.sharding_group = None
         block(x)
         assert summed == [group]
+
+
+def test_every_compiled_block_call_is_the_patched_methods_own_wrapper():
+    """A patched method asks its wrapper's `last_step` before anything else (patches/methods.py):
+    a compiled block reached through another wrapper's checks pays them and the step's key at
+    every decode step (Inkling's block did, until its wrapper became the compiled one)."""
+    from mlx_moe_fix.patches import mlx_lm, mlx_vlm
+
+    calls = [t for t in mlx_lm.TARGETS + mlx_vlm.TARGETS if t.method == "__call__" and t.cls != "QuantizedSwitchLinear"
+             and "DecoderLayer" not in t.cls and t.cls != "TransformerBlock"]
+    assert {t.cls for t in calls} >= {"SwitchGLU", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE", "MoE", "InklingSparseMoE"}
+    assert [t.name for t in calls if getattr(t.wrapper, "last_step", None) is not compiled._last_step] == []
