@@ -129,8 +129,8 @@ def _scalars(instance) -> tuple:
 
 
 class _LastStep:
-    """A layer's last compiled call of one array argument, or two of one shape and dtype (a
-    decode step's x, with the decoder layer's residual: moe_blocks.py): its step and all that
+    """A layer's last compiled call of one array argument, or two (a decode step's x, with the
+    decoder layer's residual, moe_blocks.py, or DeepSeek-V4's token ids): its step and all that
     decided it, as _step_key and eligible() read them. The layer's children (its dict's
     values: modules and arrays) are held and compared by identity, its attributes (its __dict__,
     whose values are scalars and objects: nn.Module keeps arrays, dicts and lists as items) held as
@@ -142,11 +142,12 @@ class _LastStep:
     3.12 the ids of a layer's attributes and children cost 4.3 and 1.6 µs a call to build:
     docs/benchmarks.md, thirty-second session.)"""
 
-    __slots__ = ("arity", "shape", "dtype", "switches", "enabled", "device", "backends", "children", "attributes", "step",
-                 "structure", "__weakref__")
+    __slots__ = ("arity", "shape", "dtype", "second", "switches", "enabled", "device", "backends", "children", "attributes",
+                 "step", "structure", "__weakref__")
 
-    def __init__(self, arity, x, switches, enabled, children, step, structure):
+    def __init__(self, arity, x, second, switches, enabled, children, step, structure):
         self.arity, self.shape, self.dtype, self.switches, self.enabled = arity, x.shape, x.dtype, switches, enabled
+        self.second = None if second is None else (second.shape, second.dtype)
         self.device, self.backends, self.children, self.step = mx.default_device(), BACKENDS, children, step
         self.attributes, self.structure = None, structure
 
@@ -278,8 +279,8 @@ def _last_step(instance, args: tuple, kwargs: dict):
             or mx.default_device() != last.device):
         return None
     if last.arity == 2:
-        residual = args[1]
-        if type(residual) is not mx.array or residual.shape != last.shape or residual.dtype != last.dtype:
+        second = args[1]
+        if type(second) is not mx.array or (second.shape, second.dtype) != last.second:
             return None
     return last.step if _unchanged_since(instance, last) else None
 
@@ -296,17 +297,16 @@ def _unchanged_since(instance, last: _LastStep) -> bool:
 
 
 def _remember(instance, args: tuple, kwargs: dict, key: tuple, step, structure=_UNREAD) -> None:
-    """Make `step`, taken for `key`, the layer's last step (calls of one array argument, or two
-    of one shape and dtype, only), with the layer's structure where this call read it or the
-    last step's record kept it."""
+    """Make `step`, taken for `key`, the layer's last step (calls of one or two array arguments
+    only), with the layer's structure where this call read it or the last step's record kept
+    it."""
     if kwargs or not 1 <= len(args) <= 2 or any(type(a) is not mx.array for a in args):
-        return
-    if len(args) == 2 and (args[1].shape != args[0].shape or args[1].dtype != args[0].dtype):
         return
     if structure is _UNREAD:
         structure = _kept_structure(instance)
     _, _, _, switches, enabled = key
-    last = _LastStep(len(args), args[0], switches, enabled, tuple(dict.values(instance)), step, structure)
+    last = _LastStep(len(args), args[0], args[1] if len(args) == 2 else None, switches, enabled, tuple(dict.values(instance)),
+                     step, structure)
     object.__setattr__(instance, _LAST_STEP, last)
     last.attributes = {**vars(instance), _LAST_STEP: _Self(last)}
 

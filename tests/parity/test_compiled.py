@@ -324,6 +324,30 @@ def test_a_blocks_last_step_with_a_residual_holds_for_that_arity_shape_and_dtype
 
 # deepseek_v4's small layers differ in structure (a hash-routed one) and each of its models has a
 # config object of its own (counted by identity): none of its steps is shared here.
+def test_a_blocks_last_step_with_token_ids_holds_for_their_shape_and_dtype_only(compiled_steps):
+    """DeepSeek-V4's MoE blocks take the token ids after x (its hash-routed layers route by them):
+    the block replays its last step for ids of the shape and dtype it was taken with, and each
+    replay routes by the ids it is given, as a call built in Python does."""
+    model = zoo.build("deepseek_v4", 4, dtype=mx.bfloat16)
+    block = next(m for _, m in model.named_modules() if type(m).__name__ == "DeepseekV4MoE" and m.gate.hash)
+    x = mx.random.normal((1, 1, block.gate.weight.shape[-1]), key=mx.random.key(3)).astype(mx.bfloat16)
+    ids = [mx.array([[token]], dtype=mx.int32) for token in (5, 17)]
+    with mlx_moe_fix.patched():
+        compiled_steps(True)
+        for _ in range(3):
+            block(x, ids[0])
+        assert compiled._last_step(block, (x, ids[0]), {}) is not None
+        assert compiled._last_step(block, (x, ids[0].astype(mx.uint32)), {}) is None
+        assert compiled._last_step(block, (x, mx.array([[5, 17]], dtype=mx.int32)), {}) is None
+        assert compiled._last_step(block, (x,), {}) is None
+        replayed = [block(x, i) for i in ids]
+        compiled_steps(False)
+        built = [block(x, i) for i in ids]
+    assert steps_of(model) > 0 and not mx.array_equal(built[0], built[1]).item()
+    for r, b in zip(replayed, built):
+        assert mx.array_equal(r, b).item()
+
+
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "deepseek_v4"])
 def test_layers_of_one_structure_replay_one_shared_step_each_with_its_own_weights(compiled_steps, family):
     """Two models of one config, different weights: each layer of the second takes the compiled
