@@ -475,6 +475,8 @@ def test_record_launches_writes_every_case_s_launches(tmp_path):
     assert sections["direct decode top-2 8-bit mlx.core.float32 weighted"] == ["gate_up", "down"]
     # Inkling's decode step: its routing, then its routed and shared experts in two launches a layer
     assert sections["inkling-4 decode"] == ["sigmoid_topk", "shared_gate_up", "shared_down"] * 2
+    # DeepSeek-V4's: its own routing (not a launch of ours), then the same two launches a layer
+    assert sections["deepseek_v4-4 decode"] == ["shared_gate_up", "shared_down"] * 2
     # each kernel object's launch bounds: the one-pair-a-warp down's 8-warp blocks where it applies
     bounds = {case: [call["kernel"][5] for call in calls] for case, calls in recorded.items()}
     assert bounds["direct decode top-8 4-bit mlx.core.bfloat16 routed"] == [[128, 4], [256, 2]]

@@ -109,8 +109,8 @@ def test_decode_kernels_compile(tmp_path, t):
                      for gated in (True, False) for split in (False, t != "float")]
         variants += [("down", t, {**base, "INPUT_PER_PAIR": p, "COMBINE": c}) for p in (True, False) for c in (True, False)]
         variants += [("routed_down", t, {**base, "RESIDUAL": residual}) for residual in (False, True)]
-        variants += [("shared_gate_up", t, {**base, "GATED": True, "SHARED_SPLIT": split, "SHARED": 2})
-                     for split in (False, t != "float")]
+        variants += [("shared_gate_up", t, {**base, "GATED": True, "SHARED_SPLIT": split, "SHARED": 2, "SHARED_WEIGHTS": weighted})
+                     for split in (False, t != "float") for weighted in (False, True)]
         variants += [("shared_down", t, {**base, "SHARED": shared}) for shared in (1, 2)]
     compile_all(tmp_path, translation_units(DECODE, "moe_decode.cu", variants))
 
@@ -208,7 +208,8 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
          *shaped(DECODE.DOWN_BLOCK, [{**base, "INPUT_PER_PAIR": True, "COMBINE": combine} for combine in (True, False)])),
         *[(DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.DOWN_BLOCK, [{**base, "RESIDUAL": residual}]))
           for residual in (False, True)],
-        (DECODE, "moe_decode.cu", "shared_gate_up", *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": True, "SHARED": 2}])),
+        (DECODE, "moe_decode.cu", "shared_gate_up", *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": True, "SHARED": 2,
+                                                                                   "SHARED_WEIGHTS": True}])),
         (DECODE, "moe_decode.cu", "shared_down", *shaped(DECODE.DOWN_BLOCK, [{**base, "SHARED": 2}])),
         (ROUTED, "moe_routed_decode.cu", "routed_gate_up",
          *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": True, "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True}])),

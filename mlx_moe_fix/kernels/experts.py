@@ -129,38 +129,6 @@ class RouterLinear:
         return logits if self.bias is None else logits + self.bias
 
 
-@dataclass(frozen=True, eq=False)
-class SharedExperts:
-    """A block's always-on shared experts as one dense SwiGLU (mlx-vlm's Inkling:
-    InklingSharedExpertsDense): `count` experts of `width` intermediate columns each, their gate
-    and up projections concatenated along the output ([count * width, in]) and their down along
-    the input ([out, count * width]), each an nn.QuantizedLinear (as RouterLinear reads one).
-    Called on x with per-token weights [..., count], it gives what upstream's module does with
-    them repeated over each expert's columns: down(silu(gate(x)) * up(x) * repeated weights)."""
-
-    gate: RouterLinear
-    up: RouterLinear
-    down: RouterLinear
-    count: int
-
-    @property
-    def width(self) -> int:
-        return self.gate.output_dims // self.count
-
-    @classmethod
-    def from_module(cls, module, count: int) -> Optional["SharedExperts"]:
-        """Reads a module with quantized `gate_proj`, `up_proj` and `down_proj` linears; None for
-        anything else."""
-        linears = [RouterLinear.from_module(module[name]) if name in module else None
-                   for name in ("gate_proj", "up_proj", "down_proj")]
-        if any(linear is None for linear in linears) or count < 1 or linears[0].output_dims % count:
-            return None
-        return cls(*linears, count)
-
-    def __call__(self, x: mx.array, weights: mx.array) -> mx.array:
-        return self.down(nn.silu(self.gate(x)) * self.up(x) * mx.repeat(weights, self.width, axis=-1))
-
-
 @dataclass(frozen=True)
 class Activation:
     """The activation between the first and last expert projections.
@@ -189,6 +157,37 @@ class Activation:
             raise ValueError(f"unknown activation kind {self.kind!r}")
         if self.kind == "swiglu_oai" and (self.limit is None or self.alpha is None):
             raise ValueError("swiglu_oai needs both limit and alpha")
+
+
+@dataclass(frozen=True, eq=False)
+class SharedExperts:
+    """A block's always-on shared experts as one dense GLU (mlx-vlm's Inkling:
+    InklingSharedExpertsDense; DeepSeek-V4: DeepseekV4MLP): `count` experts of `width`
+    intermediate columns each, their gate and up projections concatenated along the output
+    ([count * width, in]) and their down along the input ([out, count * width]), each an
+    nn.QuantizedLinear (as RouterLinear reads one), with a gated `activation`. Per-token weights,
+    where the block has them (Inkling's), are one a shared expert, applied to its columns before
+    the down projection (moe_shared_decode)."""
+
+    gate: RouterLinear
+    up: RouterLinear
+    down: RouterLinear
+    count: int
+    activation: Activation
+
+    @property
+    def width(self) -> int:
+        return self.gate.output_dims // self.count
+
+    @classmethod
+    def from_module(cls, module, count: int, activation: Activation) -> Optional["SharedExperts"]:
+        """Reads a module with quantized `gate_proj`, `up_proj` and `down_proj` linears; None for
+        anything else."""
+        linears = [RouterLinear.from_module(module[name]) if name in module else None
+                   for name in ("gate_proj", "up_proj", "down_proj")]
+        if any(linear is None for linear in linears) or count < 1 or linears[0].output_dims % count:
+            return None
+        return cls(*linears, count, activation)
 
 
 @dataclass(frozen=True, eq=False)

@@ -159,9 +159,9 @@ def gate_up_grid(experts: MoEExperts, pairs: int) -> tuple:
 
 
 def gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: str,
-                   shared: Optional[SharedExperts] = None) -> Launch:
+                   shared: Optional[SharedExperts] = None, weighted: bool = False) -> Launch:
     """With `shared` (CUDA): the shared_gate_up section, `pairs` counting each token's shared
-    experts' rows too; a call passes (x, indices, shared weights)."""
+    experts' rows too; a call passes (x, indices) and, where `weighted`, the shared weights."""
     gated = len(experts.projections) == 3
     up = experts.projections[1 if gated else 0]
     has_scale = experts.gate_scale is not None
@@ -171,15 +171,15 @@ def gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: 
     fixed = gate_up_fixed_inputs(experts, top_k)
     if shared is not None:
         dims, params = fixed.pop("dims"), fixed.pop("params")
-        fixed.update(_linear_inputs("shared_gate_", shared.gate), **_linear_inputs("shared_up_", shared.up),
-                     dims=dims, params=params)
+        fixed = {**({} if weighted else {"shared_weights": None}), **fixed, **_linear_inputs("shared_gate_", shared.gate),
+                 **_linear_inputs("shared_up_", shared.up), "dims": dims, "params": params}
     kernel, fixed = gpu_kernel("gate_up" if shared is None else "shared_gate_up", backend, shape, fixed, split_bytes)
     return Launch(
         kernel, fixed,
         _quant_templates(up, dtype, shape) + [("SC", experts.gate_scale.dtype if has_scale else mx.float32),
                                               ("GATED", gated), bias_template(up)]
         + ([("SHARED_SPLIT", split_bytes > 0)] if backend == "cuda" else [])
-        + ([("SHARED", shared.count)] if shared is not None else []),
+        + ([("SHARED", shared.count), ("SHARED_WEIGHTS", weighted)] if shared is not None else []),
         grid, block, [(pairs, up.output_dims)], [dtype],
     )
 
@@ -254,15 +254,17 @@ def routed_down_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, resid
                         input_per_pair=True, backend="cuda", stage="routed_down", residual=residual)
 
 
-def shared_decode_launches(experts: MoEExperts, shared: SharedExperts, top_k: int, tokens: int, dtype) -> tuple:
+def shared_decode_launches(experts: MoEExperts, shared: SharedExperts, top_k: int, tokens: int, dtype,
+                           weighted: bool) -> tuple:
     """(shared_gate_up, shared_down) of moe_shared_decode (CUDA) for this call's shape, cached on
-    the experts object: decode_launches' two with each token's shared experts after its pairs."""
+    the experts object: decode_launches' two with each token's shared experts after its pairs
+    (`weighted`: each times its weight, an input of the gate+up launch)."""
     def plan():
-        return (gate_up_launch(experts, top_k, tokens * (top_k + shared.count), dtype, "cuda", shared),
+        return (gate_up_launch(experts, top_k, tokens * (top_k + shared.count), dtype, "cuda", shared, weighted),
                 _down_launch(experts.projections[-1], experts.out_scale, top_k, tokens * top_k, dtype, dtype,
                              input_per_pair=True, backend="cuda", stage="shared_down", shared=shared))
 
-    return experts.memo(("shared decode launches", shared, top_k, tokens, dtype), plan)
+    return experts.memo(("shared decode launches", shared, top_k, tokens, dtype, weighted), plan)
 
 
 def moe_decode_kernel(

@@ -20,9 +20,8 @@ def _gelu(module) -> Activation:
     return Activation("gelu_approx" if approx in ("precise", "tanh") else "gelu_fast")
 
 
-def _limited_swiglu(module) -> Activation:
+def _limited_swiglu(limit) -> Activation:
     # DeepSeek-V4 clamps only for a positive limit (`if limit and limit > 0`).
-    limit = module.limit
     return Activation("swiglu", limit=float(limit) if limit and limit > 0 else None)
 
 
@@ -30,7 +29,7 @@ def _limited_swiglu(module) -> Activation:
 KNOWN_ACTIVATIONS: tuple = (
     ("mlx_lm.models.switch_layers", "SwiGLU", lambda m: Activation("swiglu")),
     ("mlx_vlm.models.switch_layers", "SwiGLU", lambda m: Activation("swiglu")),
-    ("mlx_vlm.models.deepseek_v4.language", "LimitedSwiGLU", _limited_swiglu),
+    ("mlx_vlm.models.deepseek_v4.language", "LimitedSwiGLU", lambda m: _limited_swiglu(m.limit)),
     (
         "mlx_lm.models.activations",
         "SwigluOAI",
@@ -53,6 +52,24 @@ def _reader(cls) -> Optional[Callable]:
 def recognise(activation) -> Optional[Activation]:
     read = _reader(type(activation))
     return None if read is None else read(activation)
+
+
+# Dense shared-experts modules whose gate, up and down projections the ops read (SharedExperts):
+# (module, class name, their activation)
+KNOWN_SHARED_EXPERTS: tuple = (
+    ("mlx_vlm.models.inkling.language", "InklingSharedExpertsDense", lambda m: Activation("swiglu")),
+    ("mlx_vlm.models.deepseek_v4.language", "DeepseekV4MLP", lambda m: _limited_swiglu(m.swiglu_limit)),
+)
+
+
+def shared_experts_activation(module) -> Optional[Activation]:
+    """The activation of a dense shared-experts module of a class listed in KNOWN_SHARED_EXPERTS
+    (that class exactly), else None."""
+    for module_name, class_name, read in KNOWN_SHARED_EXPERTS:
+        upstream = sys.modules.get(module_name)
+        if upstream is not None and getattr(upstream, class_name, None) is type(module):
+            return read(module)
+    return None
 
 
 def known_activation_names() -> list:

@@ -19,8 +19,7 @@ SWITCH_LAYERS = "mlx_vlm.models.switch_layers"
 INKLING = "mlx_vlm.models.inkling.language"
 
 
-@compiled_per_shape
-def switch_glu(wrapped, instance, args, kwargs):
+def switch_glu_call(wrapped, instance, args, kwargs):
     """SwitchGLU.__call__(x, indices, weights=None, shared=None, residual=None)"""
     x, indices, weights, shared, residual = bind(
         args, kwargs, ("x", "indices", "weights", "shared", "residual")
@@ -35,6 +34,11 @@ def switch_glu(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     routed = chosen.function(x, indices, experts, weights)
     return instance._combine(routed, None, shared, residual)
+
+
+# The fused block ops (switch_layers.shared_experts_call) may take its calls' place.
+switch_glu = switch_layers.register_expert_block(
+    compiled_per_shape(switch_glu_call), switch_layers.ExpertBlock("SwitchGLU[vlm]", GLU_PROJECTIONS, switch_layers.no_expert_scales))
 
 
 def inkling_expert_scales(layer) -> tuple:
@@ -96,7 +100,7 @@ TARGETS = (
     Target(SWITCH_LAYERS, "SwitchGLU", "__call__", switch_glu),
     Target(SWITCH_LAYERS, "SwitchMLP", "__call__", switch_layers.switch_mlp),
     Target(SWITCH_LAYERS, "QuantizedSwitchLinear", "__call__", switch_layers.quantized_switch_linear),
-    Target(SWITCH_LAYERS, "MoE", "__call__", moe_blocks.upstream_block),
+    Target(SWITCH_LAYERS, "MoE", "__call__", moe_blocks.shared_experts_block),
     Target(INKLING, "InklingSwitchGLU", "__call__", inkling_switch_glu),
     Target(INKLING, "InklingSparseMoE", "_route", inkling_route),
     Target(INKLING, "InklingSparseMoE", "__call__", inkling_sparse_moe),

@@ -19,7 +19,7 @@ import functools
 from ..kernels import Routing, add_residual, fusable_router, moe_router
 from .compiled import compiled_per_shape
 from .methods import wrapper_of
-from .switch_layers import bind, routed_experts_call
+from .switch_layers import bind, routed_experts_call, shared_experts_call
 
 
 # One Routing per distinct configuration, so that the router's dispatch cache sees equal keys
@@ -43,8 +43,33 @@ def upstream(wrapped, instance, args, kwargs):
 
 # Blocks whose routing moe_router does not know (DeepSeek's group-limited or sqrt-softplus
 # gates): upstream's code, its own routing included, with decode steps compiled, so that the
-# routing's dozen small ops cost no Python per step.
+# routing's dozen small ops cost no Python per step (mlx-vlm's, with shared experts the fused
+# decode takes: shared_experts_block).
 upstream_block = unsharded_compiled(upstream)
+
+
+def shared_experts_count(block) -> int:
+    """The shared experts of mlx-vlm's MoE block (its config's n_shared_experts, DeepSeek-V4's)."""
+    return block.config.n_shared_experts
+
+
+def with_shared_experts(wrapped, instance, args, kwargs):
+    """mlx-vlm's MoE.__call__(x, *gate_args, residual=None, **gate_kwargs) (DeepSeek-V4's block):
+    upstream's steps, its routed and shared experts one op where one takes both
+    (switch_layers.shared_experts_call) and upstream's combine then adding the residual; else
+    upstream's call (which routes again: the first routing's graph is left unevaluated)."""
+    if not args or "config" not in vars(instance):
+        return wrapped(*args, **kwargs)
+    experts, residual = instance.switch_mlp, kwargs.get("residual")
+    gate_kwargs = {name: value for name, value in kwargs.items() if name != "residual"}
+    indices, weights = instance.gate(*args, **gate_kwargs)
+    fused = shared_experts_call(experts, args[0], indices, weights, instance.shared_experts, shared_experts_count(instance))
+    if fused is None:
+        return wrapped(*args, **kwargs)
+    return experts._combine(fused, None, None, residual)
+
+
+shared_experts_block = unsharded_compiled(with_shared_experts)
 
 
 def routed_block(routing_of, router: str = "gate", experts: str = "switch_mlp"):

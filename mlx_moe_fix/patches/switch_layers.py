@@ -12,7 +12,7 @@ from .. import trace
 from ..kernels import (PREFILL_MIN_PAIRS, ExpertLinear, MoEExperts, Plan, Routing, SharedExperts, combine, plan, routed_plan,
                        shared_plan)
 from . import options
-from .activations import recognise
+from .activations import recognise, shared_experts_activation
 from .compiled import compiled_per_shape
 from .methods import wrapper_of
 
@@ -73,10 +73,14 @@ _SHARED_CACHE_ATTRIBUTE = "_mlx_moe_fix_shared_described"
 
 
 def describe_shared(module, count: int) -> Optional[SharedExperts]:
-    """SharedExperts of a dense shared-experts module (quantized gate_proj, up_proj, down_proj),
-    or None; cached on the module as describe() caches."""
-    parts = [count, *_projection_arrays(module, ("gate_proj", "up_proj", "down_proj"))]
-    return _cached_on(module, _SHARED_CACHE_ATTRIBUTE, parts, lambda: SharedExperts.from_module(module, count))
+    """SharedExperts of a dense shared-experts module of a known class (quantized gate_proj,
+    up_proj, down_proj; activations.KNOWN_SHARED_EXPERTS), or None; cached on the module as
+    describe() caches."""
+    activation = shared_experts_activation(module)
+    if activation is None:
+        return None
+    parts = [count, activation, *_projection_arrays(module, ("gate_proj", "up_proj", "down_proj"))]
+    return _cached_on(module, _SHARED_CACHE_ATTRIBUTE, parts, lambda: SharedExperts.from_module(module, count, activation))
 
 
 def _describe(layer, projection_names: tuple, gate_scale, out_scale):
@@ -165,9 +169,14 @@ def expert_block_wrapper(layer_kind: str, projection_names: tuple, expert_scales
             return combine(wrapped(*args, **kwargs), weights)
         return chosen.function(x, indices, experts, weights)
 
-    compiled = compiled_per_shape(wrapper)
-    _EXPERT_BLOCKS[compiled] = block
-    return compiled
+    return register_expert_block(compiled_per_shape(wrapper), block)
+
+
+def register_expert_block(wrapper, block: ExpertBlock):
+    """Makes `wrapper`, a patched expert layer's call, one that the fused block ops may take the
+    place of (routed_experts_call, shared_experts_call) for layers that `block` describes."""
+    _EXPERT_BLOCKS[wrapper] = block
+    return wrapper
 
 
 switch_glu = expert_block_wrapper("SwitchGLU", GLU_PROJECTIONS)
@@ -198,11 +207,12 @@ def routed_experts_call(layer, x, logits, routing: Routing, residual=None):
     return chosen.function(x, logits, routing, experts, residual)
 
 
-def shared_experts_call(layer, x, indices, weights, shared_module, count: int, shared_weights):
-    """What `layer(x, indices, weights=weights) + shared_module(x, shared_weights)` gives (a block
-    with `count` always-on shared experts as one dense module: describe_shared), computed by one
-    fused op (kernels.shared_plan) and counted as the experts call; or None, and the caller makes
-    the two calls. Only where the layer's call is a patched expert block's own."""
+def shared_experts_call(layer, x, indices, weights, shared_module, count: int, shared_weights=None):
+    """What the layer's routed experts' weighted sum plus `shared_module`'s output gives (a block
+    with `count` always-on shared experts as one dense module: describe_shared; each weighted by
+    `shared_weights` where given), computed by one fused op (kernels.shared_plan) and counted as
+    the experts call; or None, and the caller makes the two calls. Only where the layer's call is
+    a patched expert block's own."""
     block = _patched_expert_block(layer)
     if block is None:
         return None

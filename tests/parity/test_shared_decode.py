@@ -4,6 +4,8 @@ reference; the rest: which calls the kernel declines (to upstream's separate cal
 
 import dataclasses
 import sys
+import types
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,54 +23,79 @@ from .tolerance import assert_close
 
 @dataclasses.dataclass
 class SharedCase:
-    routed: nn.Module  # InklingSwitchGLU
-    shared_module: nn.Module  # InklingSharedExpertsDense
+    routed: nn.Module  # InklingSwitchGLU, or mlx-vlm's SwitchGLU with DeepSeek-V4's LimitedSwiGLU
+    shared_module: nn.Module  # InklingSharedExpertsDense, or DeepseekV4MLP
     experts: MoEExperts
     shared: SharedExperts
     x: mx.array
     indices: mx.array
     weights: mx.array
-    shared_weights: mx.array
+    shared_weights: Optional[mx.array]  # Inkling's, one a shared expert; DeepSeek-V4's: none
     dtype: object
     label: str
 
     def stock(self) -> mx.array:
-        """What Inkling's block adds: its routed experts' weighted sum and its shared experts' output."""
-        routed = (self.routed(self.x, self.indices) * self.weights[..., None]).sum(axis=-2)
+        """What the block adds: its routed experts' weighted sum (mlx-vlm's SwitchGLU._combine) and its
+        shared experts' output (Inkling's module takes their weights repeated over their columns)."""
+        y = self.routed(self.x, self.indices)
+        routed = (y * self.weights[..., None].astype(y.dtype)).sum(axis=-2)
+        if self.shared_weights is None:
+            return routed + self.shared_module(self.x)
         return routed + self.shared_module(self.x, mx.repeat(self.shared_weights, self.shared.width, axis=-1))
 
 
-def make_shared_case(dtype, bits, dims, width, num_experts, top_k, count, tokens, scaled, seed) -> SharedCase:
-    from mlx_vlm.models.inkling.language import InklingSharedExpertsDense, InklingSwitchGLU
-
+def make_shared_case(family, dtype, bits, dims, width, num_experts, top_k, count, tokens, scaled=False, limit=0.0,
+                     seed=0) -> SharedCase:
+    """family "inkling": scaled routed experts (gate_scale / out_scale) where `scaled`, shared experts
+    weighted; "deepseek_v4": SwiGLU clamped at `limit` (none at 0) in both, shared experts unweighted,
+    routing weights in float32 (its gate's)."""
     mx.random.seed(seed)
-    routed = InklingSwitchGLU(dims, width, num_experts)
-    if scaled:
-        routed.gate_scale = mx.random.uniform(0.5, 2.0, (num_experts,))
-        routed.out_scale = mx.random.uniform(0.5, 2.0, (num_experts,))
-    shared_module = InklingSharedExpertsDense(dims, width, count)
+    if family == "inkling":
+        from mlx_vlm.models.inkling.language import InklingSharedExpertsDense, InklingSwitchGLU
+
+        routed = InklingSwitchGLU(dims, width, num_experts)
+        if scaled:
+            routed.gate_scale = mx.random.uniform(0.5, 2.0, (num_experts,))
+            routed.out_scale = mx.random.uniform(0.5, 2.0, (num_experts,))
+        shared_module = InklingSharedExpertsDense(dims, width, count)
+        activation = Activation("swiglu")
+    else:
+        from mlx_vlm.models.deepseek_v4.language import DeepseekV4MLP, LimitedSwiGLU
+        from mlx_vlm.models.switch_layers import SwitchGLU
+
+        routed = SwitchGLU(dims, width, num_experts, activation=LimitedSwiGLU(limit))
+        config = types.SimpleNamespace(hidden_size=dims, intermediate_size=width)
+        shared_module = DeepseekV4MLP(config, intermediate_size=width * count, swiglu_limit=limit)
+        activation = Activation("swiglu", limit=limit or None)
     for module in (routed, shared_module):
         nn.quantize(module, group_size=64, bits=bits)
         module.set_dtype(dtype)
         module.eval()
     experts = MoEExperts(tuple(ExpertLinear.from_module(routed[name]) for name in ("gate_proj", "up_proj", "down_proj")),
-                         Activation("swiglu"), routed.gate_scale if scaled else None, routed.out_scale if scaled else None)
-    shared = SharedExperts.from_module(shared_module, count)
+                         activation, routed.gate_scale if scaled else None, routed.out_scale if scaled else None)
+    shared = SharedExperts.from_module(shared_module, count, activation)
     indices = mx.argsort(mx.random.uniform(shape=(tokens, num_experts)), axis=-1)[:, :top_k].astype(mx.uint32)
     x = mx.random.normal((tokens, dims)).astype(dtype)
     routing = mx.softmax(mx.random.normal((tokens, top_k + count)), axis=-1) * 2
-    weights, shared_weights = routing[:, :top_k].astype(dtype), routing[:, top_k:].astype(dtype)
-    label = f"{dtype} {bits}-bit D={dims} F={width} E={num_experts} k={top_k} shared={count} T={tokens} scaled={scaled}"
+    if family == "inkling":
+        weights, shared_weights = routing[:, :top_k].astype(dtype), routing[:, top_k:].astype(dtype)
+    else:
+        weights, shared_weights = routing[:, :top_k], None
+    label = (f"{family} {dtype} {bits}-bit D={dims} F={width} E={num_experts} k={top_k} shared={count} T={tokens} "
+             f"scaled={scaled} limit={limit}")
     return SharedCase(routed, shared_module, experts, shared, x, indices, weights, shared_weights, dtype, label)
 
 
 @st.composite
 def shared_cases(draw) -> SharedCase:
+    family = draw(st.sampled_from(("inkling", "deepseek_v4")))
     return make_shared_case(
-        dtype=draw(st.sampled_from((mx.bfloat16, mx.float16, mx.float32))), bits=draw(st.sampled_from((4, 8))),
+        family, dtype=draw(st.sampled_from((mx.bfloat16, mx.float16, mx.float32))), bits=draw(st.sampled_from((4, 8))),
         dims=draw(st.sampled_from((64, 128, 256))), width=draw(st.sampled_from((64, 128))),
         num_experts=8, top_k=draw(st.integers(1, 8)), count=draw(st.integers(1, 3)),
-        tokens=draw(st.sampled_from((1, 2, 5))), scaled=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+        tokens=draw(st.sampled_from((1, 2, 5))), scaled=family == "inkling" and draw(st.booleans()),
+        # 0.25 binds for most gate / up values here, 50 for none
+        limit=0.0 if family == "inkling" else draw(st.sampled_from((0.0, 0.25, 50.0))), seed=draw(st.integers(0, 2**16)))
 
 
 def call(op, case: SharedCase) -> mx.array:
@@ -90,7 +117,7 @@ def shared_float32_oracle(case: SharedCase) -> mx.array:
         return dataclasses.replace(linear, scales=linear.scales.astype(mx.float32), biases=linear.biases.astype(mx.float32))
 
     shared = dataclasses.replace(case.shared, gate=widen(case.shared.gate), up=widen(case.shared.up), down=widen(case.shared.down))
-    shared_weights = case.shared_weights.astype(mx.float32)
+    shared_weights = None if case.shared_weights is None else case.shared_weights.astype(mx.float32)
     return float32_oracle(lambda x, indices, experts, weights: moe_shared_decode_reference(x, indices, experts, weights, shared,
                                                                                           shared_weights), case)
 
@@ -107,11 +134,12 @@ def test_cuda_shared_decode_kernel_matches_ref(cuda_device, case):
 
 
 def test_the_dispatcher_takes_the_reference_for_shared_weights_the_kernel_cannot_read(device):
-    case = make_shared_case(mx.bfloat16, 4, 128, 64, 8, 2, 2, 3, False, seed=1)
+    case = make_shared_case("inkling", mx.bfloat16, 4, 128, 64, 8, 2, 2, 3, seed=1)
     repeated = mx.repeat(case.shared_weights, 64, axis=-1)  # [tokens, count * width], as upstream's module takes them
     assert moe_shared_decode_call_reason(case.x, case.shared, repeated) is not None
     assert moe_shared_decode_call_reason(case.x, case.shared, case.shared_weights.astype(mx.float32)) is not None
     assert moe_shared_decode_call_reason(case.x, case.shared, case.shared_weights) is None
+    assert moe_shared_decode_call_reason(case.x, case.shared, None) is None  # unweighted (DeepSeek-V4's)
     wrong_dtype = dataclasses.replace(case, shared_weights=case.shared_weights.astype(mx.float32))
     assert_close(call(moe_shared_decode, wrong_dtype), call(moe_shared_decode_reference, wrong_dtype), mx.bfloat16)
 
@@ -119,7 +147,7 @@ def test_the_dispatcher_takes_the_reference_for_shared_weights_the_kernel_cannot
 @pytest.mark.parametrize("change, reason", [
     ("shared_bits", "quantized otherwise"),
     ("shared_width", "columns wide each"),
-    ("limited", "plain SwiGLU"),
+    ("limited", "one activation"),
 ])
 def test_the_kernel_declines_shared_experts_it_cannot_read_with_the_routed_ones(monkeypatch, change, reason):
     from mlx_moe_fix.kernels.backend import Implementation
@@ -128,13 +156,13 @@ def test_the_kernel_declines_shared_experts_it_cannot_read_with_the_routed_ones(
 
     # as on a GPU where moe_decode's kernel takes the routed experts: the shared experts decide
     monkeypatch.setattr(op, "moe_decode_implementation", lambda experts, dtype: Implementation(None, "kernel", "CUDA"))
-    case = make_shared_case(mx.bfloat16, 4, 128, 64, 8, 2, 2, 1, False, seed=2)
+    case = make_shared_case("inkling", mx.bfloat16, 4, 128, 64, 8, 2, 2, 1, seed=2)
     experts, shared = case.experts, case.shared
     assert cuda_unsupported_reason(experts, shared, mx.bfloat16) is None
     if change == "shared_bits":
         module = case.shared_module
         module.down_proj = nn.QuantizedLinear.from_linear(nn.Linear(128, 128, bias=False), group_size=64, bits=8)
-        shared = SharedExperts.from_module(module, 2)
+        shared = SharedExperts.from_module(module, 2, shared.activation)
     elif change == "shared_width":
         shared = dataclasses.replace(shared, count=4)  # 128 columns are 4 experts of 32, not the routed 64
     else:
@@ -146,8 +174,9 @@ def test_shared_experts_are_read_from_quantized_dense_modules_only():
     from mlx_vlm.models.inkling.language import InklingSharedExpertsDense
 
     module = InklingSharedExpertsDense(128, 64, 2)
-    assert SharedExperts.from_module(module, 2) is None  # unquantized
+    swiglu = Activation("swiglu")
+    assert SharedExperts.from_module(module, 2, swiglu) is None  # unquantized
     nn.quantize(module, group_size=64, bits=4)
-    shared = SharedExperts.from_module(module, 2)
+    shared = SharedExperts.from_module(module, 2, swiglu)
     assert (shared.count, shared.width, shared.gate.output_dims, shared.down.input_dims) == (2, 64, 128, 128)
-    assert SharedExperts.from_module(module, 3) is None  # 128 columns are not 3 experts
+    assert SharedExperts.from_module(module, 3, swiglu) is None  # 128 columns are not 3 experts
