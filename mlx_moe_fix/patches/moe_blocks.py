@@ -19,7 +19,7 @@ import functools
 from ..kernels import Routing, add_residual, fusable_router, moe_router
 from .compiled import compiled_per_shape
 from .methods import wrapper_of
-from .switch_layers import bind, routed_experts_call, shared_experts_call
+from .switch_layers import bind, describe_shared, routed_experts_call, shared_experts_call
 
 
 # One Routing per distinct configuration, so that the router's dispatch cache sees equal keys
@@ -48,17 +48,20 @@ def upstream(wrapped, instance, args, kwargs):
 upstream_block = unsharded_compiled(upstream)
 
 
-def shared_experts_count(block) -> int:
-    """The shared experts of mlx-vlm's MoE block (its config's n_shared_experts, DeepSeek-V4's)."""
-    return block.config.n_shared_experts
+def shared_experts_count(block):
+    """The shared experts of mlx-vlm's MoE block (its config's n_shared_experts, DeepSeek-V4's), or
+    None where it does not say."""
+    return getattr(vars(block).get("config"), "n_shared_experts", None)
 
 
 def with_shared_experts(wrapped, instance, args, kwargs):
     """mlx-vlm's MoE.__call__(x, *gate_args, residual=None, **gate_kwargs) (DeepSeek-V4's block):
-    upstream's steps, its routed and shared experts one op where one takes both
-    (switch_layers.shared_experts_call) and upstream's combine then adding the residual; else
-    upstream's call (which routes again: the first routing's graph is left unevaluated)."""
-    if not args or "config" not in vars(instance):
+    for shared experts of a known class (describe_shared), upstream's steps with its routed and
+    shared experts one op where one takes both (switch_layers.shared_experts_call) and upstream's
+    combine then adding the residual; else upstream's call (which then routes again: the first
+    routing's graph is left unevaluated)."""
+    count = shared_experts_count(instance)
+    if not args or count is None or describe_shared(instance.shared_experts, count) is None:
         return wrapped(*args, **kwargs)
     experts, residual = instance.switch_mlp, kwargs.get("residual")
     gate_kwargs = {name: value for name, value in kwargs.items() if name != "residual"}

@@ -180,3 +180,25 @@ def test_shared_experts_are_read_from_quantized_dense_modules_only():
     shared = SharedExperts.from_module(module, 2, swiglu)
     assert (shared.count, shared.width, shared.gate.output_dims, shared.down.input_dims) == (2, 64, 128, 128)
     assert SharedExperts.from_module(module, 3, swiglu) is None  # 128 columns are not 3 experts
+
+
+def test_a_block_whose_shared_experts_are_of_another_class_is_upstreams_call_alone(cpu_device, monkeypatch):
+    """mlx-vlm's MoE block routes for the fused op only where it knows its shared experts' class
+    (a subclass may compute otherwise): else upstream's call runs alone, its gate not called first."""
+    from mlx_moe_fix import zoo
+    from mlx_moe_fix.patches import moe_blocks
+
+    model = zoo.build("deepseek_v4", 4, dtype=mx.bfloat16)
+    block = next(m for _, m in model.named_modules() if type(m).__name__ == "DeepseekV4MoE" and not m.gate.hash)
+    x = mx.random.normal((1, 1, block.gate.weight.shape[-1])).astype(mx.bfloat16)
+    gate_calls = []
+    gate_call = type(block.gate).__call__
+    monkeypatch.setattr(type(block.gate), "__call__", lambda self, *a, **k: gate_calls.append(1) or gate_call(self, *a, **k))
+
+    def upstream(*args, **kwargs):
+        return "upstream's call"
+
+    # a known class: routed for the fused op (which the CPU declines), then upstream's call
+    assert moe_blocks.with_shared_experts(upstream, block, (x,), {}) == "upstream's call" and gate_calls == [1]
+    block.shared_experts.__class__ = type("OtherMLP", (type(block.shared_experts),), {})
+    assert moe_blocks.with_shared_experts(upstream, block, (x,), {}) == "upstream's call" and gate_calls == [1]
