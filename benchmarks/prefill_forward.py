@@ -127,20 +127,28 @@ def main(argv=None):
             build, evaluate = (statistics.median(run[i] for run in runs) for i in (0, 1))
             rows.append([length, label, f"{build:.2f}", f"{evaluate:.2f}", f"{build + evaluate:.2f}",
                          " / ".join(f"{q:.3f}" for q in ratios), f"{statistics.median(ratios):.3f}"])
-        new_length = mx.array(rng.integers(0, spec.config["vocab_size"], (1, length + 1)))
-        with mlx_moe_fix.patched():
-            patched_calls = first_calls(moe, new_length)
-        dense_calls = first_calls(dense, new_length)
-        versus = sum(dense_calls[0]) / sum(patched_calls[0])
-        for label, calls in (("MoE, patched", patched_calls), ("dense equivalent", dense_calls)):
-            first_builds.append([length + 1, label] + [f"{b:.2f} / {e:.2f}" for b, e in calls] + [f"{versus:.3f}"])
+        # Two new lengths, each model first at one: the second model at a length finds the kernels
+        # the first loaded for it (the attention's, the same in both models).
+        for offset, patched_first in ((1, True), (2, False)):
+            new_length = mx.array(rng.integers(0, spec.config["vocab_size"], (1, length + offset)))
+            calls = {}
+            for patched in (patched_first, not patched_first):
+                with mlx_moe_fix.patched() if patched else contextlib.nullcontext():
+                    calls[patched] = first_calls(moe if patched else dense, new_length)
+            versus = sum(calls[False][0]) / sum(calls[True][0])
+            for label, patched in (("MoE, patched", True), ("dense equivalent", False)):
+                order = "first" if patched == patched_first else "second"
+                first_builds.append([length + offset, label, order] + [f"{b:.2f} / {e:.2f}" for b, e in calls[patched]]
+                                    + [f"{versus:.3f}"])
     print(f"{args.model} and {spec.dense}: one forward (no cache), ms, medians over {args.rounds} rounds of "
           f"{args.reps} forwards per variant; MLX {mx.__version__}, {mx.default_device()}")
     print(markdown_table(["tokens", "variant", "build", "eval", "total", "dense total / total, per round", "median"],
                          rows))
     print(f"\na new prompt length's first calls, build / eval ms, {args.model} and {spec.dense} (one run each; "
-          "the 1st call's eval includes what MLX compiles for the shape):")
-    print(markdown_table(["tokens", "model", "1st call", "2nd", "3rd", "dense / patched, 1st call"], first_builds))
+          "the 1st call's eval includes what MLX compiles or loads for the shape, which the model run second "
+          "at that length may find loaded):")
+    print(markdown_table(["tokens", "model", "at this length", "1st call", "2nd", "3rd", "dense / patched, 1st call"],
+                         first_builds))
     with mlx_moe_fix.patched():
         state = mlx_moe_fix.status()["compiled_prefill_shapes"]
     print(f"prefill compiled per shape, patched: {'on' if state['on'] else 'off'} ({state['reason']})")

@@ -383,11 +383,13 @@ def test_prefill_forward_smoke_times_every_variant(tmp_path):
                                         "dense equivalent, without MLPs"]
     assert all(float(row[4]) > 0 for row in rows)
     assert rows[4][5] == "1.000 / 1.000" and rows[4][6] == "1.000"  # two rounds, each against itself
-    patched_calls, dense_calls = written["first_builds"]  # the smoke's one prompt length, plus one token
-    assert patched_calls[:2] == [41, "MoE, patched"] and dense_calls[:2] == [41, "dense equivalent"]
-    for calls in (patched_calls, dense_calls):  # (build / eval) of three calls, then the first calls' ratio
-        assert len(calls) == 6 and all(float(ms) > 0 for cell in calls[2:5] for ms in cell.split(" / "))
-        assert float(calls[5]) > 0 and calls[5] == patched_calls[5]
+    # the smoke's one prompt length plus one token, the patched model first there, then plus two, the dense first
+    first_builds = written["first_builds"]
+    assert [row[:3] for row in first_builds] == [[41, "MoE, patched", "first"], [41, "dense equivalent", "second"],
+                                                 [42, "MoE, patched", "second"], [42, "dense equivalent", "first"]]
+    for at, calls in enumerate(first_builds):  # (build / eval) of three calls, then the first calls' ratio
+        assert len(calls) == 7 and all(float(ms) > 0 for cell in calls[3:6] for ms in cell.split(" / "))
+        assert float(calls[6]) > 0 and calls[6] == first_builds[at - at % 2][6]
     # the CPU runs the references, whose calls are not compiled: the benchmark says so
     assert "prefill compiled per shape, patched: off (cpu: only the CUDA kernels' calls are compiled)" in out
 
