@@ -5,7 +5,9 @@ that the weighted combine happens inside the expert op (the fused decode does it
 launch); at decode, where one kernel can take both, the routing and the experts are one op
 (`moe_routed_decode`: the routing inside the decode kernel's first launch), which at a single
 token can also compute the logits from the router's quantized linear (`fusable_router`). The others
-(DeepSeek's): upstream's code as is. Both compile their calls per shape (patches/compiled.py).
+(DeepSeek's): upstream's code as is, except that mlx-vlm's (DeepSeek-V4's) hands its gate's
+experts and weights with its shared experts to one op at decode where one takes them
+(`with_shared_experts`). All compile their calls per shape (patches/compiled.py).
 A block with a sharding group runs upstream's code uncompiled (its experts still go through the
 patched switch layer). The routed blocks also take the decoder layer's residual after x
 (`block(x, residual)`, from decoder_layers.py only, where takes_residual(block)): they then return
@@ -66,7 +68,7 @@ def with_shared_experts(wrapped, instance, args, kwargs):
     experts, residual = instance.switch_mlp, kwargs.get("residual")
     gate_kwargs = {name: value for name, value in kwargs.items() if name != "residual"}
     indices, weights = instance.gate(*args, **gate_kwargs)
-    fused = shared_experts_call(experts, args[0], indices, weights, instance.shared_experts, shared_experts_count(instance))
+    fused = shared_experts_call(experts, args[0], indices, weights, instance.shared_experts, count)
     if fused is None:
         return wrapped(*args, **kwargs)
     return experts._combine(fused, None, None, residual)

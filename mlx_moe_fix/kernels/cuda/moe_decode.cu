@@ -631,12 +631,12 @@ struct RoutingTail {
 }
 
 //// shared_gate_up
-// gate_up for a block with SHARED always-on shared experts beside its routed ones (Inkling's): a
-// token's TOP_K pairs, then its shared experts, TOP_K + SHARED hidden rows a token; with
-// SHARED_WEIGHTS a shared expert's row times its weight (`shared_weights`, else absent); without
-// the routed experts' additive biases and gate scale. The shared
-// experts' gate and up projections are one matrix each of SHARED x OUT_DIM rows (upstream
-// concatenates them), read as SHARED experts' matrices.
+// gate_up for a block with SHARED always-on shared experts beside its routed ones (Inkling's,
+// DeepSeek-V4's): a token's TOP_K pairs, then its shared experts, TOP_K + SHARED hidden rows a
+// token; with SHARED_WEIGHTS a shared expert's row times its weight (`shared_weights`, else
+// absent); without the routed experts' additive biases and gate scale. The shared experts' gate
+// and up projections are one matrix each of SHARED x OUT_DIM rows (upstream concatenates them),
+// read as SHARED experts' matrices.
 // inputs: x, indices, shared_weights [N, SHARED] (or absent), gate_up's from gate_w to gate_scale,
 //         shared_gate_w, shared_up_w [SHARED * OUT_DIM, IN_DIM * BITS / 32], shared_gate_s,
 //         shared_gate_b, shared_up_s, shared_up_b [SHARED * OUT_DIM, IN_DIM / GROUP], dims, params
