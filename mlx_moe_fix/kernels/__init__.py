@@ -78,8 +78,7 @@ def routed_plan(x: mx.array, logits, routing: Routing, experts: MoEExperts, *, d
     router = isinstance(logits, RouterLinear)
     if not decode or (not router and x.shape[:-1] != logits.shape[:-1]):
         return None
-    pairs = (x.size // x.shape[-1]) * routing.top_k
-    if pairs >= PREFILL_MIN_PAIRS or _grouped_sized(pairs, experts):
+    if not _per_pair_sized((x.size // x.shape[-1]) * routing.top_k, experts):
         return None
     if router and fused_router_reason(x, logits, experts, routing.top_k) is not None:
         return None
@@ -94,7 +93,7 @@ def shared_plan(x: mx.array, indices: mx.array, experts: MoEExperts, shared: Sha
     """The plan of an experts call (routing weights given) whose block adds always-on shared
     experts, where one fused kernel takes both (moe_shared_decode), or None: the caller then calls
     its experts (planned as any experts call) and its shared experts apart."""
-    if not decode or indices.size >= PREFILL_MIN_PAIRS or _grouped_sized(indices.size, experts):
+    if not decode or not _per_pair_sized(indices.size, experts):
         return None
     if experts.unsupported_reason(x, indices) is not None or moe_shared_decode_call_reason(x, shared, shared_weights):
         return None
@@ -103,6 +102,12 @@ def shared_plan(x: mx.array, indices: mx.array, experts: MoEExperts, shared: Sha
         return None
     return Plan("decode", "kernel", f"{implementation.reason}: the shared experts inside the decode launches",
                 implementation.function)
+
+
+def _per_pair_sized(pairs: int, experts: MoEExperts) -> bool:
+    """Few enough pairs for the decode kernels, which read an expert's rows once per pair: the
+    fused block ops' calls."""
+    return pairs < PREFILL_MIN_PAIRS and not _grouped_sized(pairs, experts)
 
 
 def _grouped_sized(pairs: int, experts: MoEExperts) -> bool:

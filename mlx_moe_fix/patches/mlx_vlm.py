@@ -12,7 +12,7 @@ from .compiled import compiled_per_shape
 from .methods import wrapper_of
 from . import moe_blocks
 from .moe_blocks import routing
-from .switch_layers import GLU_PROJECTIONS, bind, choose, describe, shared_experts_call
+from .switch_layers import GLU_PROJECTIONS, bind, choose, describe, describe_shared, shared_experts_call
 from .targets import Target
 
 SWITCH_LAYERS = "mlx_vlm.models.switch_layers"
@@ -72,7 +72,7 @@ def inkling_block_call(wrapped, instance, args, kwargs):
         lambda logits: moe_router(logits, per_expert, instance.e_score_correction_bias, instance.global_scale),
         lambda rows, indices, weights: experts(rows, indices, weights=weights), shared, instance.intermediate_size,
         lambda rows, indices, weights, shared_weights: shared_experts_call(
-            experts, rows, indices, weights, shared, instance.n_shared, shared_weights))
+            experts, rows, indices, weights, describe_shared(shared, instance.n_shared), shared_weights))
 
 
 # The patched method's wrapper is the compiled one itself, so that a decode step finds the

@@ -63,12 +63,13 @@ def with_shared_experts(wrapped, instance, args, kwargs):
     combine then adding the residual; else upstream's call (which then routes again: the first
     routing's graph is left unevaluated)."""
     count = shared_experts_count(instance)
-    if not args or count is None or describe_shared(instance.shared_experts, count) is None:
+    shared = None if count is None else describe_shared(instance.shared_experts, count)
+    if not args or shared is None:
         return wrapped(*args, **kwargs)
     experts, residual = instance.switch_mlp, kwargs.get("residual")
     gate_kwargs = {name: value for name, value in kwargs.items() if name != "residual"}
     indices, weights = instance.gate(*args, **gate_kwargs)
-    fused = shared_experts_call(experts, args[0], indices, weights, instance.shared_experts, count)
+    fused = shared_experts_call(experts, args[0], indices, weights, shared)
     if fused is None:
         return wrapped(*args, **kwargs)
     return experts._combine(fused, None, None, residual)

@@ -207,18 +207,16 @@ def routed_experts_call(layer, x, logits, routing: Routing, residual=None):
     return chosen.function(x, logits, routing, experts, residual)
 
 
-def shared_experts_call(layer, x, indices, weights, shared_module, count: int, shared_weights=None):
-    """What the layer's routed experts' weighted sum plus `shared_module`'s output gives (a block
-    with `count` always-on shared experts as one dense module: describe_shared; each weighted by
-    `shared_weights` where given), computed by one fused op (kernels.shared_plan) and counted as
-    the experts call; or None, and the caller makes the two calls. Only where the layer's call is
-    a patched expert block's own."""
+def shared_experts_call(layer, x, indices, weights, shared: Optional[SharedExperts], shared_weights=None):
+    """What the layer's routed experts' weighted sum plus its block's `shared` experts' output gives
+    (describe_shared; each weighted by `shared_weights` where given), computed by one fused op
+    (kernels.shared_plan) and counted as the experts call; or None (also for no `shared`), and
+    the caller makes the two calls. Only where the layer's call is a patched expert block's own."""
     block = _patched_expert_block(layer)
-    if block is None:
+    if block is None or shared is None:
         return None
     experts, _ = block.describe(layer)
-    shared = None if experts is None else describe_shared(shared_module, count)
-    chosen = None if shared is None else shared_plan(x, indices, experts, shared, shared_weights, decode=options.enabled()[1])
+    chosen = None if experts is None else shared_plan(x, indices, experts, shared, shared_weights, decode=options.enabled()[1])
     if chosen is None:
         return None
     trace.record(block.kind, chosen.phase, chosen.path, chosen.reason,
