@@ -27,7 +27,7 @@ ROUTED = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
 # C types of the inputs, as cuda_kernel declares them from the arrays the launchers pass.
 INT_INPUTS = {"indices": "uint32_t", "row_pair": "int32_t", "tile_expert": "int32_t", "dims": "int32_t", "sizes": "int32_t"}
 WEIGHT_INPUTS = {"gate_w", "up_w", "w", "w0", "w1", "router_w", "shared_gate_w", "shared_up_w", "shared_w"}
-FLOAT_INPUTS = {"params", "gate_scale", "out_scale", "scale"}
+FLOAT_INPUTS = {"params", "gate_scale", "out_scale", "scale", "correction", "global_scale"}
 
 
 BIAS_INPUTS = {"bias0", "bias1", "gate_bias", "up_bias", "bias"}  # S, or the float32 placeholder
@@ -111,7 +111,7 @@ def test_decode_kernels_compile(tmp_path, t):
         variants += [("routed_down", t, {**base, "RESIDUAL": residual}) for residual in (False, True)]
         variants += [("shared_gate_up", t, {**base, "GATED": True, "SHARED_SPLIT": split, "SHARED": 2, "SHARED_WEIGHTS": weighted})
                      for split in (False, t != "float") for weighted in (False, True)]
-        variants += [("shared_down", t, {**base, "SHARED": shared}) for shared in (1, 2)]
+        variants += [(stage, t, {**base, "SHARED": shared}) for stage in ("shared_down", "routed_shared_down") for shared in (1, 2)]
     compile_all(tmp_path, translation_units(DECODE, "moe_decode.cu", variants))
 
 
@@ -154,6 +154,7 @@ def test_router_kernel_compiles(tmp_path, t):
     variants = [("topk", t, {"SOFTMAX_FIRST": first, "NORMALIZE": first and normalize, "LAST_K": last_k})
                 for first in (True, False) for normalize in (True, False) for last_k in (True, False)]
     variants.append(("sigmoid_topk", t, {}))
+    variants += [("sqrtsoftplus_topk", t, {"NORMALIZE": normalize}) for normalize in (True, False)]
     compile_all(tmp_path, translation_units(ROUTER, "moe_router.cu", variants))
 
 
@@ -163,6 +164,9 @@ def test_routed_decode_kernel_compiles(tmp_path, t):
                                        "GATED": gated, "SHARED_SPLIT": t != "float" and first,
                                        "SOFTMAX_FIRST": first, "NORMALIZE": first, "LAST_K": first})
                 for bits, group in ((4, 64), (8, 32)) for gated in (True, False) for first in (True, False)]
+    variants += [("sigmoid_shared_gate_up", t, {"BITS": bits, "GROUP": group, "WARPS": 4, "RPW": 4, "HAS_BIAS": bits == 8,
+                                                "GATED": True, "SHARED_SPLIT": t != "float" and split, "SHARED": shared})
+                 for bits, group in ((4, 64), (8, 32)) for split in (True, False) for shared in (1, 2)]
     texts = translation_units(ROUTED, "moe_routed_decode.cu", variants)
     if t == "__nv_bfloat16":  # router_gate_up reproduces MLX's bf16 quantized_matmul: bf16 only
         router_variants = [("router_gate_up", t, {"BITS": bits, "GROUP": 64, "WARPS": 4, "RPW": 4, "HAS_BIAS": False, "GATED": True,
@@ -211,6 +215,9 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
         (DECODE, "moe_decode.cu", "shared_gate_up", *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": True, "SHARED": 2,
                                                                                    "SHARED_WEIGHTS": True}])),
         (DECODE, "moe_decode.cu", "shared_down", *shaped(DECODE.DOWN_BLOCK, [{**base, "SHARED": 2}])),
+        (DECODE, "moe_decode.cu", "routed_shared_down", *shaped(DECODE.DOWN_BLOCK, [{**base, "SHARED": 2}])),
+        (ROUTED, "moe_routed_decode.cu", "sigmoid_shared_gate_up",
+         *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": True, "SHARED": 2}])),
         (ROUTED, "moe_routed_decode.cu", "routed_gate_up",
          *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": True, "SOFTMAX_FIRST": True, "NORMALIZE": True, "LAST_K": True}])),
     ]
@@ -222,7 +229,8 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
     if t != "float" and bits == 4:  # the combining down of one pair a warp (moe_decode.down_block_shape), its own bounds
         units += [(DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [{**base, "RESIDUAL": residual}]))
                   for residual in (False, True)]
-        units.append((DECODE, "moe_decode.cu", "shared_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [{**base, "SHARED": 2}])))
+        units += [(DECODE, "moe_decode.cu", stage, *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [{**base, "SHARED": 2}]))
+                  for stage in ("shared_down", "routed_shared_down")]
     # each unit as MLX compiles it at a model's shape without bias or scales (its params and absent
     # inputs declared in its source: launch.source_constants), and with every input passed
     units = [(*unit, constants) for unit in units
@@ -246,14 +254,14 @@ def source_constants_of(stage, hidden, intermediate, top_k, experts, residual=Fa
     (SwiGLU); routed_down's residual absent unless `residual`."""
     from mlx_moe_fix.kernels.launch import kernel_dims, kernel_params, source_constants
 
-    if stage in ("down", "routed_down", "shared_down"):
+    if stage in ("down", "routed_down", "shared_down", "routed_shared_down"):
         fixed = {"bias": None, "out_scale": None, "dims": kernel_dims(intermediate, hidden, top_k)}
         if stage == "routed_down" and not residual:
             fixed = {"residual": None, **fixed}
     else:
         dims = kernel_dims(hidden, intermediate, top_k, None).tolist() + ([experts] if "routed" in stage or "router" in stage else [])
         fixed = {"gate_bias": None, "up_bias": None, "gate_scale": None, "dims": mx.array(dims, dtype=mx.int32),
-                 "params": kernel_params(None)}
+                 "params": kernel_params(None) if stage != "sigmoid_shared_gate_up" else mx.array([0.0, 0.0, 1.0])}
     return source_constants(fixed)[0]
 
 

@@ -41,7 +41,7 @@ def translation_unit(module, filename, variants):
 
 
 # Sections only CUDA needs: the launch after moe_routed_decode's gate+up, and moe_shared_decode's two (no Metal kernels).
-CUDA_ONLY = {"moe_decode": {"routed_down", "shared_gate_up", "shared_down"}}
+CUDA_ONLY = {"moe_decode": {"routed_down", "shared_gate_up", "shared_down", "routed_shared_down"}}
 
 
 def test_metal_sources_have_the_cuda_sources_sections():

@@ -68,24 +68,29 @@ def plan(
     )
 
 
-def routed_plan(x: mx.array, logits, routing: Routing, experts: MoEExperts, *, decode: bool = True) -> Optional[Plan]:
-    """The plan of a block's call whose routing and experts one fused kernel can take
-    (moe_routed_decode), or None: then the block routes (moe_router) and calls its experts,
-    planned as any experts call (a prefill, grouped decode, an unsupported call, or no fused
-    kernel on this backend). `logits`: the router's logits [..., E], or the RouterLinear that
-    gives them, planned only where the fused kernel computes them too (fused_router_reason): else
-    None, and the caller runs its router and asks again with the logits."""
+def routed_plan(x: mx.array, logits, routing: Routing, experts: MoEExperts, *, decode: bool = True,
+                shared: Optional[SharedExperts] = None) -> Optional[Plan]:
+    """The plan of a block's call whose routing and experts (and always-on `shared` experts, where
+    the block has them) one fused kernel can take (moe_routed_decode), or None: then the block
+    routes (moe_router) and calls its experts, planned as any experts call (a prefill, grouped
+    decode, an unsupported call, or no fused kernel on this backend). `logits`: the router's logits
+    for x's tokens ([tokens, E], in x's leading shape or flat; E counting the shared experts where
+    the routing weighs them), or the RouterLinear that gives them, planned only where the fused
+    kernel computes them too (fused_router_reason): else None, and the caller runs its router and
+    asks again with the logits."""
     router = isinstance(logits, RouterLinear)
-    if not decode or (not router and x.shape[:-1] != logits.shape[:-1]):
+    tokens = x.size // x.shape[-1]
+    if not decode or (not router and logits.size // logits.shape[-1] != tokens):
         return None
-    if not _per_pair_sized((x.size // x.shape[-1]) * routing.top_k, experts):
+    if not _per_pair_sized(tokens * routing.top_k, experts):
         return None
     if router and fused_router_reason(x, logits, experts, routing.top_k) is not None:
         return None
     experts_count = logits.output_dims if router else logits.shape[-1]
     dtype = logits_dtype(x, logits)
-    return experts.memo(("routed plan", x.shape, x.dtype, router, experts_count, dtype, routing, current_backend(), snapshot()),
-                        lambda: _routed_plan(x, experts_count, dtype, routing, experts, router))
+    return experts.memo(("routed plan", x.shape, x.dtype, router, experts_count, dtype, routing, shared, current_backend(),
+                         snapshot()),
+                        lambda: _routed_plan(x, experts_count, dtype, routing, experts, router, shared))
 
 
 def shared_plan(x: mx.array, indices: mx.array, experts: MoEExperts, shared: SharedExperts, shared_weights: mx.array, *,
@@ -115,15 +120,18 @@ def _grouped_sized(pairs: int, experts: MoEExperts) -> bool:
     return pairs >= GROUPED_MIN_PAIRS_PER_EXPERT * experts.num_experts
 
 
-def _routed_plan(x, experts_count: int, dtype, routing: Routing, experts: MoEExperts, router: bool) -> Optional[Plan]:
-    # x alone: routed_plan checked that the logits' leading shape is x's
-    if experts_count != experts.num_experts or experts.unsupported_reason(x) is not None:
+def _routed_plan(x, experts_count: int, dtype, routing: Routing, experts: MoEExperts, router: bool,
+                 shared: Optional[SharedExperts]) -> Optional[Plan]:
+    # x alone: routed_plan checked that the logits have x's tokens
+    if experts_count != experts.num_experts + routing.shared or experts.unsupported_reason(x) is not None:
         return None
-    implementation = moe_routed_decode_implementation(experts, routing, x.dtype, dtype)
+    implementation = moe_routed_decode_implementation(experts, routing, x.dtype, dtype, shared)
     if implementation.path != "kernel":
         return None
     inside = "the router's matmul and the routing" if router else "the routing"
-    return Plan("decode", "kernel", f"{implementation.reason}: {inside} inside the gate+up launch", implementation.function)
+    with_shared = "" if shared is None else ", the shared experts in the decode launches"
+    return Plan("decode", "kernel", f"{implementation.reason}: {inside} inside the gate+up launch{with_shared}",
+                implementation.function)
 
 
 def _plan(x, indices, experts: MoEExperts, prefill: bool, decode: bool, token_by_token: bool, switches: tuple) -> Plan:

@@ -84,9 +84,11 @@ INPUTS = {
                        "shared_up_w", "shared_up_s", "shared_up_b", "dims", "params"],
     "shared_down": ["hidden", "indices", "weights", "w", "s", "b", "bias", "out_scale", "shared_w", "shared_s", "shared_b",
                     "dims"],
+    # CUDA only: shared_down after moe_routed_decode's gate+up with shared experts (Inkling's block)
+    "routed_shared_down": ["hidden", "w", "s", "b", "bias", "out_scale", "shared_w", "shared_s", "shared_b", "dims"],
 }
 OUTPUTS = {"gate_up": ["hidden"], "down": ["out"], "routed_down": ["out"], "shared_gate_up": ["hidden"],
-           "shared_down": ["out"]}
+           "shared_down": ["out"], "routed_shared_down": ["out"]}
 
 def gpu_kernel(stage: str, backend: str, shape: BlockShape, fixed: dict, shared_bytes: int = 0) -> tuple:
     """(the kernel object of one stage ("gate_up" or "down") on `backend` ("cuda" or "metal"), or
@@ -168,11 +170,10 @@ def gate_up_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, backend: 
     shape = gate_up_block_shape()
     grid, block = gate_up_grid(experts, pairs)
     split_bytes = shared_split_bytes(experts, dtype, backend)
-    fixed = gate_up_fixed_inputs(experts, top_k)
-    if shared is not None:
-        dims, params = fixed.pop("dims"), fixed.pop("params")
-        fixed = {**({} if weighted else {"shared_weights": None}), **fixed, **_linear_inputs("shared_gate_", shared.gate),
-                 **_linear_inputs("shared_up_", shared.up), "dims": dims, "params": params}
+    if shared is None:
+        fixed = gate_up_fixed_inputs(experts, top_k)
+    else:
+        fixed = {**({} if weighted else {"shared_weights": None}), **shared_gate_up_fixed_inputs(experts, top_k, shared)}
     kernel, fixed = gpu_kernel("gate_up" if shared is None else "shared_gate_up", backend, shape, fixed, split_bytes)
     return Launch(
         kernel, fixed,
@@ -199,6 +200,14 @@ def gate_up_fixed_inputs(experts: MoEExperts, top_k: int) -> dict:
             "gate_bias": gate.bias, "up_bias": up.bias, "gate_scale": experts.gate_scale,
             "dims": kernel_dims(up.input_dims, up.output_dims, top_k, experts.activation, up.bias is not None, has_scale),
             "params": kernel_params(experts.activation)}
+
+
+def shared_gate_up_fixed_inputs(experts: MoEExperts, top_k: int, shared: SharedExperts) -> dict:
+    """gate_up_fixed_inputs with the shared experts' gate and up projections before dims and params."""
+    fixed = gate_up_fixed_inputs(experts, top_k)
+    dims, params = fixed.pop("dims"), fixed.pop("params")
+    return {**fixed, **_linear_inputs("shared_gate_", shared.gate), **_linear_inputs("shared_up_", shared.up),
+            "dims": dims, "params": params}
 
 
 def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype, weights_dtype,
@@ -245,13 +254,18 @@ def decode_launches(experts: MoEExperts, top_k: int, pairs: int, dtype, weights_
     return experts.memo(("decode launches", backend, top_k, pairs, dtype, weights_dtype), plan)
 
 
-def routed_down_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, residual: bool) -> Launch:
+def routed_down_launch(experts: MoEExperts, top_k: int, pairs: int, dtype, residual: bool,
+                       shared: Optional[SharedExperts] = None) -> Launch:
     """The combining down after moe_routed_decode's gate+up (CUDA): decode_launches' down with
     weights of `dtype`, as the `routed_down` section, which reads each pair's expert and weight
     from its hidden input's RoutingTail; with `residual`, a call passes (hidden, residual) and the
-    launch adds the residual to its output."""
-    return _down_launch(experts.projections[-1], experts.out_scale, top_k, pairs, dtype, dtype,
-                        input_per_pair=True, backend="cuda", stage="routed_down", residual=residual)
+    launch adds the residual to its output. With `shared` (no residual), the routed_shared_down
+    section: shared_decode_launches' down reading its routing so."""
+    if shared is not None and residual:
+        raise ValueError("routed_shared_down adds no residual")
+    return _down_launch(experts.projections[-1], experts.out_scale, top_k, pairs, dtype, dtype, input_per_pair=True,
+                        backend="cuda", stage="routed_down" if shared is None else "routed_shared_down", residual=residual,
+                        shared=shared)
 
 
 def shared_decode_launches(experts: MoEExperts, shared: SharedExperts, top_k: int, tokens: int, dtype,

@@ -29,6 +29,11 @@ Given a residual (the decoder layer's, patches/decoder_layers.py), the down laun
 output, bit for bit as MLX adds two arrays of the output's dtype: the layer's add is then no node of
 its own (qwen3_moe at batch 1 0.989-1.030 of its dense equivalent against 0.941-0.985 without, in
 six processes; docs/benchmarks.md, thirty-fourth session).
+
+Given the block's always-on shared experts (Inkling's block: sigmoid_topk routing, its correction
+bias and global scale), the two launches are moe_shared_decode's with the routing inside the
+gate+up launch (`sigmoid_shared_gate_up`, then moe_decode.cu's `routed_shared_down`): the block is
+its router's matmul and two launches, where it was those and the router's launch.
 """
 
 from __future__ import annotations
@@ -40,23 +45,26 @@ import mlx.core as mx
 
 from ..env import flag
 from .backend import Implementation, choose, compute_capability, current_backend, multiprocessor_count
-from .experts import SUPPORTED_GROUP_SIZES, MoEExperts, RouterLinear
-from .launch import cuda_kernel_object, int_array, source_constants
+from .experts import SUPPORTED_GROUP_SIZES, MoEExperts, RouterLinear, SharedExperts
+from .launch import cuda_kernel_object, float_array, int_array, source_constants
 from .moe_decode import gate_up_block_shape, gate_up_fixed_inputs, gate_up_grid, gate_up_launch, moe_decode_implementation
+from .moe_decode import shared_gate_up_fixed_inputs
 from .moe_decode import moe_decode_reference
 from .moe_decode import routed_down_launch, shared_split_bytes
 from .moe_decode import INPUTS as DECODE_INPUTS
 from .moe_router import CUDA_KERNEL_SWITCH as ROUTER_SWITCH
 from .moe_router import Routing, moe_router_reference
 from .moe_router import cuda_unsupported_reason as router_unsupported_reason
+from .moe_shared_decode import moe_shared_decode_implementation, moe_shared_decode_reference
 from .reference import add_residual
 
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTED_DECODE"
 FUSED_ROUTER_SWITCH = "MLX_MOE_FIX_CUDA_FUSED_ROUTER"
 # The kernels' parameters, in the order of their `inputs` / outputs.
 INPUTS = {"routed_gate_up": ["x", "logits", *DECODE_INPUTS["gate_up"][2:]],
-          "router_gate_up": ["x", "router_w", "router_s", "router_b", *DECODE_INPUTS["gate_up"][2:]]}
-OUTPUTS = {"routed_gate_up": ["hidden"], "router_gate_up": ["hidden"]}
+          "router_gate_up": ["x", "router_w", "router_s", "router_b", *DECODE_INPUTS["gate_up"][2:]],
+          "sigmoid_shared_gate_up": ["x", "logits", "correction", "global_scale", *DECODE_INPUTS["shared_gate_up"][3:]]}
+OUTPUTS = {"routed_gate_up": ["hidden"], "router_gate_up": ["hidden"], "sigmoid_shared_gate_up": ["hidden"]}
 # router_gate_up's blocks come in clusters of this many along x, each computing 1 / ROUTER_CLUSTER
 # of its token's logits: the largest cluster a launch may have without an attribute MLX does not
 # set (cudaFuncAttributeNonPortableClusterSizeAllowed).
@@ -65,37 +73,58 @@ MAX_FUSED_ROUTER_EXPERTS = 256  # the logits route_token takes (32 lanes x 8 bf1
 
 
 def moe_routed_decode_reference(x: mx.array, logits, routing: Routing, experts: MoEExperts,
-                                residual: Optional[mx.array] = None) -> mx.array:
-    """x: [..., D], logits: [..., E] or the RouterLinear that gives them; returns [..., out]: the
-    experts' outputs weighted by the routing's weights and summed over its k, plus `residual`
-    where given (a decoder layer's add after its MoE block: add_residual)."""
+                                residual: Optional[mx.array] = None, shared: Optional[SharedExperts] = None,
+                                correction_bias: Optional[mx.array] = None,
+                                global_scale: Optional[mx.array] = None) -> mx.array:
+    """x: [..., D], logits: the router's logits for x's tokens (E, then the shared experts' where
+    the routing weighs them) or the RouterLinear that gives them; returns [..., out]: the experts'
+    outputs weighted by the routing's weights and summed over its k, plus the block's always-on
+    `shared` experts' output where given (moe_shared_decode_reference, each weighted by its
+    routing weight where the routing gives them: sigmoid_topk of shared_width 1), plus `residual`
+    where given (a decoder layer's add after its MoE block: add_residual). correction_bias and
+    global_scale: sigmoid_topk's (moe_router)."""
     if isinstance(logits, RouterLinear):
         logits = logits(x)
-    indices, weights = moe_router_reference(logits, routing)
-    return add_residual(moe_decode_reference(x, indices, experts, weights), residual)
+    if logits.shape[:-1] != x.shape[:-1]:
+        logits = logits.reshape(*x.shape[:-1], logits.shape[-1])
+    indices, weights, *shared_weights = moe_router_reference(logits, routing, correction_bias, global_scale)
+    if shared is None:
+        out = moe_decode_reference(x, indices, experts, weights)
+    else:
+        out = moe_shared_decode_reference(x, indices, experts, weights, shared, *shared_weights)
+    return add_residual(out, residual)
 
 
 def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype, router: Optional[tuple] = None,
-              residual: bool = False) -> tuple:
+              residual: bool = False, shared: Optional[SharedExperts] = None) -> tuple:
     """(routed gate+up, combining down) for this call's shape, cached on the experts object;
     given `router` = (bits, group size) of a RouterLinear, the gate+up launch that computes the
     logits too (router_gate_up); with `residual`, the down launch that adds a residual input to
-    its output. The down launch's output has the call's leading shape, so that the call adds no
-    reshape to the graph: at batch 1 every node costs the host a few µs
-    (docs/decode-attribution.md)."""
+    its output; with `shared` (sigmoid_topk routing), the two with the block's shared experts
+    (sigmoid_shared_gate_up, routed_shared_down). The down launch's output has the call's leading
+    shape, so that the call adds no reshape to the graph: at batch 1 every node costs the host a
+    few µs (docs/decode-attribution.md)."""
 
     def plan():
         tokens = math.prod(leading_shape)
         pairs = tokens * routing.top_k
-        gate_up = gate_up_launch(experts, routing.top_k, pairs, dtype, "cuda")
         split_bytes = shared_split_bytes(experts, dtype, "cuda")
-        fixed = gate_up_fixed_inputs(experts, routing.top_k)
+        if shared is None:
+            gate_up = gate_up_launch(experts, routing.top_k, pairs, dtype, "cuda")
+            fixed = gate_up_fixed_inputs(experts, routing.top_k)
+            section = "routed_gate_up" if router is None else "router_gate_up"
+            template = gate_up.template + [("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
+                                           ("NORMALIZE", routing.normalize), ("LAST_K", routing.kind != "topk_softmax")]
+        else:
+            gate_up = gate_up_launch(experts, routing.top_k, tokens * (routing.top_k + shared.count), dtype, "cuda", shared,
+                                     weighted=True)
+            fixed = shared_gate_up_fixed_inputs(experts, routing.top_k, shared)
+            fixed["params"] = float_array(*fixed["params"].tolist(), routing.scale)
+            section = "sigmoid_shared_gate_up"
+            template = [(name, value) for name, value in gate_up.template if name != "SHARED_WEIGHTS"]
         fixed["dims"] = int_array(*fixed["dims"].tolist(), experts.num_experts)
         constants, arrays = source_constants(fixed)
         (rows, hidden_dims), itemsize = gate_up.output_shapes[0], dtype.size
-        section = "routed_gate_up" if router is None else "router_gate_up"
-        template = gate_up.template + [("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
-                                       ("NORMALIZE", routing.normalize), ("LAST_K", routing.kind != "topk_softmax")]
         (threads_x, blocks_y, blocks_z), block = gate_up.grid, gate_up.threadgroup
         if router is not None:
             template += [("ROUTER_BITS", router[0]), ("ROUTER_GROUP", router[1])]
@@ -110,23 +139,26 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
             # each pair's row, then its expert (uint32) and weight (dtype): RoutingTail in the source
             output_shapes=[(rows * hidden_dims + pairs * (4 + itemsize) // itemsize,)],
         )
-        routed_down = routed_down_launch(experts, routing.top_k, pairs, dtype, residual)._replace(
+        routed_down = routed_down_launch(experts, routing.top_k, pairs, dtype, residual, shared)._replace(
             output_shapes=[(*leading_shape, experts.output_dims)])
         return routed_gate_up, routed_down
 
-    return experts.memo(("routed decode launches", routing, leading_shape, dtype, router, residual), plan)
+    return experts.memo(("routed decode launches", routing, leading_shape, dtype, router, residual, shared), plan)
 
 
 def moe_routed_decode_kernel(x: mx.array, logits, routing: Routing, experts: MoEExperts,
-                             residual: Optional[mx.array] = None) -> mx.array:
+                             residual: Optional[mx.array] = None, shared: Optional[SharedExperts] = None,
+                             correction_bias: Optional[mx.array] = None, global_scale: Optional[mx.array] = None) -> mx.array:
     """The CUDA implementation; same contract as moe_routed_decode_reference. The kernels read x
     and the logits as rows of contiguous memory (MLX copies an input that is not), so they take
-    them in the caller's shape. A RouterLinear's logits are computed in the gate+up launch where
-    fused_router_reason allows, else by the linear first. A residual of the output's shape and
-    dtype is added in the down launch (one node fewer: at batch 1 a node costs the host ~3.6 µs,
-    docs/benchmarks.md, thirty-third session), any other by MLX after it."""
+    them in the caller's shapes (the logits' rows x's tokens). A RouterLinear's logits are computed
+    in the gate+up launch where fused_router_reason allows, else by the linear first. A residual of
+    the output's shape and dtype is added in the down launch where the block has no shared experts
+    (one node fewer: at batch 1 a node costs the host ~3.6 µs, docs/benchmarks.md, thirty-third
+    session), any other by MLX after it."""
     leading_shape = x.shape[:-1]
-    fused_residual = residual is not None and residual.shape == (*leading_shape, experts.output_dims) and residual.dtype == x.dtype
+    fused_residual = (shared is None and residual is not None and residual.shape == (*leading_shape, experts.output_dims)
+                      and residual.dtype == x.dtype)
     passed_residual = (residual,) if fused_residual else ()
     router = None
     if isinstance(logits, RouterLinear):
@@ -134,22 +166,23 @@ def moe_routed_decode_kernel(x: mx.array, logits, routing: Routing, experts: MoE
             router = (logits.bits, logits.group_size)
         else:
             logits = logits(x)
-    gate_up, down = _launches(experts, routing, leading_shape, x.dtype, router, fused_residual)
+    gate_up, down = _launches(experts, routing, leading_shape, x.dtype, router, fused_residual, shared)
     if router is not None:
         (hidden,) = gate_up(x, logits.weight, logits.scales, logits.biases)
+    elif shared is not None:
+        (hidden,) = gate_up(x, logits, correction_bias, global_scale)
     else:
-        if logits.shape[:-1] != leading_shape:
-            logits = logits.reshape(*leading_shape, -1)
         (hidden,) = gate_up(x, logits)
     out = down(hidden, *passed_residual)[0]
     return out if fused_residual else add_residual(out, residual)
 
 
 def moe_routed_decode(x: mx.array, logits, routing: Routing, experts: MoEExperts,
-                      residual: Optional[mx.array] = None) -> mx.array:
+                      residual: Optional[mx.array] = None, shared: Optional[SharedExperts] = None,
+                      correction_bias: Optional[mx.array] = None, global_scale: Optional[mx.array] = None) -> mx.array:
     """Dispatcher: the implementation for the current backend, these experts and this routing."""
-    implementation = moe_routed_decode_implementation(experts, routing, x.dtype, logits_dtype(x, logits))
-    return implementation.function(x, logits, routing, experts, residual)
+    implementation = moe_routed_decode_implementation(experts, routing, x.dtype, logits_dtype(x, logits), shared)
+    return implementation.function(x, logits, routing, experts, residual, shared, correction_bias, global_scale)
 
 
 def logits_dtype(x: mx.array, logits):
@@ -246,32 +279,41 @@ def fused_router_state() -> dict:
                                   "launch's blocks fit one wave"}
 
 
-def cuda_unsupported_reason(experts: MoEExperts, routing: Routing, dtype, logits_dtype) -> Optional[str]:
-    """Why the kernel cannot take these experts and this routing (dtype: the activations'), or
-    None: it needs what the decode kernel and the router kernel each need, and no more."""
+def cuda_unsupported_reason(experts: MoEExperts, routing: Routing, dtype, logits_dtype,
+                            shared: Optional[SharedExperts] = None) -> Optional[str]:
+    """Why the kernel cannot take these experts, this routing and these shared experts (dtype: the
+    activations'), or None: it needs what the decode kernel (with shared experts: the shared decode
+    kernel) and the router kernel each need, and no more."""
     if not flag(ROUTER_SWITCH):
         return f"the CUDA moe_router kernel is switched off ({ROUTER_SWITCH}=0)"
-    decode = moe_decode_implementation(experts, dtype)
+    decode = moe_decode_implementation(experts, dtype) if shared is None else moe_shared_decode_implementation(
+        experts, shared, dtype)
     if decode.path != "kernel":
         return decode.reason
-    return experts.memo(("routed decode", routing, dtype, logits_dtype),
-                        lambda: _routing_reason(experts, routing, dtype, logits_dtype))
+    return experts.memo(("routed decode", routing, dtype, logits_dtype, shared),
+                        lambda: _routing_reason(experts, routing, dtype, logits_dtype, shared))
 
 
-def _routing_reason(experts: MoEExperts, routing: Routing, dtype, logits_dtype) -> Optional[str]:
+def _routing_reason(experts: MoEExperts, routing: Routing, dtype, logits_dtype, shared: Optional[SharedExperts]) -> Optional[str]:
     if len(experts.projections) == 1:
         return "a single expert projection: no gate+up launch to route in"
-    if routing.kind == "sigmoid_topk":
-        return "sigmoid_topk routing (Inkling's) also weighs shared experts: its block routes apart"
+    if (routing.kind == "sigmoid_topk") != (shared is not None):
+        return ("sigmoid_topk routing (Inkling's) without its shared experts: the kernel routes it with them only"
+                if shared is None else f"shared experts with {routing.kind} routing: the kernel routes shared experts by "
+                "sigmoid_topk (Inkling's) only")
+    if shared is not None and (routing.shared, routing.shared_width) != (shared.count, 1):
+        return (f"a routing of {routing.shared} shared experts {routing.shared_width} columns a weight for "
+                f"{shared.count} shared experts: the kernel weighs each by one weight")
     if logits_dtype != dtype:
         return f"router logits of {logits_dtype} for activations of {dtype}: the kernel takes one dtype"
-    return router_unsupported_reason(logits_dtype, experts.num_experts, routing)
+    return router_unsupported_reason(logits_dtype, experts.num_experts + routing.shared, routing)
 
 
 def moe_routed_decode_implementation(
-    experts: Optional[MoEExperts] = None, routing: Optional[Routing] = None, dtype=None, logits_dtype=None
+    experts: Optional[MoEExperts] = None, routing: Optional[Routing] = None, dtype=None, logits_dtype=None,
+    shared: Optional[SharedExperts] = None,
 ) -> Implementation:
     return choose(
         "moe_routed_decode", moe_routed_decode_reference, moe_routed_decode_kernel, CUDA_KERNEL_SWITCH,
-        None if experts is None else lambda: cuda_unsupported_reason(experts, routing, dtype, logits_dtype),
+        None if experts is None else lambda: cuda_unsupported_reason(experts, routing, dtype, logits_dtype, shared),
     )

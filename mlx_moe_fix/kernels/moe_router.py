@@ -1,6 +1,7 @@
 """Top-k routing of a MoE block: router logits [..., experts] -> (experts [..., k] uint32, routing
 weights [..., k] in the logits' dtype); Inkling's kind ("sigmoid_topk") also gives its shared
-experts' weights, and takes its correction bias and global scale.
+experts' weights, and takes its correction bias and global scale; DeepSeek-V4's
+("sqrtsoftplus_topk") takes its correction bias and gives float32 weights, as its gate does.
 
 Reference: upstream's own expressions per kind (`Routing`), so that it reproduces stock bit for
 bit. CUDA kernel (`cuda/moe_router.cu`): all of a kind's steps in one launch, one warp per token
@@ -21,12 +22,14 @@ from .backend import Implementation, choose, current_backend
 from .launch import cuda_kernel_object, float_array, int_array
 
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTER"
-KINDS = ("softmax_topk", "topk_softmax", "topk_softmax_last", "sigmoid_topk")
+KINDS = ("softmax_topk", "topk_softmax", "topk_softmax_last", "sigmoid_topk", "sqrtsoftplus_topk")
 MAX_TOP_K = 32  # lane j of the token's warp writes choice j
 WARPS_PER_BLOCK = 4
 # The kernel's parameters, in the order of its `inputs` / outputs.
-INPUTS = {"topk": ["logits", "sizes"], "sigmoid_topk": ["logits", "correction", "global_scale", "sizes", "params"]}
-OUTPUTS = {"topk": ["indices", "weights"], "sigmoid_topk": ["indices", "weights", "shared_weights"]}
+INPUTS = {"topk": ["logits", "sizes"], "sigmoid_topk": ["logits", "correction", "global_scale", "sizes", "params"],
+          "sqrtsoftplus_topk": ["logits", "correction", "sizes", "params"]}
+OUTPUTS = {"topk": ["indices", "weights"], "sigmoid_topk": ["indices", "weights", "shared_weights"],
+           "sqrtsoftplus_topk": ["indices", "weights"]}
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,10 @@ class Routing:
     log-sigmoids of their logits and of the last `shared` (always-on) experts' logits, times
     `scale` (route_scale) and the global scale; the shared experts' weights come repeated over
     their `shared_width` intermediate columns each (the dense shared experts' layout; 1: one
-    weight a shared expert, with no op to repeat them)."""
+    weight a shared expert, with no op to repeat them); "sqrtsoftplus_topk": DeepSeek-V4's
+    (deepseek_v4.language._expert_select with its sqrt-softplus scoring): the k largest
+    sqrt(softplus(logit)) + correction bias, their scores in float32, divided by their sum (plus
+    1e-20) where `normalize`, times `scale` (routed_scaling_factor)."""
 
     kind: str
     top_k: int
@@ -52,20 +58,25 @@ class Routing:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown routing kind {self.kind!r}; expected one of {KINDS}")
-        if self.normalize and self.kind != "softmax_topk":
-            raise ValueError("normalize applies to softmax_topk routing only")
-        if self.kind != "sigmoid_topk" and (self.shared or self.shared_width or self.scale != 1.0):
-            raise ValueError("shared experts and a scale apply to sigmoid_topk routing only")
+        if self.normalize and self.kind not in ("softmax_topk", "sqrtsoftplus_topk"):
+            raise ValueError("normalize applies to softmax_topk and sqrtsoftplus_topk routing only")
+        if self.kind != "sigmoid_topk" and (self.shared or self.shared_width):
+            raise ValueError("shared experts apply to sigmoid_topk routing only")
+        if self.kind not in ("sigmoid_topk", "sqrtsoftplus_topk") and self.scale != 1.0:
+            raise ValueError("a scale applies to sigmoid_topk and sqrtsoftplus_topk routing only")
 
 
 def moe_router_reference(
     logits: mx.array, routing: Routing, correction_bias: Optional[mx.array] = None,
     global_scale: Optional[mx.array] = None,
 ) -> tuple:
-    """correction_bias [experts] and global_scale [1]: sigmoid_topk's, None for the others."""
+    """correction_bias [experts]: sigmoid_topk's and sqrtsoftplus_topk's; global_scale [1]:
+    sigmoid_topk's; None for the others."""
     k = routing.top_k
     if routing.kind == "sigmoid_topk":
         return _sigmoid_topk_reference(logits, routing, correction_bias, global_scale)
+    if routing.kind == "sqrtsoftplus_topk":
+        return _sqrtsoftplus_topk_reference(logits, routing, correction_bias)
     if routing.kind == "softmax_topk":
         gates = mx.softmax(logits, axis=-1, precise=True)
         indices = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
@@ -93,6 +104,16 @@ def _sigmoid_topk_reference(logits, routing: Routing, correction_bias, global_sc
     return indices.astype(mx.uint32), weights[..., : routing.top_k].astype(logits.dtype), shared
 
 
+def _sqrtsoftplus_topk_reference(logits, routing: Routing, correction_bias) -> tuple:
+    """Upstream's expressions (deepseek_v4.language._expert_select, scoring "sqrtsoftplus")."""
+    scores = mx.sqrt(mx.logaddexp(logits.astype(mx.float32), 0))  # nn.softplus
+    indices = mx.argpartition(-(scores + correction_bias), kth=routing.top_k - 1, axis=-1)[..., : routing.top_k]
+    weights = mx.take_along_axis(scores, indices, axis=-1)
+    if routing.normalize:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return indices.astype(mx.uint32), weights * routing.scale
+
+
 def cuda_unsupported_reason(logits_dtype, width: int, routing: Routing) -> Optional[str]:
     """Why the kernel cannot route logits of `logits_dtype` and `width` columns (the routed
     experts', then the shared ones'), or None."""
@@ -116,34 +137,37 @@ def moe_router_kernel(
     width = logits.shape[-1]
     tokens = logits.size // width
     experts = width - routing.shared
-    section = "sigmoid_topk" if routing.kind == "sigmoid_topk" else "topk"
+    section = routing.kind if routing.kind in ("sigmoid_topk", "sqrtsoftplus_topk") else "topk"
     kernel = cuda_kernel_object("moe_router.cu", section, tuple(INPUTS[section]), tuple(OUTPUTS[section]), 0)
     threads = WARPS_PER_BLOCK * 32
-    rows = logits.reshape(tokens, width)
+    weights_dtype = logits.dtype
+    # the logits in their own shape, the outputs in theirs: the kernel reads and writes rows of
+    # contiguous memory (MLX copies an input that is not), and a reshape would be a node
     if section == "topk":
-        inputs = [rows, int_array(tokens, experts, routing.top_k)]
+        inputs = [logits, int_array(tokens, experts, routing.top_k)]
         template = [("T", logits.dtype), ("SOFTMAX_FIRST", routing.kind == "softmax_topk"),
                     ("NORMALIZE", routing.normalize), ("LAST_K", routing.kind != "topk_softmax")]
-    else:
-        inputs = [rows, correction_bias, global_scale, int_array(tokens, experts, routing.top_k, routing.shared),
+    elif section == "sigmoid_topk":
+        inputs = [logits, correction_bias, global_scale, int_array(tokens, experts, routing.top_k, routing.shared),
                   float_array(routing.scale)]
         template = [("T", logits.dtype)]
+    else:
+        inputs = [logits, correction_bias, int_array(tokens, experts, routing.top_k), float_array(routing.scale)]
+        template = [("T", logits.dtype), ("NORMALIZE", routing.normalize)]
+        weights_dtype = mx.float32
+    leading_shape = logits.shape[:-1]
     outputs = kernel(
         inputs=inputs,
         template=template,
         grid=(-(-tokens // WARPS_PER_BLOCK) * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         # (at least one shared column, so that no output of the kernel is empty)
-        output_shapes=[(tokens, routing.top_k)] * 2 + [(tokens, max(routing.shared, 1))] * (section != "topk"),
-        output_dtypes=[mx.uint32, logits.dtype] + [logits.dtype] * (section != "topk"),
+        output_shapes=[(*leading_shape, routing.top_k)] * 2 + [(*leading_shape, max(routing.shared, 1))] * (section == "sigmoid_topk"),
+        output_dtypes=[mx.uint32, weights_dtype] + [logits.dtype] * (section == "sigmoid_topk"),
     )
-    shape = (*logits.shape[:-1], routing.top_k)
-    routed = outputs[0].reshape(shape), outputs[1].reshape(shape)
-    if section == "topk":
-        return routed
-    shared = outputs[2][:, : routing.shared].reshape(*logits.shape[:-1], routing.shared)
-    shared = mx.repeat(shared, routing.shared_width, axis=-1)
-    return (*routed, shared)
+    if section != "sigmoid_topk":
+        return tuple(outputs)
+    return outputs[0], outputs[1], mx.repeat(outputs[2][..., : routing.shared], routing.shared_width, axis=-1)
 
 
 _chosen: dict = {}  # (backend, switch, dtype, experts, routing) -> Implementation: one per layer kind

@@ -12,7 +12,7 @@ from .compiled import compiled_per_shape
 from .methods import wrapper_of
 from . import moe_blocks
 from .moe_blocks import routing
-from .switch_layers import GLU_PROJECTIONS, bind, choose, describe, describe_shared, shared_experts_call
+from .switch_layers import GLU_PROJECTIONS, bind, choose, describe, describe_shared, routed_experts_call, shared_experts_call
 from .targets import Target
 
 SWITCH_LAYERS = "mlx_vlm.models.switch_layers"
@@ -64,12 +64,15 @@ def inkling_block_call(wrapped, instance, args, kwargs):
     (switch_layers.shared_experts_call)."""
     (x,) = bind(args, kwargs, ("x",))
     experts, shared = instance.switch_mlp, instance.shared_experts
-    # one weight a shared expert (shared_width 1): the fused op reads them so, and the block
+    # one weight a shared expert (shared_width 1): the fused ops read them so, and the block
     # repeats them for upstream's shared module only where that runs
     per_expert = inkling_routing(instance, shared_width=1)
+    correction_bias, global_scale = instance.e_score_correction_bias, instance.global_scale
     return inkling_block(
         x, instance.gate_weight,
-        lambda logits: moe_router(logits, per_expert, instance.e_score_correction_bias, instance.global_scale),
+        lambda x, logits: routed_experts_call(experts, x, logits, per_expert, shared=describe_shared(shared, instance.n_shared),
+                                              correction_bias=correction_bias, global_scale=global_scale),
+        lambda logits: moe_router(logits, per_expert, correction_bias, global_scale),
         lambda rows, indices, weights: experts(rows, indices, weights=weights), shared, instance.intermediate_size,
         lambda rows, indices, weights, shared_weights: shared_experts_call(
             experts, rows, indices, weights, describe_shared(shared, instance.n_shared), shared_weights))

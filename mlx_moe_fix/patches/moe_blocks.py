@@ -7,7 +7,8 @@ launch); at decode, where one kernel can take both, the routing and the experts 
 token can also compute the logits from the router's quantized linear (`fusable_router`). The others
 (DeepSeek's): upstream's code as is, except that mlx-vlm's (DeepSeek-V4's) hands its gate's
 experts and weights with its shared experts to one op at decode where one takes them
-(`with_shared_experts`). All compile their calls per shape (patches/compiled.py).
+(`with_shared_experts`), its gate's routing after the matmul one `moe_router` launch where that
+repeats it (`deepseek_v4_routing`). All compile their calls per shape (patches/compiled.py).
 A block with a sharding group runs upstream's code uncompiled (its experts still go through the
 patched switch layer). The routed blocks also take the decoder layer's residual after x
 (`block(x, residual)`, from decoder_layers.py only, where takes_residual(block)): they then return
@@ -17,6 +18,8 @@ layer) and by kernels.add_residual elsewhere. No math here."""
 from __future__ import annotations
 
 import functools
+import sys
+from typing import Optional
 
 from ..kernels import Routing, add_residual, fusable_router, moe_router
 from .compiled import compiled_per_shape
@@ -56,19 +59,45 @@ def shared_experts_count(block):
     return getattr(vars(block).get("config"), "n_shared_experts", None)
 
 
+DEEPSEEK_V4 = "mlx_vlm.models.deepseek_v4.language"
+
+
+def deepseek_v4_routing(gate, x) -> Optional[Routing]:
+    """The Routing of DeepSeek-V4's gate (its MoEGate, that class exactly) for a call on x [B, L, D]
+    where moe_router repeats it: a layer routed by its scores (not by token hash, not a vision
+    model's), sqrt-softplus scoring, not training, and not upstream's decode-block call (1 < L <=
+    DECODE_BLOCK_SIZE, which routes token by token); else None."""
+    if type(gate).__name__ != "MoEGate" or type(gate).__module__ != DEEPSEEK_V4:
+        return None
+    if gate.hash or gate.vision or gate.training or gate.scoring_func != "sqrtsoftplus" or x.ndim != 3:
+        return None
+    if 1 < x.shape[1] <= sys.modules[DEEPSEEK_V4].DECODE_BLOCK_SIZE:
+        return None
+    return routing("sqrtsoftplus_topk", gate.top_k, bool(gate.norm_topk_prob), scale=float(gate.routed_scaling_factor))
+
+
+def gate_call(gate, args: tuple, kwargs: dict) -> tuple:
+    """(experts, weights) of the block's gate for this call: upstream's matmul and moe_router where
+    deepseek_v4_routing knows the gate, else the gate's own call."""
+    gate_routing = deepseek_v4_routing(gate, args[0])
+    if gate_routing is None:
+        return gate(*args, **kwargs)
+    return moe_router(args[0] @ gate.weight.T, gate_routing, gate.e_score_correction_bias)
+
+
 def with_shared_experts(wrapped, instance, args, kwargs):
     """mlx-vlm's MoE.__call__(x, *gate_args, residual=None, **gate_kwargs) (DeepSeek-V4's block):
-    for shared experts of a known class (describe_shared), upstream's steps with its routed and
-    shared experts one op where one takes both (switch_layers.shared_experts_call) and upstream's
-    combine then adding the residual; else upstream's call (which then routes again: the first
-    routing's graph is left unevaluated)."""
+    for shared experts of a known class (describe_shared), upstream's steps (its gate's routing
+    through gate_call) with its routed and shared experts one op where one takes both
+    (switch_layers.shared_experts_call) and upstream's combine then adding the residual; else
+    upstream's call (which then routes again: the first routing's graph is left unevaluated)."""
     count = shared_experts_count(instance)
     shared = None if count is None else describe_shared(instance.shared_experts, count)
     if not args or shared is None:
         return wrapped(*args, **kwargs)
     experts, residual = instance.switch_mlp, kwargs.get("residual")
     gate_kwargs = {name: value for name, value in kwargs.items() if name != "residual"}
-    indices, weights = instance.gate(*args, **gate_kwargs)
+    indices, weights = gate_call(instance.gate, args, gate_kwargs)
     fused = shared_experts_call(experts, args[0], indices, weights, shared)
     if fused is None:
         return wrapped(*args, **kwargs)

@@ -189,22 +189,25 @@ def _patched_expert_block(layer) -> Optional[ExpertBlock]:
     return _EXPERT_BLOCKS.get(wrapper_of(type(layer).__call__))
 
 
-def routed_experts_call(layer, x, logits, routing: Routing, residual=None):
+def routed_experts_call(layer, x, logits, routing: Routing, residual=None, shared: Optional[SharedExperts] = None,
+                        correction_bias=None, global_scale=None):
     """What `layer(x, indices, weights=weights)` gives for the indices and weights that `routing`
-    makes of `logits` (the logits, or the RouterLinear that gives them; None: no call), plus
-    `residual` where given (kernels.add_residual), computed by one fused op (kernels.routed_plan)
-    and counted as that call; or None, and the caller routes and calls the layer. Only where the
-    layer's call is a patched expert block's own (_patched_expert_block)."""
+    makes of `logits` (the logits, or the RouterLinear that gives them; None: no call), plus the
+    block's `shared` experts where given (describe_shared; weighted as the routing weighs them:
+    Inkling's, with its correction_bias and global_scale), plus `residual` where given
+    (kernels.add_residual), computed by one fused op (kernels.routed_plan) and counted as that
+    call; or None, and the caller routes and calls the layer. Only where the layer's call is a
+    patched expert block's own (_patched_expert_block)."""
     block = _patched_expert_block(layer)
     if block is None or logits is None:
         return None
     experts, _ = block.describe(layer)
-    chosen = None if experts is None else routed_plan(x, logits, routing, experts, decode=options.enabled()[1])
+    chosen = None if experts is None else routed_plan(x, logits, routing, experts, decode=options.enabled()[1], shared=shared)
     if chosen is None:
         return None
     trace.record(block.kind, chosen.phase, chosen.path, chosen.reason,
                  lambda: shape_class(chosen.phase, x, routing.top_k, experts))
-    return chosen.function(x, logits, routing, experts, residual)
+    return chosen.function(x, logits, routing, experts, residual, shared, correction_bias, global_scale)
 
 
 def shared_experts_call(layer, x, indices, weights, shared: Optional[SharedExperts], shared_weights=None):

@@ -163,8 +163,13 @@ def test_ref_patched_inkling_block_matches_stock_block(device, tokens):
 
 def test_sigmoid_routing_takes_shared_experts_and_scale_only_there():
     assert Routing("sigmoid_topk", 6, shared=2, shared_width=64, scale=8.0).shared == 2
+    assert Routing("sqrtsoftplus_topk", 6, normalize=True, scale=1.5).scale == 1.5
     with pytest.raises(ValueError, match="sigmoid_topk"):
         Routing("topk_softmax", 2, shared=1)
+    with pytest.raises(ValueError, match="sigmoid_topk"):
+        Routing("sqrtsoftplus_topk", 2, shared=1)
+    with pytest.raises(ValueError, match="a scale"):
+        Routing("softmax_topk", 2, scale=2.0)
 
 
 @st.composite
@@ -199,6 +204,76 @@ def test_cuda_sigmoid_router_kernel_matches_ref(cuda_device, case):
     for name, got, ref in zip(("weights", "shared weights"), out[1:], expected[1:]):
         assert got.shape == ref.shape and got.dtype == logits.dtype, name
         assert_close(got, ref, logits.dtype, f"{name}: ")
+
+
+@st.composite
+def sqrtsoftplus_router_cases(draw):
+    dtype = draw(st.sampled_from([mx.bfloat16, mx.float16, mx.float32]))
+    experts = draw(st.sampled_from([e for e in (8, 64, 128, 256) if e * dtype.size <= 512]))
+    seed = draw(st.integers(0, 2**16))
+    logits = coarse((draw(st.integers(1, 40)), experts), seed, dtype)
+    # A zero correction keeps the logits' ties in the scores; a coarse one makes others.
+    correction = draw(st.sampled_from([mx.zeros((experts,), mx.float32), coarse((experts,), seed + 1, mx.float32) * 0.125]))
+    routing = Routing("sqrtsoftplus_topk", draw(st.integers(1, min(8, experts))), normalize=draw(st.booleans()),
+                      scale=draw(st.sampled_from([1.0, 1.5, 2.5])))
+    return logits, routing, correction
+
+
+def deepseek_v4_expert_select(logits, routing, correction):
+    """Upstream's DeepSeek-V4 routing (its non-hash gate after the router's matmul)."""
+    from mlx_vlm.models.deepseek_v4.language import _expert_select
+
+    return _expert_select(logits, correction, routing.top_k, routing.scale, routing.normalize, "sqrtsoftplus")
+
+
+@CASES
+@given(case=sqrtsoftplus_router_cases())
+def test_ref_sqrtsoftplus_router_matches_stock(device, case):
+    """DeepSeek-V4's routing: the reference repeats upstream's MLX ops, so its experts, their order
+    and their float32 weights are upstream's, on the CPU and the GPU alike."""
+    logits, routing, correction = case
+    indices, weights = moe_router_reference(logits, routing, correction)
+    stock_indices, stock_weights = deepseek_v4_expert_select(logits, routing, correction)
+    assert indices.dtype == mx.uint32 and indices.tolist() == stock_indices.tolist()
+    assert weights.dtype == mx.float32 and mx.array_equal(weights, stock_weights).item()
+
+
+@CASES
+@given(case=sqrtsoftplus_router_cases())
+def test_cuda_sqrtsoftplus_router_kernel_matches_ref(cuda_device, case):
+    """DeepSeek-V4's routing in one launch, bit for bit the reference's on the GPU: the same experts
+    in the same order (ties: the lower index among equal biased scores) and the same float32 weights."""
+    from mlx_moe_fix.kernels.moe_router import cuda_unsupported_reason, moe_router_kernel
+
+    logits, routing, correction = case
+    assert cuda_unsupported_reason(logits.dtype, logits.shape[-1], routing) is None
+    indices, weights = moe_router_kernel(logits, routing, correction)
+    expected_indices, expected_weights = moe_router_reference(logits, routing, correction)
+    assert indices.dtype == mx.uint32 and indices.tolist() == expected_indices.tolist()
+    assert weights.dtype == mx.float32 and weights.shape == expected_weights.shape
+    assert mx.array_equal(weights, expected_weights).item(), f"{relative_error(weights, expected_weights):.2e}"
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 12])
+def test_deepseek_v4_gate_through_moe_router_matches_its_own_call(device, tokens):
+    """DeepSeek-V4's block routes through moe_router where it repeats the gate (moe_blocks.gate_call):
+    the gate's own experts and weights, on the CPU (the reference) and the GPU (the kernel, bit for
+    bit); its token-hash layer and a decode block of drafted tokens (4) stay with the gate's call."""
+    model = zoo.build("deepseek_v4", 4, dtype=mx.bfloat16)
+    blocks = [m for _, m in model.named_modules() if type(m).__name__ == "DeepseekV4MoE"]
+    for block in blocks:
+        if not block.gate.hash:  # ties among the biased scores too
+            block.gate.e_score_correction_bias = coarse(block.gate.e_score_correction_bias.shape, 3, mx.float32) * 0.125
+    x = coarse((1, tokens, blocks[0].gate.weight.shape[-1]), tokens, mx.bfloat16)
+    input_ids = mx.arange(tokens).reshape(1, tokens)
+    for block in blocks:
+        args = (x, input_ids)
+        routed = moe_blocks.deepseek_v4_routing(block.gate, x) is not None
+        assert routed == (not block.gate.hash and tokens != 4), (block.gate.hash, tokens)
+        indices, weights = moe_blocks.gate_call(block.gate, args, {})
+        stock_indices, stock_weights = block.gate(*args)
+        assert indices.shape == stock_indices.shape and indices.tolist() == stock_indices.tolist()
+        assert weights.dtype == stock_weights.dtype == mx.float32 and mx.array_equal(weights, stock_weights).item()
 
 
 @st.composite

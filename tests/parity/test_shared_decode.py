@@ -1,6 +1,8 @@
-"""moe_shared_decode: a block's routed experts and its always-on shared experts (Inkling's) in one op.
-ref_*: the reference against upstream's modules; cuda_*: the kernel against a float32 oracle of the
-reference; the rest: which calls the kernel declines (to upstream's separate calls)."""
+"""moe_shared_decode: a block's routed experts and its always-on shared experts (Inkling's) in one op;
+moe_routed_decode with them (Inkling's block from its router logits on). ref_*: the references
+against upstream's modules; cuda_*: the kernels against a float32 oracle of the reference, and the
+routed one against the router and shared decode kernels; the rest: which calls the kernels decline
+(to upstream's separate calls)."""
 
 import dataclasses
 import sys
@@ -13,7 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlx_moe_fix.kernels import Activation, ExpertLinear, MoEExperts, SharedExperts, moe_shared_decode, moe_shared_decode_reference
+from mlx_moe_fix.kernels import Activation, ExpertLinear, MoEExperts, Routing, SharedExperts, moe_routed_decode_reference
+from mlx_moe_fix.kernels import moe_shared_decode, moe_shared_decode_reference
 from mlx_moe_fix.kernels.moe_shared_decode import cuda_unsupported_reason, moe_shared_decode_call_reason
 
 from .cases import CASES
@@ -192,8 +195,8 @@ def test_a_block_whose_shared_experts_are_of_another_class_is_upstreams_call_alo
     block = next(m for _, m in model.named_modules() if type(m).__name__ == "DeepseekV4MoE" and not m.gate.hash)
     x = mx.random.normal((1, 1, block.gate.weight.shape[-1])).astype(mx.bfloat16)
     gate_calls = []
-    gate_call = type(block.gate).__call__
-    monkeypatch.setattr(type(block.gate), "__call__", lambda self, *a, **k: gate_calls.append(1) or gate_call(self, *a, **k))
+    gate_call = moe_blocks.gate_call
+    monkeypatch.setattr(moe_blocks, "gate_call", lambda *args: gate_calls.append(1) or gate_call(*args))
 
     def upstream(*args, **kwargs):
         return "upstream's call"
@@ -202,3 +205,96 @@ def test_a_block_whose_shared_experts_are_of_another_class_is_upstreams_call_alo
     assert moe_blocks.with_shared_experts(upstream, block, (x,), {}) == "upstream's call" and gate_calls == [1]
     block.shared_experts.__class__ = type("OtherMLP", (type(block.shared_experts),), {})
     assert moe_blocks.with_shared_experts(upstream, block, (x,), {}) == "upstream's call" and gate_calls == [1]
+
+
+@dataclasses.dataclass
+class RoutedSharedCase:
+    """An Inkling block's decode from its router logits on: `case`'s experts, routed by its routing."""
+
+    case: SharedCase
+    logits: mx.array  # [tokens, E + shared]
+    routing: Routing
+    correction_bias: mx.array
+    global_scale: mx.array
+
+    def call(self, op) -> mx.array:
+        return op(self.case.x, self.logits, self.routing, self.case.experts, shared=self.case.shared,
+                  correction_bias=self.correction_bias, global_scale=self.global_scale)
+
+    def stock(self) -> mx.array:
+        """Upstream's block after its router matmul: InklingSparseMoE._route, then its experts' weighted sum
+        plus its shared experts (taking their weights repeated over their columns), added."""
+        from mlx_vlm.models.inkling.language import InklingSparseMoE
+
+        case, routing = self.case, self.routing
+        block = types.SimpleNamespace(
+            n_routed=case.experts.num_experts, n_shared=routing.shared, top_k=routing.top_k, route_scale=routing.scale,
+            intermediate_size=case.shared.width, e_score_correction_bias=self.correction_bias,
+            global_scale=self.global_scale, _wscale=None)
+        indices, weights, gamma = InklingSparseMoE._route(block, self.logits)
+        return (case.routed(case.x, indices) * weights[..., None]).sum(axis=-2) + case.shared_module(case.x, gamma)
+
+
+@st.composite
+def routed_shared_cases(draw) -> RoutedSharedCase:
+    dtype = draw(st.sampled_from((mx.bfloat16, mx.float16, mx.float32)))
+    # (few kernel variants: each template and route scale is a compile on the GPU)
+    num_experts, count, tokens = draw(st.sampled_from((8, 64))), draw(st.integers(1, 2)), draw(st.sampled_from((1, 2, 5)))
+    top_k = draw(st.integers(1, min(8, 32 - count)))
+    case = make_shared_case("inkling", dtype, bits=draw(st.sampled_from((4, 8))), dims=draw(st.sampled_from((64, 128, 256))),
+                            width=draw(st.sampled_from((64, 128))), num_experts=num_experts, top_k=top_k, count=count,
+                            tokens=tokens, scaled=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+    # logits on a coarse grid where `ties`, so that equal scores meet in the top-k
+    logits = mx.random.normal((tokens, num_experts + count)) * 3
+    if draw(st.booleans()):
+        logits = mx.round(logits)
+    correction = mx.round(mx.random.uniform(-0.5, 0.5, (num_experts,)) * 4) / 4
+    routing = Routing("sigmoid_topk", top_k, shared=count, shared_width=1, scale=2.5)
+    return RoutedSharedCase(case, logits.astype(dtype), routing, correction, mx.array([draw(st.sampled_from((1.0, 0.75)))]))
+
+
+@CASES
+@given(routed=routed_shared_cases())
+def test_ref_routed_shared_decode_matches_stock(cpu_device, routed):
+    out = routed.call(moe_routed_decode_reference)
+    assert out.dtype == routed.case.dtype
+    assert mx.array_equal(out, routed.stock()), routed.case.label
+
+
+@CASES
+@given(routed=routed_shared_cases())
+def test_cuda_routed_shared_decode_kernel_is_the_router_and_shared_decode_kernels(cuda_device, routed):
+    """The one-op block routes with the router kernel's device code and computes the experts with the
+    shared decode kernel's: its output is theirs bit for bit, ties in the routing included."""
+    from mlx_moe_fix.kernels.moe_routed_decode import cuda_unsupported_reason as routed_reason
+    from mlx_moe_fix.kernels.moe_routed_decode import moe_routed_decode_kernel
+    from mlx_moe_fix.kernels.moe_router import moe_router_kernel
+    from mlx_moe_fix.kernels.moe_shared_decode import moe_shared_decode_kernel
+
+    case = routed.case
+    assert routed_reason(case.experts, routed.routing, case.dtype, case.dtype, case.shared) is None, case.label
+    out = routed.call(moe_routed_decode_kernel)
+    indices, weights, shared_weights = moe_router_kernel(routed.logits, routed.routing, routed.correction_bias,
+                                                         routed.global_scale)
+    apart = moe_shared_decode_kernel(case.x, indices, case.experts, weights, case.shared, shared_weights)
+    assert out.dtype == case.dtype and out.shape == (*case.x.shape[:-1], case.experts.output_dims)
+    assert mx.array_equal(out, apart), case.label
+    assert_close(out, routed.call(moe_routed_decode_reference), case.dtype, f"{case.label}: ")
+
+
+def test_the_routed_kernel_takes_shared_experts_with_inklings_routing_only(monkeypatch):
+    from mlx_moe_fix.kernels.backend import Implementation
+    from mlx_moe_fix.kernels.moe_routed_decode import cuda_unsupported_reason as routed_reason
+
+    op = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
+    # as on a GPU where the shared decode kernel takes these experts: the routing decides
+    monkeypatch.setattr(op, "moe_shared_decode_implementation", lambda *args: Implementation(None, "kernel", "CUDA"))
+    case = make_shared_case("inkling", mx.bfloat16, 4, 128, 64, 8, 2, 2, 1, seed=3)
+    inkling = Routing("sigmoid_topk", 2, shared=2, shared_width=1)
+    assert routed_reason(case.experts, inkling, mx.bfloat16, mx.bfloat16, case.shared) is None
+    assert "one weight" in routed_reason(case.experts, dataclasses.replace(inkling, shared_width=64), mx.bfloat16,
+                                         mx.bfloat16, case.shared)
+    assert "one weight" in routed_reason(case.experts, dataclasses.replace(inkling, shared=1), mx.bfloat16, mx.bfloat16,
+                                         case.shared)
+    assert "sigmoid_topk" in routed_reason(case.experts, Routing("softmax_topk", 2), mx.bfloat16, mx.bfloat16, case.shared)
+    assert "one dtype" in routed_reason(case.experts, inkling, mx.bfloat16, mx.float32, case.shared)

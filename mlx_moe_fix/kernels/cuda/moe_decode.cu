@@ -562,19 +562,46 @@ __device__ __forceinline__ void down_rows(
   }
 }
 
-// Where routed_gate_up (moe_routed_decode.cu) keeps each pair's expert (uint32) and routing
-// weight (T): in its hidden output, after the pairs' OUT_DIM-wide rows (16-byte aligned, as
-// OUT_DIM is a multiple of the group size). Not outputs of their own: MLX's host cost per kernel
+// Where routed_gate_up and sigmoid_shared_gate_up (moe_routed_decode.cu) keep each routed pair's
+// expert (uint32) and routing weight (T): in their hidden output, after its `rows` OUT_DIM-wide
+// rows (16-byte aligned, as OUT_DIM is a multiple of the group size; `rows` counts the shared
+// experts' rows too, where a token has them). Not outputs of their own: MLX's host cost per kernel
 // call grows with its outputs times its inputs (docs/benchmarks.md, tenth session, section 2),
 // and a decode step pays it per layer.
 template <typename T>
 struct RoutingTail {
   uint32_t* indices;
   T* weights;
-  __device__ RoutingTail(const T* hidden, int pairs, int out_dim)
-      : indices(reinterpret_cast<uint32_t*>(const_cast<T*>(hidden) + (size_t)pairs * out_dim)),
+  __device__ RoutingTail(const T* hidden, int rows, int out_dim, int pairs)
+      : indices(reinterpret_cast<uint32_t*>(const_cast<T*>(hidden) + (size_t)rows * out_dim)),
         weights(reinterpret_cast<T*>(indices + pairs)) {}
 };
+
+// A shared_gate_up block's rows: its token's routed pair `slot` (< TOP_K) of expert
+// `routed_expert`, or shared expert slot - TOP_K, its activation times `*shared_weight` where
+// given (else unweighted), without the routed experts' additive biases and gate scale. The shared
+// experts' gate and up projections are one matrix each of SHARED x OUT_DIM rows (upstream
+// concatenates them), read as SHARED experts' matrices.
+template <int BITS, int GROUP, int RPW, bool HAS_BIAS, bool SHARED_SPLIT, typename T, typename S, typename GB, typename UB,
+          typename SC>
+__device__ __forceinline__ void shared_gate_up_rows(
+    T* hidden, int pair, int slot, size_t routed_expert, const T* shared_weight, int first_row, const T* activations,
+    const SharedFixed<BITS>* split, QuantizedRows<S> gate_matrices, QuantizedRows<S> up_matrices,
+    QuantizedRows<S> shared_gate, QuantizedRows<S> shared_up, const GB* gate_bias, const UB* up_bias, const SC* gate_scale,
+    const Dims& d, const float* params) {
+  if (slot < d.top_k) {
+    gate_up_rows<BITS, GROUP, RPW, true, HAS_BIAS, SHARED_SPLIT, T, S>(
+        hidden, pair, routed_expert, first_row, activations, split, gate_matrices, up_matrices, gate_bias, up_bias, gate_scale,
+        d, params);
+  } else {
+    Dims plain = d;
+    plain.has_bias = plain.has_scale = false;
+    gate_up_rows<BITS, GROUP, RPW, true, false, SHARED_SPLIT, T, S>(
+        hidden, pair, slot - d.top_k, first_row, activations, split, shared_gate, shared_up,
+        static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), plain, params,
+        shared_weight);
+  }
+}
 
 }  // namespace moe_decode
 
@@ -625,7 +652,7 @@ struct RoutingTail {
 {
   using namespace moe_decode;
   const Dims d(dims);
-  const RoutingTail<T> tail(hidden, gridDim.y * d.top_k, d.in_dim);
+  const RoutingTail<T> tail(hidden, gridDim.y * d.top_k, d.in_dim, gridDim.y * d.top_k);
   down_rows<BITS, GROUP, WARPS, RPW, true, true, HAS_BIAS, RESIDUAL, 0, T, S>(
       out, hidden, tail.indices, static_cast<const T*>(tail.weights), {w, s, b}, bias, out_scale, d, residual);
 }
@@ -633,10 +660,8 @@ struct RoutingTail {
 //// shared_gate_up
 // gate_up for a block with SHARED always-on shared experts beside its routed ones (Inkling's,
 // DeepSeek-V4's): a token's TOP_K pairs, then its shared experts, TOP_K + SHARED hidden rows a
-// token; with SHARED_WEIGHTS a shared expert's row times its weight (`shared_weights`, else
-// absent); without the routed experts' additive biases and gate scale. The shared experts' gate
-// and up projections are one matrix each of SHARED x OUT_DIM rows (upstream concatenates them),
-// read as SHARED experts' matrices.
+// token (shared_gate_up_rows); with SHARED_WEIGHTS a shared expert's row times its weight
+// (`shared_weights`, else absent).
 // inputs: x, indices, shared_weights [N, SHARED] (or absent), gate_up's from gate_w to gate_scale,
 //         shared_gate_w, shared_up_w [SHARED * OUT_DIM, IN_DIM * BITS / 32], shared_gate_s,
 //         shared_gate_b, shared_up_s, shared_up_b [SHARED * OUT_DIM, IN_DIM / GROUP], dims, params
@@ -651,22 +676,14 @@ struct RoutingTail {
   if (SHARED_SPLIT) __syncthreads();
   const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
   if (first_row >= d.out_dim) return;
-  if (slot < d.top_k) {
-    gate_up_rows<BITS, GROUP, RPW, true, HAS_BIAS, SHARED_SPLIT, T, S>(
-        hidden, pair, indices[token * d.top_k + slot], first_row, activations, split,
-        {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
-  } else {
-    Dims plain = d;
-    plain.has_bias = plain.has_scale = false;
-    const int expert = slot - d.top_k;
-    const T* weight = nullptr;
-    if constexpr (SHARED_WEIGHTS) weight = reinterpret_cast<const T*>(shared_weights) + (size_t)token * SHARED + expert;
-    gate_up_rows<BITS, GROUP, RPW, true, false, SHARED_SPLIT, T, S>(
-        hidden, pair, expert, first_row, activations, split,
-        {shared_gate_w, shared_gate_s, shared_gate_b}, {shared_up_w, shared_up_s, shared_up_b},
-        static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), plain, params,
-        weight);
+  const T* weight = nullptr;
+  if constexpr (SHARED_WEIGHTS) {
+    if (slot >= d.top_k) weight = reinterpret_cast<const T*>(shared_weights) + (size_t)token * SHARED + slot - d.top_k;
   }
+  shared_gate_up_rows<BITS, GROUP, RPW, HAS_BIAS, SHARED_SPLIT, T, S>(
+      hidden, pair, slot, slot < d.top_k ? indices[token * d.top_k + slot] : 0u, weight, first_row, activations, split,
+      {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, {shared_gate_w, shared_gate_s, shared_gate_b},
+      {shared_up_w, shared_up_s, shared_up_b}, gate_bias, up_bias, gate_scale, d, params);
 }
 
 //// shared_down
@@ -680,4 +697,19 @@ struct RoutingTail {
   down_rows<BITS, GROUP, WARPS, RPW, true, true, HAS_BIAS, false, SHARED, T, S>(
       out, hidden, indices, weights, {w, s, b}, bias, out_scale, Dims(dims), static_cast<const T*>(nullptr),
       {shared_w, shared_s, shared_b});
+}
+
+//// routed_shared_down
+// shared_down after moe_routed_decode.cu's sigmoid_shared_gate_up, each routed pair's expert and
+// weight read from its output's RoutingTail (after the tokens' TOP_K + SHARED rows).
+// inputs: hidden, w, s, b, bias, out_scale, shared_w, shared_s, shared_b, dims (as shared_down's);
+// output: out [N, OUT_DIM]
+{
+  using namespace moe_decode;
+  const Dims d(dims);
+  const int tokens = gridDim.y;
+  const RoutingTail<T> tail(hidden, tokens * (d.top_k + SHARED), d.in_dim, tokens * d.top_k);
+  down_rows<BITS, GROUP, WARPS, RPW, true, true, HAS_BIAS, false, SHARED, T, S>(
+      out, hidden, tail.indices, static_cast<const T*>(tail.weights), {w, s, b}, bias, out_scale, d,
+      static_cast<const T*>(nullptr), {shared_w, shared_s, shared_b});
 }

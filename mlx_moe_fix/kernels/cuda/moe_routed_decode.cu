@@ -5,12 +5,14 @@
 // moe_decode's gate_up; the blocks of row 0 write each pair's expert and routing weight into the
 // hidden output's tail (moe_decode.cu's RoutingTail), which its routed_down launch reads. A
 // decode step's MoE block is then three launches: router matmul, this, routed_down; or two, where
-// `router_gate_up` computes the logits too.
+// `router_gate_up` computes the logits too. `sigmoid_shared_gate_up` does the same for Inkling's
+// block, its shared experts' rows included (moe_decode.cu's shared_gate_up, routed_shared_down).
 //
 // Template constants: moe_decode.cu's gate_up ones (T is also the logits' and the
 // weights' type) and moe_router.cu's topk ones (SOFTMAX_FIRST, NORMALIZE, LAST_K); router_gate_up
-// also ROUTER_BITS and ROUTER_GROUP (its router's quantization). Run-time values: moe_decode's
-// dims with the number of experts after them (dims[7]), and params.
+// also ROUTER_BITS and ROUTER_GROUP (its router's quantization); sigmoid_shared_gate_up
+// shared_gate_up's instead of the topk ones. Run-time values: moe_decode's dims with the number of
+// (routed) experts after them (dims[7]), and params.
 
 //// uses moe_router.cu moe_decode.cu
 
@@ -33,9 +35,35 @@ __device__ __forceinline__ void route_pair(const T* logits, int experts, int top
   if (threadIdx.x == 0) {
     block_expert = index;
     if (blockIdx.x == 0) {
-      const moe_decode::RoutingTail<T> tail(hidden, gridDim.y, out_dim);
+      const moe_decode::RoutingTail<T> tail(hidden, gridDim.y, out_dim, gridDim.y);
       tail.indices[pair] = static_cast<uint32_t>(index);
       tail.weights[pair] = static_cast<T>(weight);
+    }
+  }
+}
+
+// Warp 0's part of a sigmoid_shared_gate_up block: routes the token from its row of logits
+// (moe_router's Inkling routing), leaves the block's expert (a routed slot's) in `block_expert` and
+// its weight in `block_weight` (a shared slot's: the weight its rows are multiplied by) and, in the
+// blocks of row group 0 of a routed slot, the pair's expert and routing weight in the hidden
+// output's RoutingTail (after the `rows` rows of the tokens' routed and shared experts).
+template <int SHARED, typename T, typename C, typename G>
+__device__ __forceinline__ void route_shared_slot(const T* logits, const C* correction, const G* global_scale, int experts,
+                                                  int top_k, float route_scale, int token, int slot, T* hidden, int rows,
+                                                  int out_dim, int& block_expert, T& block_weight) {
+  int index;
+  float weight;
+  moe_router::route_sigmoid_token(logits, correction, global_scale, experts, top_k, SHARED, route_scale, index, weight);
+  index = __shfl_sync(0xffffffffu, index, slot);
+  weight = __shfl_sync(0xffffffffu, weight, slot);
+  if (threadIdx.x == 0) {
+    block_expert = index;
+    block_weight = static_cast<T>(weight);
+    if (blockIdx.x == 0 && slot < top_k) {
+      const int pairs = rows / (top_k + SHARED) * top_k;
+      const moe_decode::RoutingTail<T> tail(hidden, rows, out_dim, pairs);
+      tail.indices[token * top_k + slot] = static_cast<uint32_t>(index);
+      tail.weights[token * top_k + slot] = static_cast<T>(weight);
     }
   }
 }
@@ -256,4 +284,37 @@ __device__ __forceinline__ void cluster_wait() {
         {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
   }
   moe_routed::cluster_wait();  // the cluster is done with this block's logits: its shared memory may go
+}
+
+//// sigmoid_shared_gate_up
+// moe_decode.cu's shared_gate_up (SHARED_WEIGHTS) routing its tokens too, by Inkling's routing
+// (moe_router.cu's sigmoid_topk): warp 0 of each block routes its token (route_shared_slot), so
+// that the block needs no router launch; the routed pairs' experts and weights go to the output's
+// RoutingTail, which routed_shared_down reads.
+// inputs: x [N, IN_DIM], logits [N, E + SHARED], correction [E], global_scale [1], then
+//         shared_gate_up's inputs from gate_w on (dims with E after them: dims[7]; params with
+//         the route scale after the activation's: params[2]);
+// output: hidden [N * (TOP_K + SHARED) * OUT_DIM + tail]
+{
+  using namespace moe_decode;
+  __shared__ int block_expert;
+  __shared__ T block_weight;
+  const Dims d(dims);
+  const int experts = dims[7];
+  const int slots = d.top_k + SHARED;
+  const int pair = blockIdx.y, token = pair / slots, slot = pair % slots;
+  const T* activations = x + (size_t)token * d.in_dim;
+  if (threadIdx.x < 32) {
+    moe_routed::route_shared_slot<SHARED>(logits + (size_t)token * (experts + SHARED), correction, global_scale, experts,
+                                          d.top_k, params[2], token, slot, hidden, gridDim.y, d.out_dim, block_expert,
+                                          block_weight);
+  }
+  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT>(activations, d.in_dim);
+  __syncthreads();
+  const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
+  if (first_row >= d.out_dim) return;
+  shared_gate_up_rows<BITS, GROUP, RPW, HAS_BIAS, SHARED_SPLIT, T, S>(
+      hidden, pair, slot, block_expert, &block_weight, first_row, activations, split,
+      {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, {shared_gate_w, shared_gate_s, shared_gate_b},
+      {shared_up_w, shared_up_s, shared_up_b}, gate_bias, up_bias, gate_scale, d, params);
 }

@@ -12,11 +12,18 @@
 //   combined by a warp butterfly; softmax's normaliser rescaled per chunk maximum, __expf, one
 //   IEEE reciprocal, results rounded to T; the sum accumulates in T.
 //
-// Sections are split on "//// <name>" lines (`header`, `topk`, `sigmoid_topk`). Template constants:
+// Sections are split on "//// <name>" lines (`header`, `topk`, `sigmoid_topk`, `sqrtsoftplus_topk`). Template constants:
 //   T (the logits' and weights' type), SOFTMAX_FIRST (softmax over all experts, then the k
 //   largest probabilities, as qwen3_moe; else the k largest logits, then softmax over them),
 //   NORMALIZE (SOFTMAX_FIRST only: the k probabilities divided by their sum), LAST_K (above).
 // Run-time values: sizes = tokens, experts, top_k (experts <= 32 * CHUNK, top_k <= 32).
+//
+// `sqrtsoftplus_topk` is DeepSeek-V4's (mlx_vlm.models.deepseek_v4.language, _expert_select with
+// its sqrt-softplus scoring): MLX's logaddexp(x, 0) and IEEE sqrt of the float32 logits, plus the
+// correction bias, choose the experts as sigmoid_topk's do; their scores, divided by their sum
+// (MLX's sum of float32) plus 1e-20 where NORMALIZE, times the routed scaling factor, are their
+// float32 weights. Template: T, NORMALIZE; run-time: sizes = tokens, experts, top_k, params =
+// routed_scaling_factor.
 //
 // `sigmoid_topk` is Inkling's routing (mlx_vlm.models.inkling.language, InklingSparseMoE._route
 // off Metal), following the MLX ops that route there: MLX's sigmoid (unary_ops.cuh) plus the
@@ -35,28 +42,9 @@ using namespace moe_common;
 
 constexpr float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
 constexpr float LOWEST = cuda::std::numeric_limits<float>::lowest();
-constexpr int NONE = -1;  // no expert: loses to every candidate
 
 template <typename T>
 constexpr int CHUNK = 16 / sizeof(T);
-
-// Whether (value, index) ranks above (other_value, other_index) in stock's sort.
-template <bool LAST_K>
-__device__ __forceinline__ bool ranks_above(float value, int index, float other_value, int other_index) {
-  if (index == NONE) return false;
-  if (other_index == NONE || value > other_value) return true;
-  return value == other_value && (LAST_K ? index > other_index : index < other_index);
-}
-
-template <bool LAST_K>
-__device__ __forceinline__ void warp_top(float& value, int& index) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float other_value = __shfl_xor_sync(0xffffffffu, value, offset);
-    const int other_index = __shfl_xor_sync(0xffffffffu, index, offset);
-    if (ranks_above<LAST_K>(other_value, other_index, value, index)) value = other_value, index = other_index;
-  }
-}
 
 // cooperative_groups' reduce of a warp: a butterfly from offset 16 down (as warp_sum).
 __device__ __forceinline__ float warp_max(float v) {
@@ -96,31 +84,50 @@ __device__ __forceinline__ void gather_chunk(float (&chunk)[N], float value, int
   }
 }
 
-// k rounds of the highest-ranked expert not yet taken, the lane holding expert lane * N + i in
-// value[i]; lane j keeps round j's choice (value and index), which the others leave as they were.
+// A float's 32-bit key, which orders as the floats do (the bits made monotone, +0 for -0), and
+// the float of a key.
+__device__ __forceinline__ unsigned float_key(float value) {
+  const unsigned bits = __float_as_uint(value == 0.f ? 0.f : value);
+  return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+}
+
+__device__ __forceinline__ float key_float(unsigned key) {
+  return __uint_as_float(key & 0x80000000u ? key & 0x7FFFFFFFu : ~key);
+}
+
+// k rounds of the highest-ranked expert not yet taken, in stock's sort (of equal values the
+// higher index where LAST_K, else the lower), the lane holding expert lane * N + i in value[i];
+// lane j keeps round j's choice (value and index), which the others leave as they were. A round
+// is two warp reductions (redux.sync): the best value's key, then the winner among the experts
+// holding it (five shuffle rounds of a value and an index each made a warp that routes inside a
+// gate+up block keep the block's other warps waiting).
 template <bool LAST_K, int N>
 __device__ __forceinline__ void top_k_rounds(
     const float (&value)[N], int experts, int top_k, float& chosen_value, int& chosen_index) {
   const int lane = threadIdx.x % 32;
-  unsigned taken = 0;  // bit i: expert lane * N + i
+  unsigned key[N];  // 0: past the experts or taken (every value's key is above it)
+#pragma unroll
+  for (int i = 0; i < N; ++i) key[i] = lane * N + i < experts ? float_key(value[i]) : 0u;
   for (int j = 0; j < top_k; ++j) {
-    float best = NEG_INF;
-    int best_index = NONE;
+    unsigned best = 0u;
+#pragma unroll
+    for (int i = 0; i < N; ++i) best = max(best, key[i]);
+    best = __reduce_max_sync(0xffffffffu, best);
+    unsigned holder = LAST_K ? 0u : 0xFFFFFFFFu;
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      const int e = lane * N + i;
-      if (e < experts && !(taken >> i & 1u) && ranks_above<LAST_K>(value[i], e, best, best_index)) best = value[i], best_index = e;
+      if (key[i] == best) holder = LAST_K ? lane * N + i : min(holder, static_cast<unsigned>(lane * N + i));
     }
-    warp_top<LAST_K>(best, best_index);
-    if (best_index / N == lane) taken |= 1u << (best_index % N);
-    if (lane == j) chosen_value = best, chosen_index = best_index;
+    const unsigned expert = LAST_K ? __reduce_max_sync(0xffffffffu, holder) : __reduce_min_sync(0xffffffffu, holder);
+#pragma unroll
+    for (int i = 0; i < N; ++i) key[i] = lane * N + i == expert ? 0u : key[i];
+    if (lane == j) chosen_value = key_float(best), chosen_index = static_cast<int>(expert);
   }
 }
 
 // top_k_rounds for values that T of 16 bits holds exactly: each value and its expert as one
-// 32-bit key that orders as ranks_above does (the value's bits made monotone, +0 for -0, over
-// the expert index, or its complement where the lower index wins), so that a round's warp-wide
-// best is one redux.sync instead of five shuffle rounds of two values.
+// 32-bit key in stock's order (the value's bits made monotone, +0 for -0, over the expert index,
+// or its complement where the lower index wins), so that a round is one redux.sync.
 template <typename T>
 __device__ __forceinline__ unsigned short bits_of(float value) {
   if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) return __bfloat16_as_ushort(static_cast<T>(value));
@@ -173,6 +180,20 @@ __device__ __forceinline__ int stock_position(int round, int top_k) {
   return LAST_K ? top_k - 1 - round : round;
 }
 
+// MLX's sum of a row of n values of T (its row reduce: chunks of CHUNK<T> consecutive values, one
+// a lane, each added in order in T, the chunks by a warp butterfly), lane source(p) holding the
+// row's position p.
+template <typename T, typename F>
+__device__ __forceinline__ T mlx_row_sum(float value, int n, F source) {
+  constexpr int N = CHUNK<T>;
+  float chunk[N];
+  gather_chunk<N>(chunk, value, n, source, 0.f);
+  T chunk_sum = T(0.f);
+#pragma unroll
+  for (int i = 0; i < N; ++i) chunk_sum = chunk_sum + static_cast<T>(chunk[i]);
+  return warp_sum(chunk_sum);
+}
+
 // Stock's top-k routing of one token (SOFTMAX_FIRST, NORMALIZE, LAST_K: see the top of this
 // file) by the whole warp: lane j < top_k gets round j's expert and routing weight, which stock
 // puts at stock_position(j).
@@ -202,12 +223,7 @@ __device__ __forceinline__ void route_token(const T* row, int experts, int top_k
   auto holder = [top_k](int position) { return stock_position<LAST_K>(position, top_k); };
   weight = chosen_value;
   if (SOFTMAX_FIRST && NORMALIZE) {
-    float chunk[N];
-    gather_chunk<N>(chunk, chosen_value, top_k, holder, 0.f);
-    T chunk_sum = T(0.f);
-#pragma unroll
-    for (int i = 0; i < N; ++i) chunk_sum = chunk_sum + static_cast<T>(chunk[i]);
-    const T sum = warp_sum(chunk_sum);
+    const T sum = mlx_row_sum<T>(chosen_value, top_k, holder);
     weight = static_cast<float>(static_cast<T>(chosen_value) / sum);
   } else if (!SOFTMAX_FIRST) {
     float chunk[N], row_max, reciprocal;
@@ -251,6 +267,63 @@ __device__ __forceinline__ float mlx_logsumexp(float value, int n) {
   return isinf(row_max) ? row_max : logf(normaliser) + row_max;
 }
 
+// Inkling's routing of one token (see the top of this file) by the whole warp, from its row of
+// `experts` routed then `shared` shared experts' logits: lane j < top_k gets round j's expert (the
+// lower index among equal scores) and routing weight, stock's position j; lane top_k + s shared
+// expert s's weight.
+template <typename T, typename C, typename G>
+__device__ __forceinline__ void route_sigmoid_token(const T* row, const C* correction, const G* global_scale, int experts,
+                                                    int top_k, int shared, float route_scale, int& index, float& weight) {
+  constexpr int N = CHUNK<T>;
+  const int lane = threadIdx.x % 32;
+  float score[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int e = lane * N + i;
+    score[i] = e < experts ? mlx_sigmoid(static_cast<float>(row[e])) + static_cast<float>(correction[e]) : NEG_INF;
+  }
+  float chosen_score = 0.f;
+  index = 0;
+  top_k_rounds<false>(score, experts, top_k, chosen_score, index);
+  // Lane p: position p of [chosen experts' logits, shared experts' logits].
+  const int positions = top_k + shared;
+  const float logit = lane < top_k ? static_cast<float>(row[index])
+      : lane < positions ? static_cast<float>(row[experts + lane - top_k]) : 0.f;
+  const float log_sigmoid = -mlx_logaddexp(0.f, -logit);
+  const float normaliser = mlx_logsumexp(log_sigmoid, positions);
+  weight = expf(log_sigmoid - normaliser) * route_scale * static_cast<float>(global_scale[0]);
+}
+
+// MLX's sqrt(softplus(x)) of a float: its softplus is logaddexp(x, 0), its sqrt the IEEE one.
+__device__ __forceinline__ float mlx_sqrt_softplus(float x) {
+  return sqrtf(mlx_logaddexp(x, 0.f));
+}
+
+// DeepSeek-V4's routing of one token (see the top of this file) by the whole warp: lane j < top_k
+// gets round j's expert (the lower index among equal biased scores) and its float32 weight,
+// stock's position j.
+template <bool NORMALIZE, typename T, typename C>
+__device__ __forceinline__ void route_sqrtsoftplus_token(const T* row, const C* correction, int experts, int top_k, float scale,
+                                                         int& index, float& weight) {
+  constexpr int N = CHUNK<T>;
+  const int lane = threadIdx.x % 32;
+  float biased[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int e = lane * N + i;
+    biased[i] = e < experts ? __fadd_rn(mlx_sqrt_softplus(static_cast<float>(row[e])), static_cast<float>(correction[e])) : NEG_INF;
+  }
+  float chosen = 0.f;
+  index = 0;
+  top_k_rounds<false>(biased, experts, top_k, chosen, index);
+  weight = lane < top_k ? mlx_sqrt_softplus(static_cast<float>(row[index])) : 0.f;
+  if (NORMALIZE) {
+    const float sum = mlx_row_sum<float>(weight, top_k, [](int position) { return position; });
+    weight = __fdiv_rn(weight, __fadd_rn(sum, 1e-20f));
+  }
+  weight = __fmul_rn(weight, scale);
+}
+
 }  // namespace moe_router
 
 //// topk
@@ -277,34 +350,36 @@ __device__ __forceinline__ float mlx_logsumexp(float value, int n) {
 // shared_weights [tokens, shared] (T), in stock's order.
 {
   using namespace moe_router;
-  using namespace moe_common;
-  constexpr int N = CHUNK<T>;
   const int tokens = sizes[0], experts = sizes[1], top_k = sizes[2], shared = sizes[3];
   const int token = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (token >= tokens) return;  // whole warps: blockDim.x is a multiple of 32
-  const T* row = logits + (size_t)token * (experts + shared);
-  float score[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const int e = lane * N + i;
-    score[i] = e < experts ? mlx_sigmoid(static_cast<float>(row[e])) + static_cast<float>(correction[e]) : NEG_INF;
-  }
-  // Lane j: round j's expert (the lower index among equal scores), stock's position j.
-  float chosen_score = 0.f;
-  int chosen_index = 0;
-  top_k_rounds<false>(score, experts, top_k, chosen_score, chosen_index);
-  // Lane p: position p of [chosen experts' logits, shared experts' logits].
-  const int positions = top_k + shared;
-  const float logit = lane < top_k ? static_cast<float>(row[chosen_index])
-      : lane < positions ? static_cast<float>(row[experts + lane - top_k]) : 0.f;
-  const float log_sigmoid = -mlx_logaddexp(0.f, -logit);
-  const float normaliser = mlx_logsumexp(log_sigmoid, positions);
-  const float weight = expf(log_sigmoid - normaliser) * params[0] * static_cast<float>(global_scale[0]);
+  int index;
+  float weight;
+  route_sigmoid_token(logits + (size_t)token * (experts + shared), correction, global_scale, experts, top_k, shared, params[0],
+                      index, weight);
   if (lane < top_k) {
-    indices[(size_t)token * top_k + lane] = static_cast<uint32_t>(chosen_index);
+    indices[(size_t)token * top_k + lane] = static_cast<uint32_t>(index);
     weights[(size_t)token * top_k + lane] = static_cast<T>(weight);
-  } else if (lane < positions) {
+  } else if (lane < top_k + shared) {
     shared_weights[(size_t)token * shared + lane - top_k] = static_cast<T>(weight);
+  }
+}
+
+//// sqrtsoftplus_topk
+// inputs: logits [tokens, experts], correction [experts], sizes, params;  outputs: indices
+// [tokens, top_k] (uint32), weights [tokens, top_k] (float32), in stock's order.
+{
+  using namespace moe_router;
+  const int tokens = sizes[0], experts = sizes[1], top_k = sizes[2];
+  const int token = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (token >= tokens) return;  // whole warps: blockDim.x is a multiple of 32
+  int index;
+  float weight;
+  route_sqrtsoftplus_token<NORMALIZE>(logits + (size_t)token * experts, correction, experts, top_k, params[0], index, weight);
+  if (lane < top_k) {
+    indices[(size_t)token * top_k + lane] = static_cast<uint32_t>(index);
+    weights[(size_t)token * top_k + lane] = weight;
   }
 }
