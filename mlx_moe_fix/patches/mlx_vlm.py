@@ -58,10 +58,11 @@ def runs_upstream_block(instance) -> bool:
 
 
 def inkling_block_call(wrapped, instance, args, kwargs):
-    """InklingSparseMoE.__call__(x): upstream's steps (kernels.blocks.inkling_block) routed by
-    moe_router, with the routing weights handed to the experts call, so that the expert op does
-    the weighted sum, and at decode the shared experts too where one op takes both
-    (switch_layers.shared_experts_call)."""
+    """InklingSparseMoE.__call__(x): upstream's steps (kernels.blocks.inkling_block); at decode,
+    where one op takes them, its routing, experts and shared experts after the router's matmul
+    (switch_layers.routed_experts_call); else routed by moe_router, with the routing weights handed
+    to the experts call, so that the expert op does the weighted sum, and the shared experts too
+    where one op takes both (switch_layers.shared_experts_call)."""
     (x,) = bind(args, kwargs, ("x",))
     experts, shared = instance.switch_mlp, instance.shared_experts
     # one weight a shared expert (shared_width 1): the fused ops read them so, and the block

@@ -194,19 +194,26 @@ __device__ __forceinline__ T mlx_row_sum(float value, int n, F source) {
   return warp_sum(chunk_sum);
 }
 
+// Lane l's chunk of a token's row of logits (experts l * CHUNK<T> ...) as score(logit, expert),
+// NEG_INF past `experts`.
+template <typename T, typename F>
+__device__ __forceinline__ void lane_chunk(float (&value)[CHUNK<T>], const T* row, int experts, F score) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < CHUNK<T>; ++i) {
+    const int e = lane * CHUNK<T> + i;
+    value[i] = e < experts ? score(static_cast<float>(row[e]), e) : NEG_INF;
+  }
+}
+
 // Stock's top-k routing of one token (SOFTMAX_FIRST, NORMALIZE, LAST_K: see the top of this
 // file) by the whole warp: lane j < top_k gets round j's expert and routing weight, which stock
 // puts at stock_position(j).
 template <bool SOFTMAX_FIRST, bool NORMALIZE, bool LAST_K, typename T>
 __device__ __forceinline__ void route_token(const T* row, int experts, int top_k, int& index, float& weight) {
   constexpr int N = CHUNK<T>;
-  const int lane = threadIdx.x % 32;
   float value[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const int e = lane * N + i;
-    value[i] = e < experts ? static_cast<float>(row[e]) : NEG_INF;
-  }
+  lane_chunk(value, row, experts, [](float logit, int) { return logit; });
   if (SOFTMAX_FIRST) {
     float row_max, reciprocal;
     softmax_stats<N>(value, row_max, reciprocal);
@@ -274,14 +281,9 @@ __device__ __forceinline__ float mlx_logsumexp(float value, int n) {
 template <typename T, typename C, typename G>
 __device__ __forceinline__ void route_sigmoid_token(const T* row, const C* correction, const G* global_scale, int experts,
                                                     int top_k, int shared, float route_scale, int& index, float& weight) {
-  constexpr int N = CHUNK<T>;
   const int lane = threadIdx.x % 32;
-  float score[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const int e = lane * N + i;
-    score[i] = e < experts ? mlx_sigmoid(static_cast<float>(row[e])) + static_cast<float>(correction[e]) : NEG_INF;
-  }
+  float score[CHUNK<T>];
+  lane_chunk(score, row, experts, [correction](float logit, int e) { return mlx_sigmoid(logit) + static_cast<float>(correction[e]); });
   float chosen_score = 0.f;
   index = 0;
   top_k_rounds<false>(score, experts, top_k, chosen_score, index);
@@ -305,14 +307,10 @@ __device__ __forceinline__ float mlx_sqrt_softplus(float x) {
 template <bool NORMALIZE, typename T, typename C>
 __device__ __forceinline__ void route_sqrtsoftplus_token(const T* row, const C* correction, int experts, int top_k, float scale,
                                                          int& index, float& weight) {
-  constexpr int N = CHUNK<T>;
   const int lane = threadIdx.x % 32;
-  float biased[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const int e = lane * N + i;
-    biased[i] = e < experts ? __fadd_rn(mlx_sqrt_softplus(static_cast<float>(row[e])), static_cast<float>(correction[e])) : NEG_INF;
-  }
+  float biased[CHUNK<T>];
+  lane_chunk(biased, row, experts,
+             [correction](float logit, int e) { return __fadd_rn(mlx_sqrt_softplus(logit), static_cast<float>(correction[e])); });
   float chosen = 0.f;
   index = 0;
   top_k_rounds<false>(biased, experts, top_k, chosen, index);
@@ -324,6 +322,13 @@ __device__ __forceinline__ void route_sqrtsoftplus_token(const T* row, const C* 
   weight = __fmul_rn(weight, scale);
 }
 
+// The token of this thread's warp (a warp a token; whole warps, as blockDim.x is a multiple of
+// 32), or -1 past the last.
+__device__ __forceinline__ int warp_token(int tokens) {
+  const int token = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  return token < tokens ? token : -1;
+}
+
 }  // namespace moe_router
 
 //// topk
@@ -332,9 +337,8 @@ __device__ __forceinline__ void route_sqrtsoftplus_token(const T* row, const C* 
 {
   using namespace moe_router;
   const int tokens = sizes[0], experts = sizes[1], top_k = sizes[2];
-  const int token = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (token >= tokens) return;  // whole warps: blockDim.x is a multiple of 32
+  const int token = warp_token(tokens), lane = threadIdx.x % 32;
+  if (token < 0) return;
   int index;
   float weight;
   route_token<SOFTMAX_FIRST, NORMALIZE, LAST_K>(logits + (size_t)token * experts, experts, top_k, index, weight);
@@ -351,9 +355,8 @@ __device__ __forceinline__ void route_sqrtsoftplus_token(const T* row, const C* 
 {
   using namespace moe_router;
   const int tokens = sizes[0], experts = sizes[1], top_k = sizes[2], shared = sizes[3];
-  const int token = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (token >= tokens) return;  // whole warps: blockDim.x is a multiple of 32
+  const int token = warp_token(tokens), lane = threadIdx.x % 32;
+  if (token < 0) return;
   int index;
   float weight;
   route_sigmoid_token(logits + (size_t)token * (experts + shared), correction, global_scale, experts, top_k, shared, params[0],
@@ -372,9 +375,8 @@ __device__ __forceinline__ void route_sqrtsoftplus_token(const T* row, const C* 
 {
   using namespace moe_router;
   const int tokens = sizes[0], experts = sizes[1], top_k = sizes[2];
-  const int token = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (token >= tokens) return;  // whole warps: blockDim.x is a multiple of 32
+  const int token = warp_token(tokens), lane = threadIdx.x % 32;
+  if (token < 0) return;
   int index;
   float weight;
   route_sqrtsoftplus_token<NORMALIZE>(logits + (size_t)token * experts, correction, experts, top_k, params[0], index, weight);
