@@ -69,14 +69,15 @@ def inkling_block_call(wrapped, instance, args, kwargs):
     # repeats them for upstream's shared module only where that runs
     per_expert = inkling_routing(instance, shared_width=1)
     correction_bias, global_scale = instance.e_score_correction_bias, instance.global_scale
+    described = describe_shared(shared, instance.n_shared)
     return inkling_block(
         x, instance.gate_weight,
-        lambda x, logits: routed_experts_call(experts, x, logits, per_expert, shared=describe_shared(shared, instance.n_shared),
+        lambda x, logits: routed_experts_call(experts, x, logits, per_expert, shared=described,
                                               correction_bias=correction_bias, global_scale=global_scale),
         lambda logits: moe_router(logits, per_expert, correction_bias, global_scale),
         lambda rows, indices, weights: experts(rows, indices, weights=weights), shared, instance.intermediate_size,
-        lambda rows, indices, weights, shared_weights: shared_experts_call(
-            experts, rows, indices, weights, describe_shared(shared, instance.n_shared), shared_weights))
+        lambda rows, indices, weights, shared_weights: shared_experts_call(experts, rows, indices, weights, described,
+                                                                           shared_weights))
 
 
 # The patched method's wrapper is the compiled one itself, so that a decode step finds the

@@ -195,36 +195,42 @@ def routed_experts_call(layer, x, logits, routing: Routing, residual=None, share
     makes of `logits` (the logits, or the RouterLinear that gives them; None: no call), plus the
     block's `shared` experts where given (describe_shared; weighted as the routing weighs them:
     Inkling's, with its correction_bias and global_scale), plus `residual` where given
-    (kernels.add_residual), computed by one fused op (kernels.routed_plan) and counted as that
-    call; or None, and the caller routes and calls the layer. Only where the layer's call is a
-    patched expert block's own (_patched_expert_block)."""
-    block = _patched_expert_block(layer)
-    if block is None or logits is None:
+    (kernels.add_residual), computed by one fused op (kernels.routed_plan); or None, and the caller
+    routes and calls the layer."""
+    if logits is None:
         return None
-    experts, _ = block.describe(layer)
-    chosen = None if experts is None else routed_plan(x, logits, routing, experts, decode=options.enabled()[1], shared=shared)
-    if chosen is None:
-        return None
-    trace.record(block.kind, chosen.phase, chosen.path, chosen.reason,
-                 lambda: shape_class(chosen.phase, x, routing.top_k, experts))
-    return chosen.function(x, logits, routing, experts, residual, shared, correction_bias, global_scale)
+    return _fused_block_call(
+        layer, x, routing.top_k,
+        lambda experts, decode: routed_plan(x, logits, routing, experts, decode=decode, shared=shared),
+        lambda function, experts: function(x, logits, routing, experts, residual, shared, correction_bias, global_scale))
 
 
 def shared_experts_call(layer, x, indices, weights, shared: Optional[SharedExperts], shared_weights=None):
     """What the layer's routed experts' weighted sum plus its block's `shared` experts' output gives
     (describe_shared; each weighted by `shared_weights` where given), computed by one fused op
-    (kernels.shared_plan) and counted as the experts call; or None (also for no `shared`), and
-    the caller makes the two calls. Only where the layer's call is a patched expert block's own."""
+    (kernels.shared_plan); or None (also for no `shared`), and the caller makes the two calls."""
+    if shared is None:
+        return None
+    return _fused_block_call(
+        layer, x, indices.shape[-1],
+        lambda experts, decode: shared_plan(x, indices, experts, shared, shared_weights, decode=decode),
+        lambda function, experts: function(x, indices, experts, weights, shared, shared_weights))
+
+
+def _fused_block_call(layer, x, top_k: int, plan_of: Callable, call: Callable):
+    """`call(function, experts)` for the fused op that `plan_of(experts, decode)` plans for the
+    layer's experts, counted as the layer's call; None where the layer's call is not a patched
+    expert block's own (_patched_expert_block), its experts are not described, or no fused op
+    takes the call."""
     block = _patched_expert_block(layer)
-    if block is None or shared is None:
+    if block is None:
         return None
     experts, _ = block.describe(layer)
-    chosen = None if experts is None else shared_plan(x, indices, experts, shared, shared_weights, decode=options.enabled()[1])
+    chosen = None if experts is None else plan_of(experts, options.enabled()[1])
     if chosen is None:
         return None
-    trace.record(block.kind, chosen.phase, chosen.path, chosen.reason,
-                 lambda: shape_class(chosen.phase, x, indices.shape[-1], experts))
-    return chosen.function(x, indices, experts, weights, shared, shared_weights)
+    trace.record(block.kind, chosen.phase, chosen.path, chosen.reason, lambda: shape_class(chosen.phase, x, top_k, experts))
+    return call(chosen.function, experts)
 
 
 def quantized_switch_linear(wrapped, instance, args, kwargs):
