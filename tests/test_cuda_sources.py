@@ -25,7 +25,8 @@ ROUTER = sys.modules["mlx_moe_fix.kernels.moe_router"]
 ROUTED = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
 
 # C types of the inputs, as cuda_kernel declares them from the arrays the launchers pass.
-INT_INPUTS = {"indices": "uint32_t", "row_pair": "int32_t", "tile_expert": "int32_t", "dims": "int32_t", "sizes": "int32_t"}
+INT_INPUTS = {"indices": "uint32_t", "row_pair": "int32_t", "tile_expert": "int32_t", "dims": "int32_t", "sizes": "int32_t",
+              "token_ids": "int32_t", "expert_table": "int32_t"}
 WEIGHT_INPUTS = {"gate_w", "up_w", "w", "w0", "w1", "router_w", "shared_gate_w", "shared_up_w", "shared_w"}
 FLOAT_INPUTS = {"params", "gate_scale", "out_scale", "scale", "correction", "global_scale"}
 
@@ -154,7 +155,8 @@ def test_router_kernel_compiles(tmp_path, t):
     variants = [("topk", t, {"SOFTMAX_FIRST": first, "NORMALIZE": first and normalize, "LAST_K": last_k})
                 for first in (True, False) for normalize in (True, False) for last_k in (True, False)]
     variants.append(("sigmoid_topk", t, {}))
-    variants += [("sqrtsoftplus_topk", t, {"NORMALIZE": normalize}) for normalize in (True, False)]
+    variants += [(kind, t, {"NORMALIZE": normalize}) for kind in ("sqrtsoftplus_topk", "sqrtsoftplus_hash")
+                 for normalize in (True, False)]
     compile_all(tmp_path, translation_units(ROUTER, "moe_router.cu", variants))
 
 

@@ -53,7 +53,7 @@ from .moe_decode import moe_decode_reference
 from .moe_decode import routed_down_launch, shared_split_bytes
 from .moe_decode import INPUTS as DECODE_INPUTS
 from .moe_router import CUDA_KERNEL_SWITCH as ROUTER_SWITCH
-from .moe_router import Routing, moe_router_reference
+from .moe_router import SQRTSOFTPLUS_KINDS, Routing, moe_router_reference
 from .moe_router import cuda_unsupported_reason as router_unsupported_reason
 from .moe_shared_decode import moe_shared_decode_implementation, moe_shared_decode_reference
 from .reference import add_residual
@@ -297,6 +297,8 @@ def cuda_unsupported_reason(experts: MoEExperts, routing: Routing, dtype, logits
 def _routing_reason(experts: MoEExperts, routing: Routing, dtype, logits_dtype, shared: Optional[SharedExperts]) -> Optional[str]:
     if len(experts.projections) == 1:
         return "a single expert projection: no gate+up launch to route in"
+    if routing.kind in SQRTSOFTPLUS_KINDS:
+        return f"{routing.kind} routing (DeepSeek-V4's): the kernel's routing tail holds no float32 weights"
     if (routing.kind == "sigmoid_topk") != (shared is not None):
         return ("sigmoid_topk routing (Inkling's) without its shared experts: the kernel routes it with them only"
                 if shared is None else f"shared experts with {routing.kind} routing: the kernel routes shared experts by "

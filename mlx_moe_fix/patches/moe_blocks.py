@@ -64,25 +64,32 @@ DEEPSEEK_V4 = "mlx_vlm.models.deepseek_v4.language"
 
 def deepseek_v4_routing(gate, x) -> Optional[Routing]:
     """The Routing of DeepSeek-V4's gate (its MoEGate, that class exactly) for a call on x [B, L, D]
-    where moe_router repeats it: a layer routed by its scores (not by token hash, not a vision
-    model's), sqrt-softplus scoring, not training, and not upstream's decode-block call (1 < L <=
+    where moe_router repeats it: sqrt-softplus scoring (the layer routed by its scores or by token
+    hash), not a vision model's, not training, and not upstream's decode-block call (1 < L <=
     DECODE_BLOCK_SIZE, which routes token by token); else None."""
     if type(gate).__name__ != "MoEGate" or type(gate).__module__ != DEEPSEEK_V4:
         return None
-    if gate.hash or gate.vision or gate.training or gate.scoring_func != "sqrtsoftplus" or x.ndim != 3:
+    if gate.vision or gate.training or gate.scoring_func != "sqrtsoftplus" or x.ndim != 3:
         return None
     if 1 < x.shape[1] <= sys.modules[DEEPSEEK_V4].DECODE_BLOCK_SIZE:
         return None
-    return routing("sqrtsoftplus_topk", gate.top_k, bool(gate.norm_topk_prob), scale=float(gate.routed_scaling_factor))
+    return routing("sqrtsoftplus_hash" if gate.hash else "sqrtsoftplus_topk", gate.top_k, bool(gate.norm_topk_prob),
+                   scale=float(gate.routed_scaling_factor))
 
 
 def gate_call(gate, args: tuple, kwargs: dict) -> tuple:
     """(experts, weights) of the block's gate for this call: upstream's matmul and moe_router where
-    deepseek_v4_routing knows the gate, else the gate's own call."""
+    deepseek_v4_routing knows the gate (a hash layer's given its token ids), else the gate's own call."""
     gate_routing = deepseek_v4_routing(gate, args[0])
     if gate_routing is None:
         return gate(*args, **kwargs)
-    return moe_router(args[0] @ gate.weight.T, gate_routing, gate.e_score_correction_bias)
+    logits = args[0] @ gate.weight.T
+    if gate_routing.kind == "sqrtsoftplus_topk":
+        return moe_router(logits, gate_routing, gate.e_score_correction_bias)
+    _, input_ids = bind(args, kwargs, ("x", "input_ids"))
+    if input_ids is None:
+        return gate(*args, **kwargs)  # (upstream's error)
+    return moe_router(logits, gate_routing, token_ids=input_ids, expert_table=gate.tid2eid)
 
 
 def with_shared_experts(wrapped, instance, args, kwargs):

@@ -103,6 +103,7 @@ def test_cuda_router_kernel_matches_ref(cuda_device, case):
     assert mx.array_equal(weights, expected_weights).item(), relative_error(weights, expected_weights)
 
 
+
 def first_inkling_moe(dtype=mx.bfloat16):
     model = zoo.build("inkling", 4, dtype=dtype)
     return next(m for _, m in model.named_modules() if type(m).__name__ == "InklingSparseMoE")
@@ -254,11 +255,72 @@ def test_cuda_sqrtsoftplus_router_kernel_matches_ref(cuda_device, case):
     assert mx.array_equal(weights, expected_weights).item(), f"{relative_error(weights, expected_weights):.2e}"
 
 
+@st.composite
+def sqrtsoftplus_hash_cases(draw):
+    """A token-hash layer's routing: a table of `top_k` distinct experts a row (the zoo's), token ids
+    repeated, and negative int32 ones among them (MLX's gather counts those from the table's end)."""
+    dtype = draw(st.sampled_from([mx.bfloat16, mx.float16, mx.float32]))
+    experts = draw(st.sampled_from([8, 64, 256]))
+    top_k = draw(st.integers(1, min(8, experts)))
+    rows = draw(st.integers(1, 50))
+    seed = draw(st.integers(0, 2**16))
+    table = mx.argsort(mx.random.uniform(shape=(rows, experts), key=mx.random.key(seed)), axis=-1)[:, :top_k].astype(mx.int32)
+    shape = draw(st.sampled_from([(1, 1), (1, 7), (3, 5), (9,)]))
+    ids_dtype = draw(st.sampled_from([mx.int32, mx.uint32]))
+    token_ids = mx.random.randint(-rows if ids_dtype == mx.int32 else 0, rows, shape, key=mx.random.key(seed + 1)).astype(ids_dtype)
+    logits = coarse((*shape, experts), seed + 2, dtype)
+    routing = Routing("sqrtsoftplus_hash", top_k, normalize=draw(st.booleans()), scale=draw(st.sampled_from([1.0, 2.5])))
+    return logits, routing, token_ids, table
+
+
+@CASES
+@given(case=sqrtsoftplus_hash_cases())
+def test_ref_sqrtsoftplus_hash_router_matches_stock(device, case):
+    """DeepSeek-V4's token-hash routing: the reference's experts and float32 weights are upstream's
+    (_hash_expert_select), bit for bit, on the CPU and the GPU."""
+    from mlx_vlm.models.deepseek_v4.language import _hash_expert_select
+
+    logits, routing, token_ids, table = case
+    indices, weights = moe_router_reference(logits, routing, token_ids=token_ids, expert_table=table)
+    stock_indices, stock_weights = _hash_expert_select(token_ids, logits, table, routing.scale, routing.normalize, "sqrtsoftplus")
+    assert indices.dtype == mx.uint32 and indices.tolist() == stock_indices.tolist()
+    assert weights.dtype == mx.float32 and mx.array_equal(weights, stock_weights).item()
+
+
+@CASES
+@given(case=sqrtsoftplus_hash_cases())
+def test_cuda_sqrtsoftplus_hash_router_kernel_matches_ref(cuda_device, case):
+    """The token-hash routing in one launch: the table's experts in its order, the same float32
+    weights as the reference's, bit for bit."""
+    from mlx_moe_fix.kernels.moe_router import moe_router_kernel
+
+    logits, routing, token_ids, table = case
+    indices, weights = moe_router_kernel(logits, routing, token_ids=token_ids, expert_table=table)
+    expected_indices, expected_weights = moe_router_reference(logits, routing, token_ids=token_ids, expert_table=table)
+    assert indices.dtype == mx.uint32 and indices.tolist() == expected_indices.tolist()
+    assert weights.dtype == mx.float32 and weights.shape == expected_weights.shape
+    assert mx.array_equal(weights, expected_weights).item(), f"{relative_error(weights, expected_weights):.2e}"
+
+
+def test_hash_router_kernel_rejects_ids_it_cannot_gather_with():
+    from mlx_moe_fix.kernels.moe_router import moe_router_kernel
+
+    logits, routing = mx.zeros((1, 3, 8)), Routing("sqrtsoftplus_hash", 2)
+    table = mx.zeros((5, 2), mx.int32)
+    with pytest.raises(ValueError, match="integer indices"):
+        moe_router_kernel(logits, routing, token_ids=mx.zeros((1, 3)), expert_table=table)
+    with pytest.raises(ValueError, match="one id a token"):
+        moe_router_kernel(logits, routing, token_ids=mx.zeros((1, 2), mx.int32), expert_table=table)
+    with pytest.raises(ValueError, match="2 experts an id"):
+        moe_router_kernel(logits, routing, token_ids=mx.zeros((1, 3), mx.int32), expert_table=mx.zeros((5, 3), mx.int32))
+
+
 @pytest.mark.parametrize("tokens", [1, 4, 12])
 def test_deepseek_v4_gate_through_moe_router_matches_its_own_call(device, tokens):
     """DeepSeek-V4's block routes through moe_router where it repeats the gate (moe_blocks.gate_call):
     the gate's own experts and weights, on the CPU (the reference) and the GPU (the kernel, bit for
-    bit); its token-hash layer and a decode block of drafted tokens (4) stay with the gate's call."""
+    bit), its token-hash layer's as its score-routed ones'; a decode block of drafted tokens (4)
+    stays with the gate's call."""
     model = zoo.build("deepseek_v4", 4, dtype=mx.bfloat16)
     blocks = [m for _, m in model.named_modules() if type(m).__name__ == "DeepseekV4MoE"]
     for block in blocks:
@@ -269,7 +331,7 @@ def test_deepseek_v4_gate_through_moe_router_matches_its_own_call(device, tokens
     for block in blocks:
         args = (x, input_ids)
         routed = moe_blocks.deepseek_v4_routing(block.gate, x) is not None
-        assert routed == (not block.gate.hash and tokens != 4), (block.gate.hash, tokens)
+        assert routed == (tokens != 4), (block.gate.hash, tokens)
         indices, weights = moe_blocks.gate_call(block.gate, args, {})
         stock_indices, stock_weights = block.gate(*args)
         assert indices.shape == stock_indices.shape and indices.tolist() == stock_indices.tolist()

@@ -12,7 +12,8 @@
 //   combined by a warp butterfly; softmax's normaliser rescaled per chunk maximum, __expf, one
 //   IEEE reciprocal, results rounded to T; the sum accumulates in T.
 //
-// Sections are split on "//// <name>" lines (`header`, `topk`, `sigmoid_topk`, `sqrtsoftplus_topk`). Template constants:
+// Sections are split on "//// <name>" lines (`header`, `topk`, `sigmoid_topk`, `sqrtsoftplus_topk`,
+// `sqrtsoftplus_hash`). Template constants:
 //   T (the logits' and weights' type), SOFTMAX_FIRST (softmax over all experts, then the k
 //   largest probabilities, as qwen3_moe; else the k largest logits, then softmax over them),
 //   NORMALIZE (SOFTMAX_FIRST only: the k probabilities divided by their sum), LAST_K (above).
@@ -23,7 +24,10 @@
 // correction bias, choose the experts as sigmoid_topk's do; their scores, divided by their sum
 // (MLX's sum of float32) plus 1e-20 where NORMALIZE, times the routed scaling factor, are their
 // float32 weights. Template: T, NORMALIZE; run-time: sizes = tokens, experts, top_k, params =
-// routed_scaling_factor.
+// routed_scaling_factor. `sqrtsoftplus_hash` is its token-hash layers' (_hash_expert_select): the
+// experts of the token's id in the layer's table (a negative id counts from the table's end, as
+// MLX's gather takes it), weighed so. Template: T, NORMALIZE, I (the ids' type), E (the table's);
+// run-time: sizes = tokens, experts, top_k, the table's rows, params = routed_scaling_factor.
 //
 // `sigmoid_topk` is Inkling's routing (mlx_vlm.models.inkling.language, InklingSparseMoE._route
 // off Metal), following the MLX ops that route there: MLX's sigmoid (unary_ops.cuh) plus the
@@ -301,25 +305,32 @@ __device__ __forceinline__ float mlx_sqrt_softplus(float x) {
   return sqrtf(mlx_logaddexp(x, 0.f));
 }
 
-// DeepSeek-V4's routing of one token (see the top of this file) by the whole warp: lane j < top_k
-// gets round j's expert (the lower index among equal biased scores) and its float32 weight,
-// stock's position j.
+// DeepSeek-V4's weights of a token's chosen experts (lane j < top_k: round j's `index`, its
+// float32 weight), by the whole warp.
+template <bool NORMALIZE, typename T>
+__device__ __forceinline__ float sqrtsoftplus_weight(const T* row, int top_k, float scale, int index) {
+  const int lane = threadIdx.x % 32;
+  float weight = lane < top_k ? mlx_sqrt_softplus(static_cast<float>(row[index])) : 0.f;
+  if (NORMALIZE) {
+    const float sum = mlx_row_sum<float>(weight, top_k, [](int position) { return position; });
+    weight = __fdiv_rn(weight, __fadd_rn(sum, 1e-20f));
+  }
+  return __fmul_rn(weight, scale);
+}
+
+// DeepSeek-V4's routing of one token by its scores (see the top of this file) by the whole warp:
+// lane j < top_k gets round j's expert (the lower index among equal biased scores) and its float32
+// weight, stock's position j.
 template <bool NORMALIZE, typename T, typename C>
 __device__ __forceinline__ void route_sqrtsoftplus_token(const T* row, const C* correction, int experts, int top_k, float scale,
                                                          int& index, float& weight) {
-  const int lane = threadIdx.x % 32;
   float biased[CHUNK<T>];
   lane_chunk(biased, row, experts,
              [correction](float logit, int e) { return __fadd_rn(mlx_sqrt_softplus(logit), static_cast<float>(correction[e])); });
   float chosen = 0.f;
   index = 0;
   top_k_rounds<false>(biased, experts, top_k, chosen, index);
-  weight = lane < top_k ? mlx_sqrt_softplus(static_cast<float>(row[index])) : 0.f;
-  if (NORMALIZE) {
-    const float sum = mlx_row_sum<float>(weight, top_k, [](int position) { return position; });
-    weight = __fdiv_rn(weight, __fadd_rn(sum, 1e-20f));
-  }
-  weight = __fmul_rn(weight, scale);
+  weight = sqrtsoftplus_weight<NORMALIZE>(row, top_k, scale, index);
 }
 
 // The token of this thread's warp (a warp a token; whole warps, as blockDim.x is a multiple of
@@ -380,6 +391,24 @@ __device__ __forceinline__ int warp_token(int tokens) {
   int index;
   float weight;
   route_sqrtsoftplus_token<NORMALIZE>(logits + (size_t)token * experts, correction, experts, top_k, params[0], index, weight);
+  if (lane < top_k) {
+    indices[(size_t)token * top_k + lane] = static_cast<uint32_t>(index);
+    weights[(size_t)token * top_k + lane] = weight;
+  }
+}
+
+//// sqrtsoftplus_hash
+// inputs: logits [tokens, experts], token_ids [tokens], expert_table [rows, top_k], sizes, params;
+// outputs: indices [tokens, top_k] (uint32), weights [tokens, top_k] (float32), in the table's order.
+{
+  using namespace moe_router;
+  const int tokens = sizes[0], experts = sizes[1], top_k = sizes[2], rows = sizes[3];
+  const int token = warp_token(tokens), lane = threadIdx.x % 32;
+  if (token < 0) return;
+  const long long id = static_cast<long long>(token_ids[token]);
+  const long long row = id < 0 ? id + rows : id;
+  const int index = lane < top_k ? static_cast<int>(expert_table[row * top_k + lane]) : 0;
+  const float weight = sqrtsoftplus_weight<NORMALIZE>(logits + (size_t)token * experts, top_k, params[0], index);
   if (lane < top_k) {
     indices[(size_t)token * top_k + lane] = static_cast<uint32_t>(index);
     weights[(size_t)token * top_k + lane] = weight;
