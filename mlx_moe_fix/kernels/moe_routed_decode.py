@@ -20,8 +20,8 @@ took 60.6 µs against the router's 5.7 and the gate+up's 46.3; docs/benchmarks.m
 session). On the H200 at Qwen3-30B-A3B's shape (384 blocks, one wave) the launch takes ~4.5 µs
 longer than the router's own launch and the plain gate+up together, and saves the host a node:
 qwen3_moe's batch-1 decode 0.962-0.998 of its dense equivalent against 0.932-0.958 with the
-router node, in four processes (docs/benchmarks.md, thirty-second session). MLX_MOE_FIX_CUDA_FUSED_ROUTER=0 keeps the
-router's node.
+router node, in four processes (docs/benchmarks.md, thirty-second session). Off by default since
+the forty-first session (CLUSTER_GRAPH_HAZARD); MLX_MOE_FIX_CUDA_FUSED_ROUTER=1 turns it on.
 MLX_MOE_FIX_CUDA_ROUTED_DECODE=0 turns the fused kernel off (the block then routes and runs its
 experts in separate launches).
 
@@ -60,6 +60,15 @@ from .reference import add_residual
 
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTED_DECODE"
 FUSED_ROUTER_SWITCH = "MLX_MOE_FIX_CUDA_FUSED_ROUTER"
+# Why router_gate_up is off by default. On the H200, after the patched blocks' GPU tests had run
+# their decode kernels in a process, a later plain MLX graph (softmax, argpartition,
+# take_along_axis) left its output unwritten once (the same graph built again was right; with our
+# kernels off in the earlier tests it was right first time); the fused router is the one kernel
+# launched in clusters, and MLX keys a cached CUDA graph's kernel nodes without their cluster
+# shape, so it may update a graph holding it into one holding another kernel, which CUDA does not
+# do correctly (docs/benchmarks.md, forty-first session). Not yet confirmed by a run without it.
+CLUSTER_GRAPH_HAZARD = ("its thread-block clusters may not be safe in MLX's CUDA graph updates (MLX keys a graph's kernel "
+                        "nodes without their cluster shape); suspected of a later op's output left unwritten")
 # The kernels' parameters, in the order of their `inputs` / outputs.
 INPUTS = {"routed_gate_up": ["x", "logits", *DECODE_INPUTS["gate_up"][2:]],
           "router_gate_up": ["x", "router_w", "router_s", "router_b", *DECODE_INPUTS["gate_up"][2:]],
@@ -252,7 +261,7 @@ def fused_router_unavailable_reason() -> Optional[str]:
     router and shape, or None. The switch first: the patched blocks ask at every call
     (fusable_router)."""
     if not flag(FUSED_ROUTER_SWITCH):
-        return f"switched off ({FUSED_ROUTER_SWITCH}=0)"
+        return f"off ({FUSED_ROUTER_SWITCH}=1 turns it on): {CLUSTER_GRAPH_HAZARD}"
     if current_backend() != "cuda":
         return f"{current_backend()}: router_gate_up is a CUDA kernel"
     capability = compute_capability()

@@ -100,8 +100,18 @@ def test_cuda_router_kernel_matches_ref(cuda_device, case):
     expected_indices, expected_weights = moe_router_reference(logits, routing)
     assert indices.dtype == mx.uint32 and weights.dtype == logits.dtype
     assert indices.tolist() == expected_indices.astype(mx.uint32).tolist()
-    assert mx.array_equal(weights, expected_weights).item(), relative_error(weights, expected_weights)
+    assert mx.array_equal(weights, expected_weights).item(), references_apart(logits, routing, weights, expected_weights)
 
+
+def references_apart(logits, routing, weights, expected_weights) -> str:
+    """A mismatch's account: the kernel's and the reference's weights, and the reference again on
+    the GPU and on the CPU (the GPU's reference once read other than itself after other tests)."""
+    again = moe_router_reference(logits, routing)[1]
+    with mx.stream(mx.cpu):
+        on_cpu = moe_router_reference(logits, routing)[1]
+    return (f"kernel {weights.reshape(-1)[:6].tolist()}, reference {expected_weights.reshape(-1)[:6].tolist()}, "
+            f"again {again.reshape(-1)[:6].tolist()}, on the CPU {on_cpu.reshape(-1)[:6].tolist()} "
+            f"(relative error {relative_error(weights, expected_weights):.2e})")
 
 
 def first_inkling_moe(dtype=mx.bfloat16):
@@ -480,7 +490,9 @@ def test_cuda_fused_router_declines_what_it_cannot_reproduce(cuda_device, switch
     case = make_case(mx.bfloat16, (4, 64), True, "swiglu", None, False, 128, 64, 8, 2, 1, 2)
     one_token = case.x[:, :1]
     router = RouterLinear.from_module(quantized_router(128, 8, 8, 64, 0))
-    assert fused_router_reason(one_token, router, case.experts, 2) is None  # the default: on
+    assert "cluster" in fused_router_reason(one_token, router, case.experts, 2)  # the default: off
+    switch(FUSED_ROUTER_SWITCH, "1")
+    assert fused_router_reason(one_token, router, case.experts, 2) is None
     assert "2 tokens" in fused_router_reason(case.x, router, case.experts, 2)
     assert "float16" in fused_router_reason(one_token.astype(mx.float16), router, case.experts, 2)
     assert "additive bias" in fused_router_reason(one_token, RouterLinear.from_module(quantized_router(128, 8, 8, 64, 0, True)),
@@ -491,7 +503,7 @@ def test_cuda_fused_router_declines_what_it_cannot_reproduce(cuda_device, switch
     monkeypatch.setattr(moe_routed_decode, "multiprocessor_count", lambda: 1)  # one wave: 4 blocks of 4 warps
     assert "more than the 4 of one wave" in fused_router_reason(one_token, router, case.experts, 1)  # 8 blocks (a cluster)
     switch(FUSED_ROUTER_SWITCH, "0")
-    assert fused_router_reason(one_token, router, case.experts, 2) == f"switched off ({FUSED_ROUTER_SWITCH}=0)"
+    assert fused_router_reason(one_token, router, case.experts, 2).startswith(f"off ({FUSED_ROUTER_SWITCH}=1 turns it on)")
 
 
 @pytest.mark.parametrize("family", BLOCK_FAMILIES)
@@ -519,7 +531,7 @@ def test_cuda_decoder_layer_adds_its_residual_inside_the_down_launch(cuda_device
 @pytest.mark.parametrize("family", BLOCK_FAMILIES)
 def test_a_routed_decode_block_is_its_router_and_two_launches(cuda_device, switch, family):
     """Issue 5: at a single token the router's linear, the routed gate+up kernel and the combining
-    down kernel with MLX_MOE_FIX_CUDA_FUSED_ROUTER=0; by default the router's matmul goes inside the
+    down kernel by default; with MLX_MOE_FIX_CUDA_FUSED_ROUTER=1 the router's matmul goes inside the
     gate+up launch where the router is a quantized linear without a bias (qwen3_moe's and mixtral's;
     gpt-oss's, a matmul and its bias, stays in front); with the routing in its own launch
     (MLX_MOE_FIX_CUDA_ROUTED_DECODE=0), one more. Built in Python (no compiled step), so that the
@@ -531,9 +543,9 @@ def test_a_routed_decode_block_is_its_router_and_two_launches(cuda_device, switc
     mx.eval(x)
     router = launches_of(block["router" if family == "gpt_oss" else "gate"](x))
     with mlx_moe_fix.patched():
-        fused = launches_of(block(x))
-        switch("MLX_MOE_FIX_CUDA_FUSED_ROUTER", "0")
         routed = launches_of(block(x))
+        switch("MLX_MOE_FIX_CUDA_FUSED_ROUTER", "1")
+        fused = launches_of(block(x))
         switch("MLX_MOE_FIX_CUDA_FUSED_ROUTER", "")
         switch("MLX_MOE_FIX_CUDA_ROUTED_DECODE", "0")
         apart = launches_of(block(x))
