@@ -76,7 +76,9 @@ INPUTS = {"routed_gate_up": ["x", "logits", *DECODE_INPUTS["gate_up"][2:]],
 OUTPUTS = {"routed_gate_up": ["hidden"], "router_gate_up": ["hidden"], "sigmoid_shared_gate_up": ["hidden"]}
 # router_gate_up's blocks come in clusters of this many along x, each computing 1 / ROUTER_CLUSTER
 # of its token's logits: the largest cluster a launch may have without an attribute MLX does not
-# set (cudaFuncAttributeNonPortableClusterSizeAllowed).
+# set (cudaFuncAttributeNonPortableClusterSizeAllowed). 1: a launch without clusters, clear of
+# CLUSTER_GRAPH_HAZARD, each block computing all the logits (a block launched so is a cluster of
+# one, so the kernel's cluster steps act on it alone; not yet run on the GPU).
 ROUTER_CLUSTER = 8
 MAX_FUSED_ROUTER_EXPERTS = 256  # the logits route_token takes (32 lanes x 8 bf16)
 
@@ -141,7 +143,7 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
         routed_gate_up = gate_up._replace(
             kernel=cuda_kernel_object("moe_routed_decode.cu", section, tuple(INPUTS[section]), tuple(OUTPUTS[section]),
                                       split_bytes, gate_up_block_shape().launch_bounds(),
-                                      0 if router is None else ROUTER_CLUSTER, constants),
+                                      0 if router is None or ROUTER_CLUSTER == 1 else ROUTER_CLUSTER, constants),
             fixed_inputs=arrays,
             template=template,
             grid=(threads_x, blocks_y, blocks_z),
