@@ -477,10 +477,10 @@ def test_record_launches_writes_every_case_s_launches(tmp_path):
     assert sections["direct decode top-2 8-bit mlx.core.float32 weighted"] == ["gate_up", "down"]
     # Inkling's decode step: its routing, routed and shared experts in two launches a layer
     assert sections["inkling-4 decode"] == ["sigmoid_shared_gate_up", "routed_shared_down"] * 2
-    # DeepSeek-V4's: the same two launches a layer, after its first layer's routing by token hash
-    # (upstream's ops) and its second's by its scores (one launch of moe_router)
-    assert sections["deepseek_v4-4 decode"] == ["shared_gate_up", "shared_down", "sqrtsoftplus_topk", "shared_gate_up",
-                                                "shared_down"]
+    # DeepSeek-V4's: the same two launches a layer, after its routing in one launch of moe_router
+    # (its first layer's by token hash, its second's by its scores)
+    assert sections["deepseek_v4-4 decode"] == ["sqrtsoftplus_hash", "shared_gate_up", "shared_down", "sqrtsoftplus_topk",
+                                                "shared_gate_up", "shared_down"]
     # each kernel object's launch bounds: the one-pair-a-warp down's 8-warp blocks where it applies
     bounds = {case: [call["kernel"][5] for call in calls] for case, calls in recorded.items()}
     assert bounds["direct decode top-8 4-bit mlx.core.bfloat16 routed"] == [[128, 4], [256, 2]]
