@@ -136,6 +136,8 @@ def cuda_unsupported_reason(logits_dtype, width: int, routing: Routing) -> Optio
         return f"router logits of {logits_dtype}"
     if routing.top_k + routing.shared > MAX_TOP_K:
         return f"top-{routing.top_k} routing with {routing.shared} shared experts: the router kernel weighs at most {MAX_TOP_K}"
+    if routing.kind == "sqrtsoftplus_hash":
+        return None  # it reads the chosen experts' logits alone, whatever their number
     # A warp holds the logits as MLX's softmax reads them: 16 bytes of them per lane.
     most = 32 * 16 // logits_dtype.size
     experts = width - routing.shared

@@ -8,7 +8,6 @@ shape must gather exactly what their own inputs hold."""
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 import mlx_moe_fix
 from mlx_moe_fix import zoo
