@@ -82,10 +82,11 @@ def block_variant(variant: str, model_name: str, built: dict) -> tuple:
     if variant == "compiled-step":
         def make(own):
             def compiled_step(self, x, *args, **kwargs):
+                # (DeepSeek-V4's blocks take the token ids after x: their steps have two arguments)
                 last = self.__dict__.get(compiled._LAST_STEP)
-                if args or kwargs or last is None or last.shape != x.shape:
+                if kwargs or last is None or last.shape != x.shape or 1 + len(args) != last.arity:
                     return own.__get__(self, type(self))(x, *args, **kwargs)
-                return last.step(self, (x,), {})
+                return last.step(self, (x, *args), {})
             return compiled_step
         return False, moe_block_classes(built[False]), make
     # the router and the decode launches called here

@@ -286,6 +286,29 @@ def test_decode_timeline_runs_a_patched_variant_per_switch_setting_with_that_swi
         decode_timeline.main(["--smoke", "--patched-with", "MLX_MOE_FIX_NOT_A_SWITCH=0"])
 
 
+def test_compiled_step_variant_replays_a_step_of_two_arguments():
+    """DeepSeek-V4's blocks take the token ids after x: compiled-step replays their two-argument
+    step with both, and calls the block's own call where the last step does not fit the call."""
+    import types
+
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from benchmarks import decode_timeline
+    from mlx_moe_fix.patches import compiled
+
+    _, _, make = decode_timeline.block_variant("compiled-step", "deepseek_v4", {False: nn.Module()})
+    step = make(lambda self, x, *args, **kwargs: ("own", len(args), sorted(kwargs)))
+    x, ids = mx.zeros((1, 1, 8)), mx.zeros((1, 1), mx.int32)
+    block = types.SimpleNamespace()
+    setattr(block, compiled._LAST_STEP, types.SimpleNamespace(
+        shape=x.shape, arity=2, step=lambda instance, args, kwargs: ("step", len(args), sorted(kwargs))))
+    assert step(block, x, ids) == ("step", 2, [])
+    assert step(block, x) == ("own", 0, [])  # one argument: not the last step's call
+    assert step(block, x, ids, residual=None) == ("own", 1, ["residual"])
+    assert step(block, mx.zeros((1, 2, 8)), ids) == ("own", 1, [])
+
+
 def test_decode_timeline_swaps_each_block_variants_call_for_its_bursts_only(monkeypatch):
     # On the CPU the decode launches are the reference's (same contract); the compiled step is
     # absent there, so compiled-step falls back to the patched call.
