@@ -340,6 +340,23 @@ __device__ __forceinline__ int warp_token(int tokens) {
   return token < tokens ? token : -1;
 }
 
+// A section's run-time sizes (tokens, experts, top_k first) and this thread's warp_token and lane.
+struct TokenWarp {
+  int tokens, experts, top_k, token, lane;
+  __device__ explicit TokenWarp(const int* sizes)
+      : tokens(sizes[0]), experts(sizes[1]), top_k(sizes[2]), token(warp_token(sizes[0])), lane(threadIdx.x % 32) {}
+};
+
+// Lane j < top_k's choice, its expert and its weight (as W), at the token's k-th place `position`.
+template <typename W>
+__device__ __forceinline__ void store_choice(uint32_t* indices, W* weights, const TokenWarp& warp, int position, int index,
+                                             float weight) {
+  if (warp.lane >= warp.top_k) return;
+  const size_t at = (size_t)warp.token * warp.top_k + position;
+  indices[at] = static_cast<uint32_t>(index);
+  weights[at] = static_cast<W>(weight);
+}
+
 }  // namespace moe_router
 
 //// topk
@@ -347,16 +364,12 @@ __device__ __forceinline__ int warp_token(int tokens) {
 // weights [tokens, top_k] (T), in stock's order.
 {
   using namespace moe_router;
-  const int tokens = sizes[0], experts = sizes[1], top_k = sizes[2];
-  const int token = warp_token(tokens), lane = threadIdx.x % 32;
-  if (token < 0) return;
+  const TokenWarp warp(sizes);
+  if (warp.token < 0) return;
   int index;
   float weight;
-  route_token<SOFTMAX_FIRST, NORMALIZE, LAST_K>(logits + (size_t)token * experts, experts, top_k, index, weight);
-  if (lane >= top_k) return;
-  const size_t at = (size_t)token * top_k + stock_position<LAST_K>(lane, top_k);
-  indices[at] = static_cast<uint32_t>(index);
-  weights[at] = static_cast<T>(weight);
+  route_token<SOFTMAX_FIRST, NORMALIZE, LAST_K>(logits + (size_t)warp.token * warp.experts, warp.experts, warp.top_k, index, weight);
+  store_choice(indices, weights, warp, stock_position<LAST_K>(warp.lane, warp.top_k), index, weight);
 }
 
 //// sigmoid_topk
@@ -365,18 +378,16 @@ __device__ __forceinline__ int warp_token(int tokens) {
 // shared_weights [tokens, shared] (T), in stock's order.
 {
   using namespace moe_router;
-  const int tokens = sizes[0], experts = sizes[1], top_k = sizes[2], shared = sizes[3];
-  const int token = warp_token(tokens), lane = threadIdx.x % 32;
-  if (token < 0) return;
+  const TokenWarp warp(sizes);
+  const int shared = sizes[3];
+  if (warp.token < 0) return;
   int index;
   float weight;
-  route_sigmoid_token(logits + (size_t)token * (experts + shared), correction, global_scale, experts, top_k, shared, params[0],
-                      index, weight);
-  if (lane < top_k) {
-    indices[(size_t)token * top_k + lane] = static_cast<uint32_t>(index);
-    weights[(size_t)token * top_k + lane] = static_cast<T>(weight);
-  } else if (lane < top_k + shared) {
-    shared_weights[(size_t)token * shared + lane - top_k] = static_cast<T>(weight);
+  route_sigmoid_token(logits + (size_t)warp.token * (warp.experts + shared), correction, global_scale, warp.experts, warp.top_k,
+                      shared, params[0], index, weight);
+  store_choice(indices, weights, warp, warp.lane, index, weight);
+  if (warp.lane >= warp.top_k && warp.lane < warp.top_k + shared) {
+    shared_weights[(size_t)warp.token * shared + warp.lane - warp.top_k] = static_cast<T>(weight);
   }
 }
 
@@ -385,16 +396,13 @@ __device__ __forceinline__ int warp_token(int tokens) {
 // [tokens, top_k] (uint32), weights [tokens, top_k] (float32), in stock's order.
 {
   using namespace moe_router;
-  const int tokens = sizes[0], experts = sizes[1], top_k = sizes[2];
-  const int token = warp_token(tokens), lane = threadIdx.x % 32;
-  if (token < 0) return;
+  const TokenWarp warp(sizes);
+  if (warp.token < 0) return;
   int index;
   float weight;
-  route_sqrtsoftplus_token<NORMALIZE>(logits + (size_t)token * experts, correction, experts, top_k, params[0], index, weight);
-  if (lane < top_k) {
-    indices[(size_t)token * top_k + lane] = static_cast<uint32_t>(index);
-    weights[(size_t)token * top_k + lane] = weight;
-  }
+  route_sqrtsoftplus_token<NORMALIZE>(logits + (size_t)warp.token * warp.experts, correction, warp.experts, warp.top_k, params[0],
+                                      index, weight);
+  store_choice(indices, weights, warp, warp.lane, index, weight);
 }
 
 //// sqrtsoftplus_hash
@@ -402,15 +410,12 @@ __device__ __forceinline__ int warp_token(int tokens) {
 // outputs: indices [tokens, top_k] (uint32), weights [tokens, top_k] (float32), in the table's order.
 {
   using namespace moe_router;
-  const int tokens = sizes[0], experts = sizes[1], top_k = sizes[2], rows = sizes[3];
-  const int token = warp_token(tokens), lane = threadIdx.x % 32;
-  if (token < 0) return;
-  const long long id = static_cast<long long>(token_ids[token]);
+  const TokenWarp warp(sizes);
+  const int rows = sizes[3];
+  if (warp.token < 0) return;
+  const long long id = static_cast<long long>(token_ids[warp.token]);
   const long long row = id < 0 ? id + rows : id;
-  const int index = lane < top_k ? static_cast<int>(expert_table[row * top_k + lane]) : 0;
-  const float weight = sqrtsoftplus_weight<NORMALIZE>(logits + (size_t)token * experts, top_k, params[0], index);
-  if (lane < top_k) {
-    indices[(size_t)token * top_k + lane] = static_cast<uint32_t>(index);
-    weights[(size_t)token * top_k + lane] = weight;
-  }
+  const int index = warp.lane < warp.top_k ? static_cast<int>(expert_table[row * warp.top_k + warp.lane]) : 0;
+  const float weight = sqrtsoftplus_weight<NORMALIZE>(logits + (size_t)warp.token * warp.experts, warp.top_k, params[0], index);
+  store_choice(indices, weights, warp, warp.lane, index, weight);
 }
