@@ -11,9 +11,7 @@ import os
 # name: its value where unset (or set empty)
 SWITCHES = {"MLX_MOE_FIX_DISABLE": False, "MLX_MOE_FIX_TRACE": False, "MLX_MOE_FIX_CUDA_DECODE": True,
             "MLX_MOE_FIX_CUDA_PREFILL": True, "MLX_MOE_FIX_CUDA_PREFILL_WGMMA": True, "MLX_MOE_FIX_CUDA_ROUTER": True,
-            # off until its thread-block clusters are shown safe in MLX's CUDA graph updates
-            # (kernels/moe_routed_decode.py, CLUSTER_GRAPH_HAZARD)
-            "MLX_MOE_FIX_CUDA_ROUTED_DECODE": True, "MLX_MOE_FIX_CUDA_FUSED_ROUTER": False,
+            "MLX_MOE_FIX_CUDA_ROUTED_DECODE": True, "MLX_MOE_FIX_CUDA_FUSED_ROUTER": True,
             "MLX_MOE_FIX_CUDA_SHARED_DECODE": True, "MLX_MOE_FIX_COMPILED_DECODE": True,
             "MLX_MOE_FIX_COMPILED_PREFILL": True, "MLX_MOE_FIX_SHARED_STEPS": True, "MLX_MOE_FIX_RESIDUAL_IN_BLOCK": True,
             # off until the Metal decode kernel has run on Apple hardware (kernels/metal/)

@@ -72,9 +72,8 @@ def stand_in(constant) -> mx.array:
     return mx.array(constant.values, dtype=getattr(mx, constant.dtype))
 
 
-def recorder(filename, section, input_names, output_names, shared, bounds=(), cluster=0, constants=()):
-    return Recorder([filename, section, list(input_names), list(output_names), shared, list(bounds)]
-                    + ([cluster] if cluster else []), input_names, constants)
+def recorder(filename, section, input_names, output_names, shared, bounds=(), constants=()):
+    return Recorder([filename, section, list(input_names), list(output_names), shared, list(bounds)], input_names, constants)
 
 
 def launches_of(compute) -> list:

@@ -175,8 +175,7 @@ def test_routed_decode_kernel_compiles(tmp_path, t):
                                                   "SHARED_SPLIT": True, "SOFTMAX_FIRST": first, "NORMALIZE": first, "LAST_K": first,
                                                   "ROUTER_BITS": router_bits, "ROUTER_GROUP": router_group})
                            for bits in (4, 8) for first in (True, False) for router_bits, router_group in ((8, 64), (4, 32))]
-        texts += [with_launch_bounds(text, "moe_routed_decode.cu", "router_gate_up", (), ROUTED.ROUTER_CLUSTER)
-                  for text in translation_units(ROUTED, "moe_routed_decode.cu", router_variants)]
+        texts += translation_units(ROUTED, "moe_routed_decode.cu", router_variants)
     compile_all(tmp_path, texts)
 
 
@@ -184,11 +183,11 @@ def resource_usage(tmp_path, text) -> str:
     return compile_all(tmp_path, [text], "--resource-usage")[0]
 
 
-def with_launch_bounds(text, filename, stage, bounds, cluster=0):
+def with_launch_bounds(text, filename, stage, bounds):
     from mlx_moe_fix.kernels.launch import global_qualifiers
 
     header = cuda_kernel_source(filename, stage)[0]
-    return text.replace(header, header + global_qualifiers(bounds, cluster))
+    return text.replace(header, header + global_qualifiers(bounds))
 
 
 def registers(usage: str) -> int:
@@ -238,7 +237,7 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
     units = [(*unit, constants) for unit in units
              for constants in [(), source_constants_of(unit[2], *MODEL_SHAPES[0], residual=unit[4][0].get("RESIDUAL", False))]]
     texts = [with_launch_bounds(translation_unit(module, filename, [(stage, t, constants) for constants in variants], declared),
-                                filename, stage, shape.launch_bounds(), ROUTED.ROUTER_CLUSTER if stage == "router_gate_up" else 0)
+                                filename, stage, shape.launch_bounds())
              for module, filename, stage, shape, variants, declared in units]
     for (module, filename, stage, shape, variants, _), usage in zip(units, compile_all(tmp_path, texts, "--resource-usage")):
         threads, blocks = shape.launch_bounds()

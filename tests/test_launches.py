@@ -19,7 +19,7 @@ def recorded_decode_kernels(monkeypatch) -> list:
     (section, shared bytes, launch bounds) they are asked for, in order."""
     created = []
     for module in (DECODE, ROUTED):
-        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bounds, cluster=0, constants=():
+        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bounds, constants=():
                             created.append((section, shared, bounds)) or Recorder(section))
     return created
 
@@ -139,18 +139,17 @@ def test_a_gate_up_block_shape_reaches_the_plain_and_the_routed_gate_up_launch(m
     assert (dict(down.template)["WARPS"], dict(down.template)["RPW"]) == (8, 8) and bounds["routed_down"] == (256, 2)
 
 
-def test_global_qualifiers_give_launch_bounds_and_cluster_dims_to_the_kernel_mlx_declares():
+def test_global_qualifiers_give_launch_bounds_to_the_kernel_mlx_declares():
     from mlx_moe_fix.kernels.launch import global_qualifiers
 
-    both = global_qualifiers((128, 4), 8)
-    assert "#define __global__ __location__(global) __launch_bounds__(128, 4) __cluster_dims__(8, 1, 1)\n" in both
-    assert both.startswith("#if defined(__global__) && defined(__location__)\n#undef __global__\n") and both.endswith("#endif\n")
-    assert "__cluster_dims__" not in global_qualifiers((256, 2)) and "__launch_bounds__" not in global_qualifiers((), 8)
+    bounded = global_qualifiers((128, 4))
+    assert "#define __global__ __location__(global) __launch_bounds__(128, 4)\n" in bounded
+    assert bounded.startswith("#if defined(__global__) && defined(__location__)\n#undef __global__\n") and bounded.endswith("#endif\n")
     assert global_qualifiers() == ""
 
 
 def test_the_router_goes_inside_the_gate_up_launch_only_where_its_blocks_fit_one_wave(monkeypatch):
-    """Every cluster of router_gate_up's blocks computes the token's logits, so a launch of more
+    """Every block of router_gate_up computes the token's logits, so a launch of more
     blocks than the GPU runs at once would compute them again each wave: at the H200's 132 SMs (4
     blocks of 4 warps an SM), Qwen3-30B-A3B's gate+up (768 rows, top-8: 384 blocks) takes the
     router inside, Mixtral-8x7B's (14336 rows, top-2: 1792 blocks) keeps the router's node."""
@@ -161,7 +160,7 @@ def test_the_router_goes_inside_the_gate_up_launch_only_where_its_blocks_fit_one
 
     qwen3, mixtral = experts(768), experts(14336)
     assert (ROUTED.fused_router_blocks(qwen3, 8), ROUTED.fused_router_blocks(mixtral, 2)) == (384, 1792)
-    assert ROUTED.fused_router_blocks(experts(40), 1) == 8  # 3 row groups, padded to a cluster
+    assert ROUTED.fused_router_blocks(experts(40), 2) == 6  # 3 row groups for each of 2 pairs
     monkeypatch.setattr(ROUTED, "multiprocessor_count", lambda: 132)
     assert ROUTED.one_wave_blocks() == 528
     assert ROUTED._waves_reason(qwen3, 8) is None
@@ -180,7 +179,7 @@ def test_cuda_decode_launches_declare_their_params_and_absent_inputs_in_their_so
     decode, routed = DECODE, ROUTED
     kernels = []
     for module in (DECODE, ROUTED):
-        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bounds, cluster=0,
+        monkeypatch.setattr(module, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bounds,
                             constants=(): kernels.append((section, inputs, constants)) or Recorder(section))
     case = make_case(mx.bfloat16, (4, 64), True, "swiglu_oai", 7.0, False, 256, 128, 8, 2, 1, 1, bias=True)
     gate_up, down = routed._launches(case.experts, Routing("softmax_topk", 2, True), (1, 1), mx.bfloat16)

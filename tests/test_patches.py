@@ -91,7 +91,7 @@ def test_status_reports_every_target_with_a_reason():
     assert gemm["reason"] and (gemm["gemm"] is None) == (status["ops"]["moe_prefill"]["path"] != "kernel")
     inside = status["routed_decode_router_inside"]
     runs_here = status["ops"]["moe_routed_decode"]["path"] == "kernel" and mx.cuda.is_available()
-    assert inside["reason"] and inside["on"] == (runs_here and fused_router_unavailable_reason() is None)  # off by default
+    assert inside["reason"] and inside["on"] == (runs_here and fused_router_unavailable_reason() is None)
     mlx_moe_fix.revert()
     assert {t["state"] for t in mlx_moe_fix.status()["targets"]} == {"not applied"}
 

@@ -52,41 +52,38 @@ def _kernel_name(backend: str, filename: str, section: str, suffix: str = "", de
     return f"mlx_moe_fix_{filename.split('.')[0]}_{section}{suffix}_{digest}"
 
 
-def global_qualifiers(bounds: tuple = (), cluster: int = 0) -> str:
+def global_qualifiers(bounds: tuple = ()) -> str:
     """Header lines that give the kernel MLX declares next `__launch_bounds__(threads,
     min_blocks)` (bounds = (threads, min_blocks): registers capped so that `min_blocks` blocks fit
-    an SM) and, given `cluster`, `__cluster_dims__(cluster, 1, 1)` (its blocks launched in
-    clusters of `cluster` along x, whatever launch MLX makes): cuda_kernel writes the `__global__`
-    signature itself, so the qualifier is redefined after the header. Only where `__global__` is
-    the usual `__location__(global)` macro; elsewhere nothing changes."""
-    qualifiers = (f" __launch_bounds__({bounds[0]}, {bounds[1]})" if bounds else "") + (
-        f" __cluster_dims__({cluster}, 1, 1)" if cluster else "")
-    if not qualifiers:
+    an SM): cuda_kernel writes the `__global__` signature itself, so the qualifier is redefined
+    after the header. Only where `__global__` is the usual `__location__(global)` macro; elsewhere
+    nothing changes."""
+    if not bounds:
         return ""
     return ("#if defined(__global__) && defined(__location__)\n#undef __global__\n"
-            f"#define __global__ __location__(global){qualifiers}\n#endif\n")
+            f"#define __global__ __location__(global) __launch_bounds__({bounds[0]}, {bounds[1]})\n#endif\n")
 
 
 @functools.lru_cache(maxsize=None)
 def cuda_kernel_object(filename: str, section: str, input_names: tuple, output_names: tuple, shared_bytes: int,
-                       bounds: tuple = (), cluster: int = 0, constants: tuple = ()):
+                       bounds: tuple = (), constants: tuple = ()):
     """The mx.fast.cuda_kernel object of one section of cuda/`filename`, with `shared_bytes` of
-    dynamic shared memory (fixed per object) and, given `bounds` = (threads, min_blocks) or
-    `cluster`, global_qualifiers; `constants` (SourceConstants) are inputs declared at the start
+    dynamic shared memory (fixed per object) and, given `bounds` = (threads, min_blocks),
+    global_qualifiers; `constants` (SourceConstants) are inputs declared at the start
     of the kernel's body instead of passed; or None where MLX has no CUDA. Cached: each object is an
     NVRTC compile per template variant."""
     if not mx.cuda.is_available():
         return None
     header, body = cuda_kernel_source(filename, section)
     declarations = "".join(constant.declaration() for constant in constants)
-    suffix = f"_smem{shared_bytes}" + (f"_lb{bounds[0]}x{bounds[1]}" if bounds else "") + (f"_cl{cluster}" if cluster else "")
+    suffix = f"_smem{shared_bytes}" + (f"_lb{bounds[0]}x{bounds[1]}" if bounds else "")
     declared = {constant.name for constant in constants}
     return mx.fast.cuda_kernel(
         name=_kernel_name("cuda", filename, section, suffix, declarations),
         input_names=[name for name in input_names if name not in declared],
         output_names=list(output_names),
         source=declarations + body,
-        header=cuda_header_directive(header) + global_qualifiers(bounds, cluster),
+        header=cuda_header_directive(header) + global_qualifiers(bounds),
         shared_memory=shared_bytes,
     )
 

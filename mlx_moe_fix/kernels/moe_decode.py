@@ -101,7 +101,7 @@ def gpu_kernel(stage: str, backend: str, shape: BlockShape, fixed: dict, shared_
         return kernel, fixed_or_absent(fixed)
     constants, arrays = source_constants(fixed)
     return cuda_kernel_object("moe_decode.cu", stage, tuple(INPUTS[stage]), tuple(OUTPUTS[stage]), shared_bytes,
-                              shape.launch_bounds(), 0, constants), arrays
+                              shape.launch_bounds(), constants), arrays
 
 
 def shared_split_bytes(experts: MoEExperts, dtype, backend: str) -> int:

@@ -13,15 +13,17 @@ arithmetic). The experts and weights pass between the two in the hidden output's
 experts and weights are the router kernel's, bit for bit. Given a RouterLinear at a single token
 (`fused_router_reason`), the gate+up launch (`router_gate_up`) also computes the logits, bit for
 bit as MLX's quantized_matmul does, so that the block is two launches and no router node; else
-the router linear runs as its own node first. Every cluster of the launch's blocks computes the
-logits whole, so only where its blocks fit one wave of the GPU (each further wave would compute
-them again before its first expert load: at Mixtral's shape, 1792 blocks in ~3.4 waves, the launch
-took 60.6 µs against the router's 5.7 and the gate+up's 46.3; docs/benchmarks.md, thirty-first
-session). On the H200 at Qwen3-30B-A3B's shape (384 blocks, one wave) the launch takes ~4.5 µs
-longer than the router's own launch and the plain gate+up together, and saves the host a node:
-qwen3_moe's batch-1 decode 0.962-0.998 of its dense equivalent against 0.932-0.958 with the
-router node, in four processes (docs/benchmarks.md, thirty-second session). Off by default since
-the forty-first session (CLUSTER_GRAPH_HAZARD); MLX_MOE_FIX_CUDA_FUSED_ROUTER=1 turns it on.
+the router linear runs as its own node first. Every block of the launch computes the logits
+whole, so only where its blocks fit one wave of the GPU (each further wave would compute them
+again before its first expert load: at Mixtral's shape, 1792 blocks in ~3.4 waves, the launch took
+60.6 µs against the router's 5.7 and the gate+up's 46.3; docs/benchmarks.md, thirty-first
+session). It saves the host a node: qwen3_moe's batch-1 decode 0.980 of its dense equivalent
+against 0.964 with the router's node in one process (docs/benchmarks.md, forty-second session;
+with the logits shared by clusters of 8 blocks, 0.962-0.998 against 0.932-0.958 in four processes,
+thirty-second session). No clusters since the forty-second session: MLX caches a CUDA graph's
+kernel nodes without their cluster shape, and a plain MLX graph once came out unwritten after the
+clustered launch had run (not reproduced since; docs/benchmarks.md, forty-first and forty-second
+sessions). MLX_MOE_FIX_CUDA_FUSED_ROUTER=0 turns it off.
 MLX_MOE_FIX_CUDA_ROUTED_DECODE=0 turns the fused kernel off (the block then routes and runs its
 experts in separate launches).
 
@@ -60,26 +62,11 @@ from .reference import add_residual
 
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTED_DECODE"
 FUSED_ROUTER_SWITCH = "MLX_MOE_FIX_CUDA_FUSED_ROUTER"
-# Why router_gate_up is off by default. On the H200, after the patched blocks' GPU tests had run
-# their decode kernels in a process, a later plain MLX graph (softmax, argpartition,
-# take_along_axis) left its output unwritten once (the same graph built again was right; with our
-# kernels off in the earlier tests it was right first time); the fused router is the one kernel
-# launched in clusters, and MLX keys a cached CUDA graph's kernel nodes without their cluster
-# shape, so it may update a graph holding it into one holding another kernel, which CUDA does not
-# do correctly (docs/benchmarks.md, forty-first session). Not yet confirmed by a run without it.
-CLUSTER_GRAPH_HAZARD = ("its thread-block clusters may not be safe in MLX's CUDA graph updates (MLX keys a graph's kernel "
-                        "nodes without their cluster shape); suspected of a later op's output left unwritten")
 # The kernels' parameters, in the order of their `inputs` / outputs.
 INPUTS = {"routed_gate_up": ["x", "logits", *DECODE_INPUTS["gate_up"][2:]],
           "router_gate_up": ["x", "router_w", "router_s", "router_b", *DECODE_INPUTS["gate_up"][2:]],
           "sigmoid_shared_gate_up": ["x", "logits", "correction", "global_scale", *DECODE_INPUTS["shared_gate_up"][3:]]}
 OUTPUTS = {"routed_gate_up": ["hidden"], "router_gate_up": ["hidden"], "sigmoid_shared_gate_up": ["hidden"]}
-# router_gate_up's blocks come in clusters of this many along x, each computing 1 / ROUTER_CLUSTER
-# of its token's logits: the largest cluster a launch may have without an attribute MLX does not
-# set (cudaFuncAttributeNonPortableClusterSizeAllowed). 1: a launch without clusters, clear of
-# CLUSTER_GRAPH_HAZARD, each block computing all the logits (a block launched so is a cluster of
-# one, so the kernel's cluster steps act on it alone; not yet run on the GPU).
-ROUTER_CLUSTER = 8
 MAX_FUSED_ROUTER_EXPERTS = 256  # the logits route_token takes (32 lanes x 8 bf16)
 
 
@@ -136,17 +123,13 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
         fixed["dims"] = int_array(*fixed["dims"].tolist(), experts.num_experts)
         constants, arrays = source_constants(fixed)
         (rows, hidden_dims), itemsize = gate_up.output_shapes[0], dtype.size
-        (threads_x, blocks_y, blocks_z), block = gate_up.grid, gate_up.threadgroup
         if router is not None:
             template += [("ROUTER_BITS", router[0]), ("ROUTER_GROUP", router[1])]
-            threads_x = whole_clusters(threads_x // block[0]) * block[0]
         routed_gate_up = gate_up._replace(
             kernel=cuda_kernel_object("moe_routed_decode.cu", section, tuple(INPUTS[section]), tuple(OUTPUTS[section]),
-                                      split_bytes, gate_up_block_shape().launch_bounds(),
-                                      0 if router is None or ROUTER_CLUSTER == 1 else ROUTER_CLUSTER, constants),
+                                      split_bytes, gate_up_block_shape().launch_bounds(), constants),
             fixed_inputs=arrays,
             template=template,
-            grid=(threads_x, blocks_y, blocks_z),
             # each pair's row, then its expert (uint32) and weight (dtype): RoutingTail in the source
             output_shapes=[(rows * hidden_dims + pairs * (4 + itemsize) // itemsize,)],
         )
@@ -203,15 +186,14 @@ def logits_dtype(x: mx.array, logits):
 
 def fused_router_reason(x: mx.array, router: RouterLinear, experts: MoEExperts, top_k: int) -> Optional[str]:
     """Why router_gate_up cannot compute this router's logits for this call, or None: it takes one
-    token (each cluster of its blocks computes its token's logits whole), bf16 activations and an
-    affine 4- or 8-bit router of bf16 scales and no additive bias, on a GPU with clusters, where its
-    blocks fit one wave."""
+    token (each of its blocks computes its token's logits whole), bf16 activations and an affine
+    4- or 8-bit router of bf16 scales and no additive bias, where its blocks fit one wave."""
     unavailable = fused_router_unavailable_reason()
     if unavailable is not None:
         return unavailable
     tokens = x.size // x.shape[-1]
     if tokens != 1:
-        return f"{tokens} tokens: every cluster would compute its token's logits whole"
+        return f"{tokens} tokens: every block would compute its token's logits whole"
     if x.dtype != mx.bfloat16:
         return f"activations of {x.dtype}: the kernel reproduces MLX's bf16 quantized_matmul"
     if router.mode != "affine" or router.bits not in (4, 8) or router.group_size not in SUPPORTED_GROUP_SIZES:
@@ -227,16 +209,11 @@ def fused_router_reason(x: mx.array, router: RouterLinear, experts: MoEExperts, 
     return experts.memo(("fused router waves", top_k), lambda: _waves_reason(experts, top_k))
 
 
-def whole_clusters(blocks_x: int) -> int:
-    """A grid's blocks along x padded to whole clusters of router_gate_up."""
-    return -(-blocks_x // ROUTER_CLUSTER) * ROUTER_CLUSTER
-
-
 def fused_router_blocks(experts: MoEExperts, top_k: int) -> int:
-    """The blocks of router_gate_up's launch at one token: the gate+up's grid with its x padded to
-    whole clusters, for each of the k pairs."""
+    """The blocks of router_gate_up's launch at one token: the gate+up's grid along x, for each of
+    the k pairs."""
     (threads_x, _, _), block = gate_up_grid(experts, top_k)
-    return whole_clusters(threads_x // block[0]) * top_k
+    return threads_x // block[0] * top_k
 
 
 def one_wave_blocks() -> Optional[int]:
@@ -263,12 +240,12 @@ def fused_router_unavailable_reason() -> Optional[str]:
     router and shape, or None. The switch first: the patched blocks ask at every call
     (fusable_router)."""
     if not flag(FUSED_ROUTER_SWITCH):
-        return f"off ({FUSED_ROUTER_SWITCH}=1 turns it on): {CLUSTER_GRAPH_HAZARD}"
+        return f"switched off ({FUSED_ROUTER_SWITCH}=0)"
     if current_backend() != "cuda":
         return f"{current_backend()}: router_gate_up is a CUDA kernel"
     capability = compute_capability()
-    if capability is None or capability < (9, 0):
-        return "a GPU without thread-block clusters (compute capability 9.0 or later)"
+    if capability is None or capability < (8, 0):
+        return "a GPU before compute capability 8.0 (the kernel's bf16x2 arithmetic; run on 9.0 only)"
     return None
 
 

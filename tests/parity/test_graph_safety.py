@@ -2,9 +2,9 @@
 softmax, argpartition and take_along_axis, built lazily as one graph) once came out unwritten after
 the patched blocks had run their decode kernels in the process, while the same graph built again,
 and the CPU's, were right (docs/benchmarks.md, forty-first session; the fused router's thread-block
-clusters are suspected, through MLX's CUDA graph updates). Here: the patched blocks of mlx-lm's
-routed families run at decode and prefill sizes with the default switches, then graphs of that
-shape must gather exactly what their own inputs hold."""
+clusters were suspected, through MLX's CUDA graph updates, and are gone since the forty-second).
+Here: the patched blocks of mlx-lm's routed families run at decode and prefill sizes with the
+default switches, then graphs of that shape must gather exactly what their own inputs hold."""
 
 import mlx.core as mx
 import numpy as np

@@ -448,10 +448,10 @@ def test_ref_routed_decode_of_a_router_linear_is_that_of_its_logits(cpu_device):
 
 @st.composite
 def fused_router_cases(draw):
-    """A single-token decode case (bf16) and a quantized router for it: the logits' shares of a
-    cluster's 8 blocks uneven or empty (3, 20 experts), 16 a block (128); rows that end in qmv's
-    remainder only (128 values a row at 8 bits, 384 at 4) or after whole spans (384 at 8 bits,
-    640 at 4)."""
+    """A single-token decode case (bf16) and a quantized router for it: fewer logits than a
+    block's 4 warps (3 experts), uneven shares of them (20), 32 a warp (128); rows that end in
+    qmv's remainder only (128 values a row at 8 bits, 384 at 4) or after whole spans (384 at 8
+    bits, 640 at 4)."""
     bits, group = draw(st.sampled_from([(8, 64), (4, 64), (8, 32), (4, 128)]))
     dims = draw(st.sampled_from([128, 384, 640]))
     experts = draw(st.sampled_from([3, 8, 20, 128]))
@@ -491,9 +491,7 @@ def test_cuda_fused_router_declines_what_it_cannot_reproduce(cuda_device, switch
     case = make_case(mx.bfloat16, (4, 64), True, "swiglu", None, False, 128, 64, 8, 2, 1, 2)
     one_token = case.x[:, :1]
     router = RouterLinear.from_module(quantized_router(128, 8, 8, 64, 0))
-    assert "cluster" in fused_router_reason(one_token, router, case.experts, 2)  # the default: off
-    switch(FUSED_ROUTER_SWITCH, "1")
-    assert fused_router_reason(one_token, router, case.experts, 2) is None
+    assert fused_router_reason(one_token, router, case.experts, 2) is None  # the default: on
     assert "2 tokens" in fused_router_reason(case.x, router, case.experts, 2)
     assert "float16" in fused_router_reason(one_token.astype(mx.float16), router, case.experts, 2)
     assert "additive bias" in fused_router_reason(one_token, RouterLinear.from_module(quantized_router(128, 8, 8, 64, 0, True)),
@@ -502,9 +500,11 @@ def test_cuda_fused_router_declines_what_it_cannot_reproduce(cuda_device, switch
                                                        case.experts, 2)
     assert moe_routed_decode.multiprocessor_count() > 0  # asked of the CUDA driver
     monkeypatch.setattr(moe_routed_decode, "multiprocessor_count", lambda: 1)  # one wave: 4 blocks of 4 warps
-    assert "more than the 4 of one wave" in fused_router_reason(one_token, router, case.experts, 1)  # 8 blocks (a cluster)
+    # the waves' verdict is kept per experts and k: at top-k not asked above
+    assert fused_router_reason(one_token, router, case.experts, 1) is None  # 64 rows: 4 blocks
+    assert "16 gate+up blocks, more than the 4 of one wave" in fused_router_reason(one_token, router, case.experts, 4)
     switch(FUSED_ROUTER_SWITCH, "0")
-    assert fused_router_reason(one_token, router, case.experts, 2).startswith(f"off ({FUSED_ROUTER_SWITCH}=1 turns it on)")
+    assert fused_router_reason(one_token, router, case.experts, 2) == f"switched off ({FUSED_ROUTER_SWITCH}=0)"
 
 
 @pytest.mark.parametrize("family", BLOCK_FAMILIES)
@@ -531,11 +531,11 @@ def test_cuda_decoder_layer_adds_its_residual_inside_the_down_launch(cuda_device
 
 @pytest.mark.parametrize("family", BLOCK_FAMILIES)
 def test_a_routed_decode_block_is_its_router_and_two_launches(cuda_device, switch, family):
-    """Issue 5: at a single token the router's linear, the routed gate+up kernel and the combining
-    down kernel by default; with MLX_MOE_FIX_CUDA_FUSED_ROUTER=1 the router's matmul goes inside the
-    gate+up launch where the router is a quantized linear without a bias (qwen3_moe's and mixtral's;
-    gpt-oss's, a matmul and its bias, stays in front); with the routing in its own launch
-    (MLX_MOE_FIX_CUDA_ROUTED_DECODE=0), one more. Built in Python (no compiled step), so that the
+    """Issue 5: at a single token, by default, the router's matmul inside the routed gate+up launch
+    where the router is a quantized linear without a bias (qwen3_moe's and mixtral's; gpt-oss's, a
+    matmul and its bias, stays in front), then the combining down kernel; with
+    MLX_MOE_FIX_CUDA_FUSED_ROUTER=0 the router's linear, the routed gate+up kernel and the down;
+    with the routing in its own launch too (MLX_MOE_FIX_CUDA_ROUTED_DECODE=0), one more. Built in Python (no compiled step), so that the
     graph shows the primitives a replay runs."""
     switch("MLX_MOE_FIX_COMPILED_DECODE", "0")
     model = zoo.build(family, 4, dtype=mx.bfloat16)
@@ -544,10 +544,9 @@ def test_a_routed_decode_block_is_its_router_and_two_launches(cuda_device, switc
     mx.eval(x)
     router = launches_of(block["router" if family == "gpt_oss" else "gate"](x))
     with mlx_moe_fix.patched():
-        routed = launches_of(block(x))
-        switch("MLX_MOE_FIX_CUDA_FUSED_ROUTER", "1")
         fused = launches_of(block(x))
-        switch("MLX_MOE_FIX_CUDA_FUSED_ROUTER", "")
+        switch("MLX_MOE_FIX_CUDA_FUSED_ROUTER", "0")
+        routed = launches_of(block(x))
         switch("MLX_MOE_FIX_CUDA_ROUTED_DECODE", "0")
         apart = launches_of(block(x))
     assert len(router) == (2 if family == "gpt_oss" else 1), router

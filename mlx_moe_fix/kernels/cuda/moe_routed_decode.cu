@@ -78,9 +78,9 @@ __device__ __forceinline__ void route_shared_slot(const T* logits, const C* corr
 // lane adds its slots in order into fp32, and the warp sums by cooperative_groups' butterfly.
 // The loads of AHEAD spans and their activations are issued before any is used: a span at a
 // time waits a round trip to memory per span.
-// Every cluster computes its token's logits whole (Qwen3's router 48 times a layer), so the
-// arithmetic is two values an instruction where it can be: a pair of q as exact bf16 without a
-// conversion (8-bit: small_uint_to_float, then the floats' upper halves; I2F and F2F run at a
+// Every block of router_gate_up computes its token's logits whole (Qwen3's router 384 times a
+// layer), so the arithmetic is two values an instruction where it can be: a pair of q as exact
+// bf16 without a conversion (8-bit: small_uint_to_float, then the floats' upper halves; I2F and F2F run at a
 // quarter of the FMA rate, and two per value made the router inside the launch cost more GPU time
 // than its own launch), dequantised by one bf16x2 fma, and at 4 bits accumulated by one bf16x2
 // fma: each lane of a bf16x2 instruction rounds as the scalar one does.
@@ -167,36 +167,6 @@ __device__ __forceinline__ float mlx_qmv_row(
   return warp_sum(sum);
 }
 
-// A bf16 value of this cluster's block `rank`, at `local`'s place in that block's shared memory.
-__device__ __forceinline__ __nv_bfloat16 cluster_load(const __nv_bfloat16* local, unsigned rank) {
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(local));
-  unsigned remote;
-  unsigned short bits;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
-  asm volatile("ld.shared::cluster.u16 %0, [%1];" : "=h"(bits) : "r"(remote) : "memory");
-  return __ushort_as_bfloat16(bits);
-}
-
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-  return rank;
-}
-
-__device__ __forceinline__ unsigned cluster_blocks() {
-  unsigned blocks;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(blocks));
-  return blocks;
-}
-
-// The two halves of a cluster-wide barrier (every thread of every block of the cluster), with
-// the cluster's shared memory writes before `arrive` seen after `wait`.
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
 
 }  // namespace moe_routed
 
@@ -233,13 +203,13 @@ __device__ __forceinline__ void cluster_wait() {
 // routed_gate_up with its token's router logits computed in the launch, bit for bit as MLX's
 // quantized_matmul computes them (mlx_qmv_row), so that the block needs no router node (at batch
 // 1 a node costs the host more than its GPU time: docs/decode-attribution.md, section 28).
-// Launched in clusters of blocks along x (moe_routed_decode.ROUTER_CLUSTER; the grid's x a
-// multiple of it; blocks past the last row group only route): each block computes its share of
-// the logits into its shared memory, and warp 0 of each gathers the others' through distributed
-// shared memory.
+// Each block computes all its token's logits into its shared memory, so the launch is only for
+// one token and as many blocks as the GPU runs at once (moe_routed_decode.fused_router_reason).
+// Not in clusters sharing the logits: MLX keys a cached CUDA graph's kernel nodes without their
+// cluster shape (docs/benchmarks.md, forty-second session).
 // inputs: x [N, IN_DIM] (bf16), router_w [E, IN_DIM * ROUTER_BITS / 32], router_s, router_b
 //         [E, IN_DIM / ROUTER_GROUP] (bf16), then routed_gate_up's inputs from gate_w on;
-// output: as routed_gate_up's. Every cluster computes its token's logits whole: for few tokens.
+// output: as routed_gate_up's.
 {
   using namespace moe_decode;
   static_assert(cuda::std::is_same_v<T, __nv_bfloat16>, "MLX's bf16 qmv");
@@ -251,39 +221,21 @@ __device__ __forceinline__ void cluster_wait() {
   const int pair = blockIdx.y;
   const T* activations = x + (size_t)(pair / d.top_k) * d.in_dim;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const unsigned rank = moe_routed::cluster_rank();
-  const int clustered = moe_routed::cluster_blocks();
-  const int share = (experts + clustered - 1) / clustered;
-  // the block's share of the logits, a row a warp at a time
-  const int end_logit = min(experts, (int)(rank + 1) * share);
-  for (int row = rank * share + warp; row < end_logit; row += blockDim.x / 32) {
+  for (int row = warp; row < experts; row += blockDim.x / 32) {
     const float logit = moe_routed::mlx_qmv_row<ROUTER_BITS, ROUTER_GROUP>(activations, router_w, router_s, router_b, row, d.in_dim, lane);
     if (lane == 0) logits[row] = static_cast<T>(logit);
   }
   const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT>(activations, d.in_dim);
-  moe_routed::cluster_arrive();
-  moe_routed::cluster_wait();  // every block's share written (and this block's split)
-  if (warp == 0) {
-    // each lane fetches the logits route_token will read in that lane
-#pragma unroll
-    for (int i = 0; i < moe_router::CHUNK<T>; ++i) {
-      const int e = lane * moe_router::CHUNK<T> + i;
-      const unsigned owner = e / share;
-      if (e < experts && owner != rank) logits[e] = moe_routed::cluster_load(logits + e, owner);
-    }
-  }
-  moe_routed::cluster_arrive();  // this block is done with the others' shared memory
+  __syncthreads();  // every logit written (and this block's split)
   if (warp == 0) {
     moe_routed::route_pair<SOFTMAX_FIRST, NORMALIZE, LAST_K>(logits, experts, d.top_k, pair, hidden, d.out_dim, block_expert);
   }
   __syncthreads();
   const int first_row = (blockIdx.x * WARPS + warp) * RPW;
-  if (first_row < d.out_dim) {
-    gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, SHARED_SPLIT, T, S>(
-        hidden, pair, block_expert, first_row, activations, split,
-        {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
-  }
-  moe_routed::cluster_wait();  // the cluster is done with this block's logits: its shared memory may go
+  if (first_row >= d.out_dim) return;
+  gate_up_rows<BITS, GROUP, RPW, GATED, HAS_BIAS, SHARED_SPLIT, T, S>(
+      hidden, pair, block_expert, first_row, activations, split,
+      {gate_w, gate_s, gate_b}, {up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params);
 }
 
 //// sigmoid_shared_gate_up
