@@ -10,7 +10,7 @@ from collections import Counter
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import mlx_moe_fix
@@ -72,6 +72,11 @@ def test_routing_rejects_unknown_kinds_and_misplaced_normalisation():
         Routing("topk_softmax", 2, normalize=True)
 
 
+def coarse(shape, seed, dtype, scale=4):
+    """Normals on a 1/scale grid: many exact ties."""
+    return (mx.round(mx.random.normal(shape, key=mx.random.key(seed)) * scale) / scale).astype(dtype)
+
+
 @st.composite
 def router_cases(draw):
     dtype = draw(st.sampled_from([mx.bfloat16, mx.float16, mx.float32]))
@@ -81,14 +86,16 @@ def router_cases(draw):
     kind = draw(st.sampled_from(["softmax_topk", "topk_softmax", "topk_softmax_last"]))
     normalize = kind == "softmax_topk" and draw(st.booleans())
     tokens = draw(st.integers(1, 40))
-    # Coarse logits (steps of 1/4): many exact ties, at the k-th place too.
-    seed = draw(st.integers(0, 2**16))
-    logits = (mx.round(mx.random.normal((tokens, experts), key=mx.random.key(seed)) * 4) / 4).astype(dtype)
-    return logits, Routing(kind, top_k, normalize)
+    # coarse logits: ties at the k-th place too
+    return coarse((tokens, experts), draw(st.integers(0, 2**16)), dtype), Routing(kind, top_k, normalize)
 
 
 @CASES
 @given(case=router_cases())
+# The case whose reference came out unwritten on the H200 after the file's patched-block tests, in
+# the thirty-first and forty-first sessions (docs/benchmarks.md, forty-first session): tried first
+# in every run, as the hypothesis database that replayed it is not kept between machines.
+@example(case=(coarse((2, 8), 0, mx.bfloat16), Routing("softmax_topk", 1)))
 def test_cuda_router_kernel_matches_ref(cuda_device, case):
     """Bit for bit, ties and order included: on MLX's CUDA backend the reference's argpartition
     is a stable sort, whose choices among equal values the kernel reproduces (cuda/moe_router.cu)."""
@@ -117,11 +124,6 @@ def references_apart(logits, routing, weights, expected_weights) -> str:
 def first_inkling_moe(dtype=mx.bfloat16):
     model = zoo.build("inkling", 4, dtype=dtype)
     return next(m for _, m in model.named_modules() if type(m).__name__ == "InklingSparseMoE")
-
-
-def coarse(shape, seed, dtype, scale=4):
-    """Normals on a 1/scale grid: many exact ties."""
-    return (mx.round(mx.random.normal(shape, key=mx.random.key(seed)) * scale) / scale).astype(dtype)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 70])
