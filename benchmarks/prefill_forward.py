@@ -18,15 +18,21 @@ docs/benchmarks.md, tenth session); the first round starts each variant with two
 at the same shape (MLX compiles its kernels per shape; the compiled variant traces by its second
 call). A new length's first three calls (L + 1 tokens), build and eval, patched (in a model called
 before: traced by its first MoE block and replayed by the others from the first call) and of the
-dense equivalent, and the ratio of their first calls' totals, are printed last. Build: the Python call that makes the lazy graph; eval: mx.eval of the logits; both the
+dense equivalent, and the ratio of their first calls' totals, are printed last, with what each
+first call added to MLX's PTX cache (kernels NVRTC compiled, by name) and to the CUDA driver's
+compute cache (PTX the driver compiled for the GPU as MLX loaded it): run with MLX_PTX_CACHE_DIR
+and CUDA_CACHE_PATH at empty folders to see everything a first call compiles. Build: the Python call that makes the lazy graph; eval: mx.eval of the logits; both the
 median over rounds of each round's median. A model's total less its variant's without MoE block /
 MLP is the blocks' share of the forward.
 """
 
 import argparse
 import contextlib
+import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -74,17 +80,41 @@ def _built_in_python():
     return _patched_with(PREFILL_COMPILE_SWITCH, "0")
 
 
-def first_calls(model, prompt: mx.array, calls: int = 3) -> list:
-    """(build ms, eval ms) of the first `calls` forwards at the shape of `prompt`."""
+def kernel_caches() -> dict:
+    """label: folder of the caches a first call may add to: MLX's PTX cache (jit_module.cpp's
+    default when MLX_PTX_CACHE_DIR is unset) and the CUDA driver's compute cache (its default when
+    CUDA_CACHE_PATH is unset)."""
+    return {"MLX PTX": Path(os.environ.get("MLX_PTX_CACHE_DIR") or Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"),
+            "driver": Path(os.environ.get("CUDA_CACHE_PATH") or Path.home() / ".nv" / "ComputeCache")}
+
+
+def cache_files(folder: Path) -> set:
+    return {p.relative_to(folder) for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else set()
+
+
+def cache_additions(before: dict, after: dict) -> str:
+    """What a call added to each cache: MLX's kernels by name (one .ptx each), the driver's as a count."""
+    added = {label: after[label] - before[label] for label in before}
+    kernels = sorted(p.stem for p in added["MLX PTX"] if p.suffix == ".ptx")
+    return f"{len(kernels)} PTX compiled{' (' + ', '.join(kernels) + ')' if kernels else ''}, {len(added['driver'])} driver cache files"
+
+
+def first_calls(model, prompt: mx.array, calls: int = 3) -> tuple:
+    """(build ms, eval ms) of the first `calls` forwards at the shape of `prompt`, and what the first
+    added to the kernel caches (cache_additions)."""
     times = []
-    for _ in range(calls):
+    caches = kernel_caches()
+    before = {label: cache_files(folder) for label, folder in caches.items()}
+    for call in range(calls):
         start = time.perf_counter()
         logits = model(prompt)
         built = time.perf_counter()
         mx.eval(logits)
         times.append(((built - start) * 1e3, (time.perf_counter() - built) * 1e3))
         del logits
-    return times
+        if call == 0:
+            added = cache_additions(before, {label: cache_files(folder) for label, folder in caches.items()})
+    return times, added
 
 
 @contextlib.contextmanager
@@ -112,7 +142,7 @@ def main(argv=None):
     moe, dense = models.build_model(spec), models.build_model(specs[spec.dense])
     rng = np.random.default_rng(0)
     mlx_moe_fix.revert()
-    rows, first_builds = [], []
+    rows, first_builds, first_additions = [], [], []
     for length in (int(n) for n in args.prompts.split(",")):
         prompt = mx.array(rng.integers(0, spec.config["vocab_size"], (1, length)))
         chosen = variants(moe, dense, length <= args.stock_max_prompt)
@@ -134,7 +164,8 @@ def main(argv=None):
             calls = {}
             for patched in (patched_first, not patched_first):
                 with mlx_moe_fix.patched() if patched else contextlib.nullcontext():
-                    calls[patched] = first_calls(moe if patched else dense, new_length)
+                    calls[patched], added = first_calls(moe if patched else dense, new_length)
+                first_additions.append(f"{length + offset} tokens, {'MoE, patched' if patched else 'dense equivalent'}: {added}")
             versus = sum(calls[False][0]) / sum(calls[True][0])
             for label, patched in (("MoE, patched", True), ("dense equivalent", False)):
                 order = "first" if patched == patched_first else "second"
@@ -149,11 +180,15 @@ def main(argv=None):
           "at that length may find loaded):")
     print(markdown_table(["tokens", "model", "at this length", "1st call", "2nd", "3rd", "dense / patched, 1st call"],
                          first_builds))
+    print("added to the kernel caches by each 1st call, in order (" +
+          ", ".join(f"{label}: {folder}" for label, folder in kernel_caches().items()) + "):")
+    print("\n".join(first_additions))
     with mlx_moe_fix.patched():
         state = mlx_moe_fix.status()["compiled_prefill_shapes"]
     print(f"prefill compiled per shape, patched: {'on' if state['on'] else 'off'} ({state['reason']})")
     if args.json:
-        write_json(args.json, {"model": args.model, "rows": rows, "first_builds": first_builds})
+        write_json(args.json, {"model": args.model, "rows": rows, "first_builds": first_builds,
+                               "first_additions": first_additions})
 
 
 if __name__ == "__main__":
