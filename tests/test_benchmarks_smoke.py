@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -413,8 +414,26 @@ def test_prefill_forward_smoke_times_every_variant(tmp_path):
     for at, calls in enumerate(first_builds):  # (build / eval) of three calls, then the first calls' ratio
         assert len(calls) == 7 and all(float(ms) > 0 for cell in calls[3:6] for ms in cell.split(" / "))
         assert float(calls[6]) > 0 and calls[6] == first_builds[at - at % 2][6]
+    assert [re.sub(r"\d+ PTX compiled.*", "", line) for line in written["first_additions"]] == [
+        "41 tokens, MoE, patched: ", "41 tokens, dense equivalent: ", "42 tokens, dense equivalent: ", "42 tokens, MoE, patched: "]
     # the CPU runs the references, whose calls are not compiled: the benchmark says so
     assert "prefill compiled per shape, patched: off (cpu: only the CUDA kernels' calls are compiled)" in out
+
+
+def test_prefill_forward_names_the_kernels_a_first_call_added_to_the_caches(tmp_path):
+    from benchmarks.prefill_forward import cache_additions, cache_files
+
+    ptx, driver = tmp_path / "ptx", tmp_path / "driver"
+    (ptx / "old.ptx").parent.mkdir()
+    (ptx / "old.ptx").write_text("")
+    before = {"MLX PTX": cache_files(ptx), "driver": cache_files(driver)}  # the driver's folder not yet made
+    for name in ("new_b.ptx", "new_b.cu", "new_b.txt", "new_a.ptx"):
+        (ptx / name).write_text("")
+    (driver / "ab" / "cd").mkdir(parents=True)
+    (driver / "ab" / "cd" / "entry").write_text("")
+    after = {"MLX PTX": cache_files(ptx), "driver": cache_files(driver)}
+    assert cache_additions(before, after) == "2 PTX compiled (new_a, new_b), 1 driver cache files"
+    assert cache_additions(after, after) == "0 PTX compiled, 0 driver cache files"
 
 
 def test_prefill_ab_compares_gate_up_rows_in_pair_order():
