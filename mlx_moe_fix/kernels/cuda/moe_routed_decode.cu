@@ -80,10 +80,10 @@ __device__ __forceinline__ void route_shared_slot(const T* logits, const C* corr
 // time waits a round trip to memory per span.
 // Every block of router_gate_up computes its token's logits whole (Qwen3's router 384 times a
 // layer), so the arithmetic is two values an instruction where it can be: a pair of q as exact
-// bf16 without a conversion (8-bit: small_uint_to_float, then the floats' upper halves; I2F and F2F run at a
-// quarter of the FMA rate, and two per value made the router inside the launch cost more GPU time
-// than its own launch), dequantised by one bf16x2 fma, and at 4 bits accumulated by one bf16x2
-// fma: each lane of a bf16x2 instruction rounds as the scalar one does.
+// bf16 without a conversion (8-bit: small_uint_to_float, then the floats' upper halves; I2F and
+// F2F run at a quarter of the FMA rate, and two per value made the router inside the launch cost
+// more GPU time than its own launch), dequantised by one bf16x2 fma, and at 4 bits accumulated by
+// one bf16x2 fma: each lane of a bf16x2 instruction rounds as the scalar one does.
 template <int BITS>
 __device__ __forceinline__ __nv_bfloat162 exact_pair(uint32_t word, int first) {
   if constexpr (BITS == 8) {
@@ -166,7 +166,6 @@ __device__ __forceinline__ float mlx_qmv_row(
   }
   return warp_sum(sum);
 }
-
 
 }  // namespace moe_routed
 
