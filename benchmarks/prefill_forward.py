@@ -92,6 +92,11 @@ def cache_files(folder: Path) -> set:
     return {p.relative_to(folder) for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else set()
 
 
+def cache_snapshot() -> dict:
+    """label: the files in each of kernel_caches' folders now."""
+    return {label: cache_files(folder) for label, folder in kernel_caches().items()}
+
+
 def cache_additions(before: dict, after: dict) -> str:
     """What a call added to each cache: MLX's kernels by name (one .ptx each), the driver's as a count."""
     added = {label: after[label] - before[label] for label in before}
@@ -103,8 +108,7 @@ def first_calls(model, prompt: mx.array, calls: int = 3) -> tuple:
     """(build ms, eval ms) of the first `calls` forwards at the shape of `prompt`, and what the first
     added to the kernel caches (cache_additions)."""
     times = []
-    caches = kernel_caches()
-    before = {label: cache_files(folder) for label, folder in caches.items()}
+    before = cache_snapshot()
     for call in range(calls):
         start = time.perf_counter()
         logits = model(prompt)
@@ -113,7 +117,7 @@ def first_calls(model, prompt: mx.array, calls: int = 3) -> tuple:
         times.append(((built - start) * 1e3, (time.perf_counter() - built) * 1e3))
         del logits
         if call == 0:
-            added = cache_additions(before, {label: cache_files(folder) for label, folder in caches.items()})
+            added = cache_additions(before, cache_snapshot())
     return times, added
 
 

@@ -537,8 +537,8 @@ def test_a_routed_decode_block_is_its_router_and_two_launches(cuda_device, switc
     where the router is a quantized linear without a bias (qwen3_moe's and mixtral's; gpt-oss's, a
     matmul and its bias, stays in front), then the combining down kernel; with
     MLX_MOE_FIX_CUDA_FUSED_ROUTER=0 the router's linear, the routed gate+up kernel and the down;
-    with the routing in its own launch too (MLX_MOE_FIX_CUDA_ROUTED_DECODE=0), one more. Built in Python (no compiled step), so that the
-    graph shows the primitives a replay runs."""
+    with the routing in its own launch too (MLX_MOE_FIX_CUDA_ROUTED_DECODE=0), one more. Built in
+    Python (no compiled step), so that the graph shows the primitives a replay runs."""
     switch("MLX_MOE_FIX_COMPILED_DECODE", "0")
     model = zoo.build(family, 4, dtype=mx.bfloat16)
     block = first_block(model)
