@@ -14,14 +14,18 @@ import mlx_moe_fix
 from mlx_moe_fix import env, trace, zoo
 from mlx_moe_fix.patches import compiled
 
+from ..conftest import CUDA_KERNEL_SWITCHES
+
 FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v4", "inkling")
 
 
 @pytest.fixture
 def compiled_steps(device, monkeypatch):
-    """The decode kernel switched on (on the GPU the compiled path needs it) and, on the CPU,
-    the compiled path allowed there; yields a function that sets MLX_MOE_FIX_COMPILED_DECODE."""
-    monkeypatch.setenv("MLX_MOE_FIX_CUDA_DECODE", "1")
+    """Our CUDA kernels switched on (on the GPU the compiled paths need them, whatever the
+    environment says) and, on the CPU, the compiled path allowed there; yields a function that
+    sets MLX_MOE_FIX_COMPILED_DECODE."""
+    for name in CUDA_KERNEL_SWITCHES:
+        monkeypatch.setenv(name, "1")
     if device == "cpu":
         monkeypatch.setattr(compiled, "BACKENDS", ("cpu",))
 

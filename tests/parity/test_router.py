@@ -364,7 +364,7 @@ def routed_decode_cases(draw):
 
 @CASES
 @given(routed=routed_decode_cases())
-def test_cuda_routed_decode_kernel_matches_the_router_and_decode_kernels(cuda_device, routed):
+def test_cuda_routed_decode_kernel_matches_the_router_and_decode_kernels(cuda_kernels, routed):
     """Bit for bit: the fused kernel routes with the router kernel's device code and computes
     with the decode kernel's (each tested against its reference above and in test_ops)."""
     from mlx_moe_fix.kernels.moe_decode import moe_decode_kernel
@@ -510,7 +510,7 @@ def test_cuda_fused_router_declines_what_it_cannot_reproduce(cuda_device, switch
 
 
 @pytest.mark.parametrize("family", BLOCK_FAMILIES)
-def test_cuda_decoder_layer_adds_its_residual_inside_the_down_launch(cuda_device, switch, family):
+def test_cuda_decoder_layer_adds_its_residual_inside_the_down_launch(cuda_kernels, switch, family):
     """Issue 5 (patches/decoder_layers.py): at a single token the layer's last residual add runs in
     the combining down launch, one Add node fewer than with MLX_MOE_FIX_RESIDUAL_IN_BLOCK=0, and the
     layer's output is the same bit for bit. Built in Python (no compiled step), so that the graph

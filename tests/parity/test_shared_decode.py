@@ -127,7 +127,7 @@ def shared_float32_oracle(case: SharedCase) -> mx.array:
 
 @CASES
 @given(case=shared_cases())
-def test_cuda_shared_decode_kernel_matches_ref(cuda_device, case):
+def test_cuda_shared_decode_kernel_matches_ref(cuda_kernels, case):
     from mlx_moe_fix.kernels.moe_shared_decode import moe_shared_decode_kernel
 
     assert cuda_unsupported_reason(case.experts, case.shared, case.dtype) is None, case.label
@@ -265,7 +265,7 @@ def test_ref_routed_shared_decode_matches_stock(cpu_device, routed):
 # each new one is an NVRTC compile of five kernels (~7-13 s a case on the H200).
 @settings(CASES, max_examples=min(CASES.max_examples, 12))
 @given(routed=routed_shared_cases())
-def test_cuda_routed_shared_decode_kernel_is_the_router_and_shared_decode_kernels(cuda_device, routed):
+def test_cuda_routed_shared_decode_kernel_is_the_router_and_shared_decode_kernels(cuda_kernels, routed):
     """The one-op block routes with the router kernel's device code and computes the experts with the
     shared decode kernel's: its output is theirs bit for bit, ties in the routing included."""
     from mlx_moe_fix.kernels.moe_routed_decode import cuda_unsupported_reason as routed_reason
