@@ -281,7 +281,11 @@ def test_cuda_routed_shared_decode_kernel_is_the_router_and_shared_decode_kernel
     apart = moe_shared_decode_kernel(case.x, indices, case.experts, weights, case.shared, shared_weights)
     assert out.dtype == case.dtype and out.shape == (*case.x.shape[:-1], case.experts.output_dims)
     assert mx.array_equal(out, apart), case.label
-    assert_close(out, routed.call(moe_routed_decode_reference), case.dtype, f"{case.label}: ")
+    # Against the float32 oracle on the CPU, of the router kernel's choice (test_router checks it
+    # against moe_router_reference): MLX's own CUDA quantized matmul, which the reference calls on
+    # the GPU, gave garbage at these small widths on the H200 (forty-third session, docs/benchmarks.md).
+    routed_case = dataclasses.replace(case, indices=indices, weights=weights, shared_weights=shared_weights)
+    assert_close(out, shared_float32_oracle(routed_case), case.dtype, f"{case.label}: ")
 
 
 def test_the_routed_kernel_takes_shared_experts_with_inklings_routing_only(monkeypatch):
