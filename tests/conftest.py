@@ -46,18 +46,20 @@ def cuda_device():
     mx.set_default_device(previous)
 
 
-# The switches of our CUDA kernels: gpu-check.sh's REFERENCES_TOO run sets them to 0 in the
-# environment, which a test of what the kernels do must override.
-CUDA_KERNEL_SWITCHES = ("MLX_MOE_FIX_CUDA_DECODE", "MLX_MOE_FIX_CUDA_PREFILL", "MLX_MOE_FIX_CUDA_ROUTER")
+def switch_cuda_kernels_on(monkeypatch) -> None:
+    """Our three CUDA kernels (prefill, decode, router) switched on for a test, whatever the
+    environment says: gpu-check.sh's REFERENCES_TOO run sets them to 0 there, which a test of what
+    the kernels do must override."""
+    for name in ("MLX_MOE_FIX_CUDA_DECODE", "MLX_MOE_FIX_CUDA_PREFILL", "MLX_MOE_FIX_CUDA_ROUTER"):
+        monkeypatch.setenv(name, "1")
+    env.refresh()
 
 
 @pytest.fixture
 def cuda_kernels(cuda_device, monkeypatch):
-    """Runs a test of our CUDA kernels on a CUDA GPU with them switched on, whatever the
-    environment says; skipped visibly elsewhere."""
-    for name in CUDA_KERNEL_SWITCHES:
-        monkeypatch.setenv(name, "1")
-    env.refresh()
+    """Runs a test of our CUDA kernels on a CUDA GPU with them switched on
+    (switch_cuda_kernels_on); skipped visibly elsewhere."""
+    switch_cuda_kernels_on(monkeypatch)
     yield
     monkeypatch.undo()
     env.refresh()

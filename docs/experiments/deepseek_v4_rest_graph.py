@@ -2,21 +2,13 @@
 their input) against the rest of its dense equivalent (its dense MLPs returning their input): the
 primitives of one decode token's graph, counted by kind. Result: docs/decode-attribution.md, section 40.
 Run from the repo root: PYTHONPATH=. python3 docs/experiments/deepseek_v4_rest_graph.py"""
-import io
-import re
 from collections import Counter
 
 import mlx.core as mx
 
 from benchmarks.decode_attribution import identity, mlp_classes, moe_block_classes, replaced_calls
 from benchmarks.models import build_model, model_specs
-
-
-def primitives(array):
-    dot = io.StringIO()
-    mx.export_to_dot(dot, array)
-    return Counter(re.findall(r'label ="([^"]+)"', dot.getvalue()))
-
+from tests.parity.test_router import primitives_of
 
 specs = model_specs(smoke=True, deepseek_layers=2)
 counts = {}
@@ -28,7 +20,7 @@ for name in ("deepseek_v4", "deepseek_v4_dense"):
         mx.eval(model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=cache))
         mx.eval([c.state for c in cache if hasattr(c, "state")])
         logits = model(mx.array([[9]]), cache=cache)
-        counts[name] = primitives(logits)
+        counts[name] = Counter(primitives_of(logits))
     print(name, "blocks replaced:", sorted(c.__name__ for c in classes), "nodes:", sum(counts[name].values()))
 moe, dense = counts["deepseek_v4"], counts["deepseek_v4_dense"]
 print("only in the MoE model's rest:", dict(moe - dense))

@@ -14,7 +14,7 @@ import mlx_moe_fix
 from mlx_moe_fix import env, trace, zoo
 from mlx_moe_fix.patches import compiled
 
-from ..conftest import CUDA_KERNEL_SWITCHES
+from ..conftest import switch_cuda_kernels_on
 
 FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v4", "inkling")
 
@@ -24,8 +24,7 @@ def compiled_steps(device, monkeypatch):
     """Our CUDA kernels switched on (on the GPU the compiled paths need them, whatever the
     environment says) and, on the CPU, the compiled path allowed there; yields a function that
     sets MLX_MOE_FIX_COMPILED_DECODE."""
-    for name in CUDA_KERNEL_SWITCHES:
-        monkeypatch.setenv(name, "1")
+    switch_cuda_kernels_on(monkeypatch)
     if device == "cpu":
         monkeypatch.setattr(compiled, "BACKENDS", ("cpu",))
 
