@@ -472,6 +472,10 @@ def build_model(spec: ModelSpec) -> nn.Module:
         mx.eval([v for v in sub.values() if isinstance(v, mx.array)])
         randomize_zero_parameters(sub)
     mx.eval(model.parameters())  # anything nested deeper than a module's own attributes
+    # In inference mode, as mlx-lm's and mlx-vlm's loaders leave a model: an nn.Module is built
+    # training, and DeepSeek-V4's gate then routes (and its decode-block calls run) as in training,
+    # which the patch leaves to upstream (moe_blocks.deepseek_v4_routing).
+    model.eval()
     return model
 
 

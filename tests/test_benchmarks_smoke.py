@@ -371,6 +371,23 @@ def test_decode_timeline_block_variants_restore_an_inherited_call():
     assert "__call__" not in language.DeepseekV4MoE.__dict__
 
 
+def test_benchmark_models_are_built_for_inference_as_the_loaders_leave_them():
+    # mlx-lm's and mlx-vlm's loaders call model.eval(); a model left training routes DeepSeek-V4's
+    # gates through upstream's ops, which the patch never replaces (the forty-fifth session's
+    # finding: every DeepSeek-V4 benchmark reading before it had no router kernel of ours).
+    import mlx.core as mx
+
+    from benchmarks import models
+    from mlx_moe_fix.patches.moe_blocks import deepseek_v4_routing
+
+    spec = models.model_specs(True, 2)["deepseek_v4"]
+    model = models.build_model(spec)
+    assert not any(module.training for _, module in model.named_modules())
+    gates = [module for _, module in model.named_modules() if type(module).__name__ == "MoEGate"]
+    one_token = mx.zeros((1, 1, spec.config["hidden_size"]), mx.bfloat16)
+    assert gates and all(deepseek_v4_routing(gate, one_token) is not None for gate in gates)
+
+
 def test_block_shapes_parse_and_set_the_decode_launches_block_shapes():
     import mlx.core as mx
 
