@@ -27,7 +27,8 @@ or inside the gate+up launch ("router inside"), so that the router's device time
 tokens: one decode token of --model (of --batch sequences at once), patched, and of its dense
 equivalent (mlx-lm's generate_step loop, benchmarks.decode_timeline.Decoder): the token's build and evaluation against
 the kernels' device time (where the device time is well under the token's, the token is host time).
-Per part the kernels are also listed by name (the longest first: count a layer or token, mean µs).
+Per part the kernels are also listed by name (the longest summed time first: count a layer or token, mean
+µs), the first --top-kernels of them (0: all).
 """
 
 import argparse
@@ -41,7 +42,7 @@ import mlx.core as mx
 
 from .timing import build_and_evaluation, markdown_table, warm_up
 
-TOP_KERNELS = 6
+TOP_KERNELS = 6  # kernels listed a part, the longest summed time first (--top-kernels)
 
 
 def kernel_events(trace: dict) -> list:
@@ -85,15 +86,15 @@ def traced(fn, reps: int) -> tuple:
 
 
 def summary(label: str, phases: list, kernels: list, reps: int, per: int, nbytes=None) -> tuple:
-    """(the table row, the kernels' lines) of one traced part, per layer or token (`per` of them
-    a rep)."""
+    """(the table row, the kernels' lines, every kernel's, the longest summed time first) of one
+    traced part, per layer or token (`per` of them a rep)."""
     build, evaluation = (statistics.median(p[i] for p in phases) * 1e6 / per for i in range(2))
     summed = sum(k["dur"] for k in kernels) / reps / per
     busy = busy_time(kernels) / reps / per
     row = [label, f"{build:.1f}", f"{evaluation:.1f}", f"{len(kernels) / reps / per:.1f}", f"{summed:.1f}", f"{busy:.1f}",
            f"{busy / evaluation:.2f}", "-" if nbytes is None else f"{nbytes / busy / 1e3:.0f}"]
     lines = [f"  {label}: {count:.1f} x {mean:.2f} µs  {name[:100]}" for name, count, mean in kernel_table(kernels, reps * per)]
-    return row, lines[:TOP_KERNELS]
+    return row, lines
 
 
 ROUTER_QUANTIZATION = {"qwen3": (8, 64), "mixtral": (4, 64)}  # (bits, group) as mlx-lm quantizes the models' routers
@@ -216,6 +217,7 @@ def main(argv=None):
     parser.add_argument("--block-shapes", action="append", default=[], metavar="STAGE=WxRxN,...",
                         help="blocks: one more variant with these decode block shapes (benchmarks/block_shapes.py; repeatable)")
     parser.add_argument("--routers", action="store_true", help="blocks: also with a quantized router a layer (node / inside)")
+    parser.add_argument("--top-kernels", type=int, default=TOP_KERNELS, help="kernels listed a part (0: all of them)")
     models.add_decode_pair_arguments(parser)
     add_batch_argument(parser)
     args = parser.parse_args(argv)
@@ -236,7 +238,7 @@ def main(argv=None):
         results += tokens_part(args, args.reps)
     print(f"MLX {mx.__version__}, {mx.default_device()}; medians of {args.reps} traced calls; µs a layer or token")
     for _, lines in results:
-        print("\n".join(lines))
+        print("\n".join(lines[:args.top_kernels or None]))
     print(markdown_table(["part", "build", "evaluation", "kernels", "kernels' summed time", "GPU busy", "busy / evaluation",
                           "GB/s on the busy time"], [row for row, _ in results]))
 
