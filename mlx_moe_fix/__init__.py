@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from .kernels import current_backend
+from .env import flag
+from .kernels import current_backend, kernel_cache
 from .kernels.moe_decode import moe_decode_implementation
 from .kernels.moe_prefill import gemm_state, moe_prefill_implementation
 from .kernels.moe_routed_decode import fused_router_state, moe_routed_decode_implementation
@@ -67,6 +68,7 @@ def status() -> dict:
         "routed_decode_router_inside": fused_router_state(),
         "compiled_decode_steps": compiled_state("decode"),
         "compiled_prefill_shapes": compiled_state("prefill"),
+        "cuda_kernel_cache": kernel_cache.state(flag(kernel_cache.SWITCH)),
         "targets": [
             dict(zip(("target", "state", "reason"), (t.name, *target_state(t)))) for t in TARGETS
         ],

@@ -43,6 +43,8 @@ def show_status(as_json: bool) -> int:
     print(f"prefill gate+up GEMM: {gemm['gemm'] or '-'} ({gemm['reason']})")
     inside = status["routed_decode_router_inside"]
     print(f"router's matmul inside the routed decode's gate+up launch: {'on' if inside['on'] else 'off'} ({inside['reason']})")
+    cache = status["cuda_kernel_cache"]
+    print(f"CUDA kernels' compiled code kept in MLX's PTX cache: {'on' if cache['on'] else 'off'} ({cache['reason']})")
     print()
     print(markdown_table(["target", "state", "why"], [[t["target"], t["state"], t["reason"]] for t in status["targets"]]))
     print()

@@ -9,6 +9,8 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
+from ..env import flag
+from . import kernel_cache
 from .experts import MoEExperts
 from .sources import cuda_header_directive, cuda_kernel_source, sections
 
@@ -64,28 +66,42 @@ def global_qualifiers(bounds: tuple = ()) -> str:
             f"#define __global__ __location__(global) __launch_bounds__({bounds[0]}, {bounds[1]})\n#endif\n")
 
 
-@functools.lru_cache(maxsize=None)
 def cuda_kernel_object(filename: str, section: str, input_names: tuple, output_names: tuple, shared_bytes: int,
                        bounds: tuple = (), constants: tuple = ()):
     """The mx.fast.cuda_kernel object of one section of cuda/`filename`, with `shared_bytes` of
     dynamic shared memory (fixed per object) and, given `bounds` = (threads, min_blocks),
     global_qualifiers; `constants` (SourceConstants) are inputs declared at the start
     of the kernel's body instead of passed; or None where MLX has no CUDA. Cached: each object is an
-    NVRTC compile per template variant."""
+    NVRTC compile per template variant, in every process; with MLX_MOE_FIX_KERNEL_CACHE=1 its
+    calls first write their variant's compiled code into MLX's PTX cache (kernel_cache.py)."""
+    return _cuda_kernel_object(filename, section, input_names, output_names, shared_bytes, bounds, constants,
+                               flag(kernel_cache.SWITCH))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_kernel_object(filename: str, section: str, input_names: tuple, output_names: tuple, shared_bytes: int,
+                        bounds: tuple, constants: tuple, fills_ptx_cache: bool):
     if not mx.cuda.is_available():
         return None
     header, body = cuda_kernel_source(filename, section)
     declarations = "".join(constant.declaration() for constant in constants)
     suffix = f"_smem{shared_bytes}" + (f"_lb{bounds[0]}x{bounds[1]}" if bounds else "")
     declared = {constant.name for constant in constants}
-    return mx.fast.cuda_kernel(
-        name=_kernel_name("cuda", filename, section, suffix, declarations),
-        input_names=[name for name in input_names if name not in declared],
+    name = _kernel_name("cuda", filename, section, suffix, declarations)
+    passed = [name for name in input_names if name not in declared]
+    mlx_header = cuda_header_directive(header) + global_qualifiers(bounds)
+    kernel = mx.fast.cuda_kernel(
+        name=name,
+        input_names=passed,
         output_names=list(output_names),
         source=declarations + body,
-        header=cuda_header_directive(header) + global_qualifiers(bounds),
+        header=mlx_header,
         shared_memory=shared_bytes,
     )
+    if not fills_ptx_cache:
+        return kernel
+    return kernel_cache.CacheFilling(kernel, f"custom_kernel_{name}", passed, list(output_names), mlx_header,
+                                     header + global_qualifiers(bounds), declarations + body)
 
 
 # Fixed inputs that a CUDA decode launch takes as constants of its source, with the absent optional

@@ -1,0 +1,146 @@
+"""kernels/kernel_cache.py: the names and files of MLX's PTX cache as MLX computes them, filled
+with kernels compiled here. No GPU here: what MLX then loads is for the GPU machine to show."""
+
+import shutil
+import subprocess
+
+import mlx.core as mx
+import pytest
+
+from mlx_moe_fix import env
+from mlx_moe_fix.kernels import kernel_cache
+
+
+@pytest.fixture
+def std_hash(tmp_path):
+    """libstdc++'s std::hash<std::string> of bytes, from a program g++ builds (skipped without g++)."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no g++ on this machine: libstdc++'s std::hash not at hand")
+    source = tmp_path / "hash.cpp"
+    source.write_text("#include <iostream>\n#include <iterator>\n#include <string>\nint main() {\n"
+                      "  std::string s((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());\n"
+                      "  std::cout << std::hash<std::string>{}(s) << std::endl;\n}\n")
+    program = tmp_path / "hash"
+    subprocess.run([compiler, "-O1", "-o", str(program), str(source)], check=True, capture_output=True)
+    return lambda data: int(subprocess.run([str(program)], input=data, capture_output=True, check=True).stdout)
+
+
+def test_libstdcxx_hash_is_gxx_std_hash(std_hash):
+    samples = [b"", b"a", b"1234567", b"12345678", b"123456789", bytes(range(256)) * 3,
+               kernel_cache.kernel_source("custom_kernel_k", "// header\n", "out[0] = a[0];", (("a", mx.float32),),
+                                          (("out", mx.float32),), (("T", mx.bfloat16),)).encode()]
+    for data in samples:
+        assert kernel_cache.libstdcxx_hash(data) == std_hash(data), data[:40]
+
+
+def test_kernel_source_is_mlx_build_kernels_layout():
+    # custom_kernel.cpp build_kernel: default header, header, the kernel in mlx::core::cu with the
+    # inputs' then the outputs' pointers, the template arguments as constants, the body
+    text = kernel_cache.kernel_source(
+        "custom_kernel_k_bfloat16_t_4_t", "#define H 1\n", "out[0] = x[0];",
+        (("x", mx.bfloat16), ("dims", mx.int32)), (("out", mx.bfloat16), ("idx", mx.uint32)),
+        (("T", mx.bfloat16), ("BITS", 4), ("GATED", True)))
+    assert text == (
+        '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+        "#define H 1\n"
+        "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+        "__global__ void custom_kernel_k_bfloat16_t_4_t(\n"
+        "    const __nv_bfloat16* x,\n    const int32_t* dims,\n    __nv_bfloat16* out,\n    uint32_t* idx) {\n"
+        "  using T = __nv_bfloat16;\n  constexpr int BITS = 4;\n  constexpr bool GATED = true;\n\n"
+        "out[0] = x[0];\n}\n\n} // namespace mlx::core::cu\n")
+    untemplated = kernel_cache.kernel_source("custom_kernel_k", "", "y[0] = 1;", (), (("y", mx.float32),), ())
+    assert untemplated.endswith("__global__ void custom_kernel_k(\n    float* y) {\ny[0] = 1;\n}\n\n} // namespace mlx::core::cu\n")
+
+
+def test_template_suffix_is_mlx_template_arguments_hash():
+    template = (("T", mx.bfloat16), ("S", mx.float16), ("W", mx.float32), ("BITS", 4), ("GATED", True), ("LIMITED", False))
+    assert kernel_cache.template_suffix(template) == "_bfloat16_t_float16_t_float_4_t_f"
+    assert kernel_cache.template_suffix(()) == ""
+
+
+def test_ptx_path_splits_long_module_names_as_mlx_does(tmp_path):
+    assert kernel_cache.ptx_path(tmp_path, "m") == tmp_path / "m.ptx"
+    name = "a" * 245 + "b" * 245 + "c" * 10
+    assert kernel_cache.ptx_path(tmp_path, name) == tmp_path / ("a" * 245) / ("b" * 245) / ("c" * 10 + ".ptx")
+    assert kernel_cache.ptx_path(tmp_path, "a" * 245) == tmp_path / ("a" * 245 + ".ptx")
+
+
+@pytest.fixture
+def ptx_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    monkeypatch.setattr(kernel_cache, "compute_capability", lambda device_index=0: (9, 0))
+    return tmp_path / "ptx"
+
+
+def test_fill_writes_the_module_mlx_looks_up_once(ptx_dir):
+    compiled = []
+
+    def fake_compile(source, module, kernel, options):
+        compiled.append((source, module, kernel, options))
+        return b"\x7fELF cubin", "_ZN3mlx4core2cu8mangledE"
+
+    inputs, outputs, template = (("x", mx.float16),), (("y", mx.float16),), (("T", mx.float16), ("N", 3))
+    args = ("custom_kernel_k", '#include "/h.cuh"\n', "// raw header\n", "y[0] = x[0];", inputs, outputs, template)
+    assert kernel_cache.fill(*args, compile=fake_compile)
+    mlx_source = kernel_cache.kernel_source("custom_kernel_k_float16_t_3", '#include "/h.cuh"\n', "y[0] = x[0];",
+                                            inputs, outputs, template)
+    module = f"custom_kernel_k_float16_t_3_{kernel_cache.libstdcxx_hash(mlx_source.encode()):x}"
+    assert (ptx_dir / f"{module}.ptx").read_bytes() == b"\x7fELF cubin"
+    assert (ptx_dir / f"{module}.txt").read_text() == "mlx::core::cu::custom_kernel_k_float16_t_3\t_ZN3mlx4core2cu8mangledE\n"
+    (source, compiled_module, kernel, options), = compiled
+    # compiled from this package's preamble and the raw header, MLX's options for sm_90a
+    assert source.startswith(kernel_cache.PREAMBLE + "// raw header\n") and "utils.cuh" not in source
+    assert compiled_module == module and kernel == "mlx::core::cu::custom_kernel_k_float16_t_3"
+    assert options[:2] == ["--device-as-default-execution-space", "--gpu-architecture=sm_90a"]
+    assert kernel_cache.fill(*args, compile=fake_compile) and len(compiled) == 1  # found: not compiled again
+
+
+def test_cache_filling_fills_each_variant_once_and_leaves_failures_to_mlx(monkeypatch, ptx_dir):
+    filled, launched = [], []
+
+    def fake_fill(function, mlx_header, header, body, inputs, outputs, template):
+        filled.append((inputs, template))
+        if template == (("N", 2),):
+            raise kernel_cache.Unavailable("no NVRTC")
+        return True
+
+    monkeypatch.setattr(kernel_cache, "fill", fake_fill)
+    monkeypatch.setattr(kernel_cache, "failures", [])
+    kernel = kernel_cache.CacheFilling(lambda **kwargs: launched.append(kwargs) or ["out"], "custom_kernel_k", ["x"],
+                                       ["y"], "mlx header", "header", "body")
+    x = mx.zeros((2,), mx.float16)
+    for n in (1, 1, 2, 2):
+        assert kernel(inputs=[x], template=[("N", n)], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(2,)],
+                      output_dtypes=[mx.float16]) == ["out"]
+    assert filled == [((("x", mx.float16),), (("N", 1),)), ((("x", mx.float16),), (("N", 2),))]
+    assert len(launched) == 4 and launched[0]["grid"] == (1, 1, 1) and launched[0]["template"] == [("N", 1)]
+    assert kernel_cache.failures == ["custom_kernel_k: no NVRTC"]
+
+
+def test_fill_compiles_a_router_kernel_with_nvrtc(ptx_dir):
+    try:
+        kernel_cache.nvrtc_version()
+    except kernel_cache.Unavailable as error:
+        pytest.skip(f"no NVRTC on this machine ({error})")
+    from mlx_moe_fix.kernels.launch import global_qualifiers
+    from mlx_moe_fix.kernels.sources import cuda_kernel_source
+
+    header, body = cuda_kernel_source("moe_router.cu", "topk")
+    template = (("T", mx.bfloat16), ("SOFTMAX_FIRST", True), ("NORMALIZE", True), ("LAST_K", True))
+    inputs, outputs = (("logits", mx.bfloat16), ("sizes", mx.int32)), (("indices", mx.uint32), ("weights", mx.bfloat16))
+    assert kernel_cache.fill("custom_kernel_router", header, header + global_qualifiers(()), body, inputs, outputs, template)
+    (ptx,) = ptx_dir.glob("custom_kernel_router_bfloat16_t_t_t_t_*.ptx")
+    kernel, lowered = ptx.with_suffix(".txt").read_text().strip().split("\t")
+    assert kernel == "mlx::core::cu::custom_kernel_router_bfloat16_t_t_t_t" and lowered.startswith("_ZN3mlx4core2cu")
+    cubin = ptx.read_bytes()
+    assert cubin[:4] == b"\x7fELF" and lowered.encode() in cubin
+
+
+def test_status_says_the_cache_is_off_by_default(monkeypatch):
+    import mlx_moe_fix
+
+    monkeypatch.delenv(kernel_cache.SWITCH, raising=False)
+    env.refresh()
+    state = mlx_moe_fix.status()["cuda_kernel_cache"]
+    assert state["on"] is False and kernel_cache.SWITCH in state["reason"] and "not yet run on a GPU" in state["reason"]
