@@ -1,9 +1,10 @@
-"""Forty-fifth session (H200), with docs/experiments/kernel-disk-cache.patch applied (`git apply`):
-MLX_MOE_FIX_KERNEL_CACHE on the GPU. A process's first patched prefill + token (qwen3_moe, a
-256-token prompt), and its first token's log-probabilities and 8 greedy tokens saved as
+"""Forty-fifth session (H200): MLX_MOE_FIX_KERNEL_CACHE on the GPU (run at call 10 with the
+precompiled-kernel design of that session's branch; on main the switch fills MLX's PTX cache).
+A process's first patched prefill + token (qwen3_moe, a 256-token prompt), and its first
+token's log-probabilities and 8 greedy tokens saved as
 OUT_logprobs.npy / OUT_tokens.npy for comparison between processes (run it with the cache off
 twice too: MLX's own spread between processes). Result: docs/benchmarks.md, forty-fifth session,
-item 9. Run from the repo root:
+item 9. Run from the repo root (give each process the same MLX_PTX_CACHE_DIR):
     MLX_MOE_FIX_KERNEL_CACHE=1 PYTHONPATH=. python3 docs/experiments/kernel_cache_probe.py /tmp/on"""
 import argparse, sys, time
 import numpy as np
