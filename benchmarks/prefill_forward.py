@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +38,7 @@ import numpy as np
 
 import mlx_moe_fix
 from mlx_moe_fix import env
+from mlx_moe_fix.kernels.kernel_cache import ptx_cache_directory
 from mlx_moe_fix.kernels.moe_prefill import WGMMA_SWITCH
 from mlx_moe_fix.patches.compiled import PREFILL_COMPILE_SWITCH
 
@@ -84,7 +84,7 @@ def kernel_caches() -> dict:
     """label: folder of the caches a first call may add to: MLX's PTX cache (jit_module.cpp's
     default when MLX_PTX_CACHE_DIR is unset) and the CUDA driver's compute cache (its default when
     CUDA_CACHE_PATH is unset)."""
-    return {"MLX PTX": Path(os.environ.get("MLX_PTX_CACHE_DIR") or Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"),
+    return {"MLX PTX": ptx_cache_directory(),
             "driver": Path(os.environ.get("CUDA_CACHE_PATH") or Path.home() / ".nv" / "ComputeCache")}
 
 
