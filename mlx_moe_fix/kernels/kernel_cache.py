@@ -141,10 +141,12 @@ def compute_capability(device_index: int = 0) -> tuple:
 
 def include_directories() -> list:
     """jit_module.cpp include_path_args: the headers MLX's wheel ships (CCCL's among them), then
-    the CUDA toolkit's (CUDA_HOME, CUDA_PATH, /usr/local/cuda), its CCCL too."""
+    the CUDA runtime's: its pip package's beside MLX's, else the toolkit's (CUDA_HOME, CUDA_PATH,
+    /usr/local/cuda, with its CCCL)."""
     package = Path(mx.__file__).parent / "include"
+    pip = [package.parent.parent / "nvidia" / runtime / "include" for runtime in ("cu13", "cuda_runtime")]
     home = Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda") / "include"
-    return [str(path) for path in (package, package / "cccl", home / "cccl", home) if path.is_dir()]
+    return [str(path) for path in (package, package / "cccl", *pip, home / "cccl", home) if path.is_dir()]
 
 
 def compile_options(capability: tuple) -> list:
