@@ -196,23 +196,22 @@ def _write_whole(path: Path, data: bytes) -> None:
 
 
 def fill(function: str, mlx_header: str, header: str, body: str, inputs: tuple, outputs: tuple, template: tuple,
-         compile=compile_cubin) -> bool:
+         compile=compile_cubin) -> None:
     """Make sure MLX's PTX cache holds the variant of kernel `function` (MLX's name without its
     template suffix) that mx.fast.cuda_kernel builds from `mlx_header` (the header it was given)
-    and `body` for these inputs, outputs and template: True where it does now (written here or
-    found), False where this variant has no name MLX would look up."""
+    and `body` for these inputs, outputs and template: found there, or compiled and written; or
+    Unavailable (OSError where the folder cannot be written)."""
     named = function + template_suffix(template)
     module = module_name(named, kernel_source(named, mlx_header, body, inputs, outputs, template))
     path = ptx_path(ptx_cache_directory(), module)
     if path.is_file():
-        return True
+        return
     kernel = f"mlx::core::cu::{named}"
     cubin, lowered = compile(kernel_source(named, header, body, inputs, outputs, template, PREAMBLE), module, kernel,
                              compile_options(compute_capability()))
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_whole(path.with_suffix(".txt"), f"{kernel}\t{lowered}\n".encode())
     _write_whole(path, cubin)  # last: MLX takes a module whose .ptx exists
-    return True
 
 
 class CacheFilling:
