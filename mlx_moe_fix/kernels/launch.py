@@ -88,7 +88,7 @@ def _cuda_kernel_object(filename: str, section: str, input_names: tuple, output_
     suffix = f"_smem{shared_bytes}" + (f"_lb{bounds[0]}x{bounds[1]}" if bounds else "")
     declared = {constant.name for constant in constants}
     name = _kernel_name("cuda", filename, section, suffix, declarations)
-    passed = [name for name in input_names if name not in declared]
+    passed = [input_name for input_name in input_names if input_name not in declared]
     mlx_header = cuda_header_directive(header) + global_qualifiers(bounds)
     kernel = mx.fast.cuda_kernel(
         name=name,
