@@ -43,8 +43,9 @@ class Launch(NamedTuple):
 
 
 def _kernel_name(backend: str, filename: str, section: str, suffix: str = "", declarations: str = "") -> str:
-    """A kernel's name with its source's digest: MLX keeps compiled kernels under their names (on
-    disk, for CUDA: MLX_PTX_CACHE_DIR), so an edited source must not find its old build there."""
+    """A kernel's name with its source's digest: MLX keeps compiled kernels under their names (in
+    the process; on disk, for CUDA, MLX_PTX_CACHE_DIR only where kernel_cache fills it: MLX 0.32.4
+    writes none of ours there), so an edited source must not find its old build there."""
     if backend == "cuda":
         header, body = cuda_kernel_source(filename, section)
     else:
