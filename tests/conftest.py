@@ -139,3 +139,15 @@ def decode_block_shapes(request):
 def pytest_report_header(config):
     text = config.getoption("--decode-block-shapes")
     return f"decode block shapes: {text}" if text else None
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where MLX_MOE_FIX_KERNEL_CACHE=1 filled MLX's PTX cache: how many variants it wrote and
+    which it left to MLX's own compile (a GPU run's proof that the fill worked)."""
+    from mlx_moe_fix.kernels import kernel_cache
+
+    if kernel_cache.written or kernel_cache.failures:
+        terminalreporter.write_line(f"kernel cache: {len(kernel_cache.written)} variants written, "
+                                    f"{len(kernel_cache.failures)} left to MLX's compile")
+        for failure in kernel_cache.failures:
+            terminalreporter.write_line(f"  {failure[:400]}")

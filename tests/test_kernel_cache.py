@@ -70,6 +70,7 @@ def test_ptx_path_splits_long_module_names_as_mlx_does(tmp_path):
 def ptx_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
     monkeypatch.setattr(kernel_cache, "compute_capability", lambda device_index=0: (9, 0))
+    monkeypatch.setattr(kernel_cache, "written", [])
     return tmp_path / "ptx"
 
 
@@ -88,13 +89,14 @@ def test_fill_writes_the_module_mlx_looks_up_once(ptx_dir):
     module = f"custom_kernel_k_float16_t_3_{kernel_cache.libstdcxx_hash(mlx_source.encode()):x}"
     assert (ptx_dir / f"{module}.ptx").read_bytes() == b"\x7fELF cubin"
     assert (ptx_dir / f"{module}.txt").read_text() == "mlx::core::cu::custom_kernel_k_float16_t_3\t_ZN3mlx4core2cu8mangledE\n"
+    assert (ptx_dir / f"{module}.cu").read_text() == mlx_source
     (source, compiled_module, kernel, options), = compiled
     # compiled from this package's preamble and the raw header, MLX's options for sm_90a
     assert source.startswith(kernel_cache.PREAMBLE + "// raw header\n") and "utils.cuh" not in source
     assert compiled_module == module and kernel == "mlx::core::cu::custom_kernel_k_float16_t_3"
     assert options[:2] == ["--device-as-default-execution-space", "--gpu-architecture=sm_90a"]
     kernel_cache.fill(*args, compile=fake_compile)
-    assert len(compiled) == 1  # found: not compiled again
+    assert len(compiled) == 1 and kernel_cache.written == [module]  # found: not compiled again
 
 
 def test_cache_filling_fills_each_variant_once_and_leaves_failures_to_mlx(monkeypatch, ptx_dir):

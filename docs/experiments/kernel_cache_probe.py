@@ -1,5 +1,6 @@
 """Forty-fifth session (H200): MLX_MOE_FIX_KERNEL_CACHE on the GPU (run at call 10 with the
-precompiled-kernel design of that session's branch; on main the switch fills MLX's PTX cache).
+precompiled-kernel design of that session's branch; on main the switch fills MLX's PTX cache,
+as run in the forty-sixth session).
 A process's first patched prefill + token (qwen3_moe, a 256-token prompt), and its first
 token's log-probabilities and 8 greedy tokens saved as
 OUT_logprobs.npy / OUT_tokens.npy for comparison between processes (run it with the cache off
@@ -30,4 +31,5 @@ for _ in range(8):
 t4 = time.perf_counter(); Decoder(built[False], prompts); t5 = time.perf_counter()
 np.save(out + "_logprobs.npy", first); np.save(out + "_tokens.npy", np.array(ys))
 print(f"dense first prefill+token {t1-t0:.2f} s; patched first {t3-t2:.2f} s, second {t5-t4:.2f} s; tokens {ys}")
-print("kernel cache:", mlx_moe_fix.status()["cuda_kernel_cache"], "includes:", kernel_cache.include_directories(), "failures:", len(kernel_cache.failures), kernel_cache.failures[:2])
+print("kernel cache:", mlx_moe_fix.status()["cuda_kernel_cache"], "includes:", kernel_cache.include_directories(), "written:", len(kernel_cache.written),
+      "failures:", len(kernel_cache.failures), kernel_cache.failures[:2])

@@ -202,7 +202,8 @@ def fill(function: str, mlx_header: str, header: str, body: str, inputs: tuple, 
     and `body` for these inputs, outputs and template: found there, or compiled and written; or
     Unavailable (OSError where the folder cannot be written)."""
     named = function + template_suffix(template)
-    module = module_name(named, kernel_source(named, mlx_header, body, inputs, outputs, template))
+    mlx_source = kernel_source(named, mlx_header, body, inputs, outputs, template)
+    module = module_name(named, mlx_source)
     path = ptx_path(ptx_cache_directory(), module)
     if path.is_file():
         return
@@ -210,8 +211,11 @@ def fill(function: str, mlx_header: str, header: str, body: str, inputs: tuple, 
     cubin, lowered = compile(kernel_source(named, header, body, inputs, outputs, template, PREAMBLE), module, kernel,
                              compile_options(compute_capability()))
     path.parent.mkdir(parents=True, exist_ok=True)
+    # the three files MLX writes for its own modules (scripts/ptx-cache.sh keeps only whole triples)
+    _write_whole(path.with_suffix(".cu"), mlx_source.encode())
     _write_whole(path.with_suffix(".txt"), f"{kernel}\t{lowered}\n".encode())
     _write_whole(path, cubin)  # last: MLX takes a module whose .ptx exists
+    written.append(module)
 
 
 class CacheFilling:
@@ -242,6 +246,7 @@ class CacheFilling:
 
 
 failures: list = []  # why variants were left to MLX's compile, for state()
+written: list = []  # the modules this process compiled into MLX's cache
 
 
 def state(enabled: bool) -> dict:
