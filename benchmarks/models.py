@@ -488,7 +488,9 @@ def add_decode_pair_arguments(parser) -> None:
 
 def build_decode_pair(args) -> tuple:
     """(the spec of args.model, {False: that MoE model, True: its dense equivalent}, args.prompt
-    random tokens), for the decode benchmarks that compare the two in one process."""
+    random tokens), for the decode benchmarks that compare the two in one process. Seeded: every
+    process builds the same weights, so that processes' outputs can be compared."""
+    mx.random.seed(0)
     specs = model_specs(args.smoke, args.deepseek_layers)
     spec = specs[args.model]
     built = {dense: build_model(specs[spec.dense if dense else args.model]) for dense in (False, True)}

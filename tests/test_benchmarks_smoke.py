@@ -732,3 +732,23 @@ def test_prefill_ncu_refuses_to_run_without_cuda_and_names_unknown_parts():
     if not mx.cuda.is_available():
         done = subprocess.run([sys.executable, "-m", "benchmarks.prefill_ncu"], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and "run it on a CUDA GPU" in done.stderr
+
+
+def test_build_decode_pair_builds_the_same_weights_whatever_the_random_state():
+    """Processes' outputs are compared (docs/experiments/kernel_cache_probe.py): each builds the same model."""
+    import argparse
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from benchmarks import models
+
+    args = argparse.Namespace(model="qwen3_moe", deepseek_layers=2, prompt=4, smoke=True)
+    weights = []
+    for seed in (1, 2):
+        mx.random.seed(seed)
+        _, built, prompt = models.build_decode_pair(args)
+        weights.append(dict(tree_flatten(built[False].parameters())))
+    assert weights[0].keys() == weights[1].keys()
+    for name, value in weights[0].items():
+        assert mx.array_equal(value, weights[1][name]).item(), name
