@@ -16,8 +16,7 @@ SWITCHES = {"MLX_MOE_FIX_DISABLE": False, "MLX_MOE_FIX_TRACE": False, "MLX_MOE_F
             "MLX_MOE_FIX_COMPILED_PREFILL": True, "MLX_MOE_FIX_SHARED_STEPS": True, "MLX_MOE_FIX_RESIDUAL_IN_BLOCK": True,
             # off until the Metal decode kernel has run on Apple hardware (kernels/metal/)
             "MLX_MOE_FIX_METAL_DECODE": False,
-            # off until it has run on a GPU (kernels/kernel_cache.py)
-            "MLX_MOE_FIX_KERNEL_CACHE": False}
+            "MLX_MOE_FIX_KERNEL_CACHE": True}
 _values: dict = {}
 _snapshot: list = [()]
 

@@ -1,8 +1,9 @@
 # Sourced (bash) on the GPU machine, after .mlx-cuda/setup.sh:   source scripts/ptx-cache.sh
 #
 # MLX keeps the CUDA kernels it JIT-compiles for its own ops (one per shape) in MLX_PTX_CACHE_DIR,
-# under the kernel's name; ours only where MLX_MOE_FIX_KERNEL_CACHE=1 writes them there (MLX 0.32.4
-# compiles mx.fast.cuda_kernel's in every process: docs/benchmarks.md, forty-fifth session). A fresh
+# under the kernel's name; ours as the package's kernel cache writes them there (on by default;
+# MLX 0.32.4 itself compiles mx.fast.cuda_kernel's in every process: docs/benchmarks.md,
+# forty-fifth and forty-sixth sessions). A fresh
 # GPU machine has none, and compiling them is most of a GPU test's time (stock's first sorted
 # SwitchGLU call at one Qwen3 shape: 42 s). This
 # restores the cache an earlier call saved, from .mlx-ptx-cache/ in the repo root (ignored by git:

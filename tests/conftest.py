@@ -142,8 +142,8 @@ def pytest_report_header(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Where MLX_MOE_FIX_KERNEL_CACHE=1 filled MLX's PTX cache: how many variants it wrote and
-    which it left to MLX's own compile (a GPU run's proof that the fill worked)."""
+    """Where the kernel cache (MLX_MOE_FIX_KERNEL_CACHE) filled MLX's PTX cache: how many variants
+    it wrote and which it left to MLX's own compile (a GPU run's proof that the fill worked)."""
     from mlx_moe_fix.kernels import kernel_cache
 
     if kernel_cache.written or kernel_cache.failures:

@@ -139,10 +139,28 @@ def test_fill_compiles_a_router_kernel_with_nvrtc(ptx_dir):
     assert cubin[:4] == b"\x7fELF" and lowered.encode() in cubin
 
 
-def test_status_says_the_cache_is_off_by_default(monkeypatch):
+@pytest.mark.parametrize("switch, checked, nvrtc, on, says", [
+    ("", ("0.0.0",), True, False, "not checked"),      # on by default, but only where MLX's naming was checked
+    ("1", ("0.0.0",), True, False, "not checked"),
+    ("0", None, True, False, "=0"),
+    ("", None, False, False, "no NVRTC"),
+    ("", None, True, True, "kept in MLX's PTX cache"),
+])
+def test_status_says_whether_the_cache_is_on_and_why(monkeypatch, switch, checked, nvrtc, on, says):
     import mlx_moe_fix
 
-    monkeypatch.delenv(kernel_cache.SWITCH, raising=False)
+    def version():
+        if not nvrtc:
+            raise kernel_cache.Unavailable("none loads")
+        return (13, 0)
+
+    monkeypatch.setenv(kernel_cache.SWITCH, switch)
+    monkeypatch.setattr(kernel_cache, "CHECKED_MLX_VERSIONS", checked or (mx.__version__,))
+    monkeypatch.setattr(kernel_cache, "nvrtc_version", version)
     env.refresh()
-    state = mlx_moe_fix.status()["cuda_kernel_cache"]
-    assert state["on"] is False and kernel_cache.SWITCH in state["reason"] and "not yet run on a GPU" in state["reason"]
+    try:
+        state = mlx_moe_fix.status()["cuda_kernel_cache"]
+    finally:
+        monkeypatch.undo()
+        env.refresh()
+    assert state["on"] is on and says in state["reason"]

@@ -44,7 +44,7 @@ class Launch(NamedTuple):
 
 def _kernel_name(backend: str, filename: str, section: str, suffix: str = "", declarations: str = "") -> str:
     """A kernel's name with its source's digest: MLX keeps compiled kernels under their names (in
-    the process; on disk, for CUDA, MLX_PTX_CACHE_DIR only where kernel_cache fills it: MLX 0.32.4
+    the process; on disk, for CUDA, in MLX_PTX_CACHE_DIR as kernel_cache fills it: MLX 0.32.4
     writes none of ours there), so an edited source must not find its old build there."""
     if backend == "cuda":
         header, body = cuda_kernel_source(filename, section)
@@ -73,10 +73,11 @@ def cuda_kernel_object(filename: str, section: str, input_names: tuple, output_n
     dynamic shared memory (fixed per object) and, given `bounds` = (threads, min_blocks),
     global_qualifiers; `constants` (SourceConstants) are inputs declared at the start
     of the kernel's body instead of passed; or None where MLX has no CUDA. Cached: each object is an
-    NVRTC compile per template variant, in every process; with MLX_MOE_FIX_KERNEL_CACHE=1 its
-    calls first write their variant's compiled code into MLX's PTX cache (kernel_cache.py)."""
+    NVRTC compile per template variant; unless MLX_MOE_FIX_KERNEL_CACHE=0 (or MLX's naming is
+    unchecked) its calls first make sure their variant's compiled code is in MLX's PTX cache, so
+    that only a machine's first process compiles it (kernel_cache.py)."""
     return _cuda_kernel_object(filename, section, input_names, output_names, shared_bytes, bounds, constants,
-                               flag(kernel_cache.SWITCH))
+                               flag(kernel_cache.SWITCH) and kernel_cache.naming_checked())
 
 
 @functools.lru_cache(maxsize=None)
