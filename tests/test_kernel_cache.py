@@ -139,14 +139,15 @@ def test_fill_compiles_a_router_kernel_with_nvrtc(ptx_dir):
     assert cubin[:4] == b"\x7fELF" and lowered.encode() in cubin
 
 
-@pytest.mark.parametrize("switch, checked, nvrtc, on, says", [
-    ("", ("0.0.0",), True, False, "not checked"),      # on by default, but only where MLX's naming was checked
-    ("1", ("0.0.0",), True, False, "not checked"),
-    ("0", None, True, False, "=0"),
-    ("", None, False, False, "no NVRTC"),
-    ("", None, True, True, "kept in MLX's PTX cache"),
+@pytest.mark.parametrize("switch, cuda, checked, nvrtc, on, says", [
+    ("", True, ("0.0.0",), True, False, "not checked"),      # on by default, but only where MLX's naming was checked
+    ("1", True, ("0.0.0",), True, False, "not checked"),
+    ("0", True, None, True, False, "=0"),
+    ("", False, None, True, False, "no CUDA GPU"),
+    ("", True, None, False, False, "no NVRTC"),
+    ("", True, None, True, True, "kept in MLX's PTX cache"),
 ])
-def test_status_says_whether_the_cache_is_on_and_why(monkeypatch, switch, checked, nvrtc, on, says):
+def test_status_says_whether_the_cache_is_on_and_why(monkeypatch, switch, cuda, checked, nvrtc, on, says):
     import mlx_moe_fix
 
     def version():
@@ -157,6 +158,7 @@ def test_status_says_whether_the_cache_is_on_and_why(monkeypatch, switch, checke
     monkeypatch.setenv(kernel_cache.SWITCH, switch)
     monkeypatch.setattr(kernel_cache, "CHECKED_MLX_VERSIONS", checked or (mx.__version__,))
     monkeypatch.setattr(kernel_cache, "nvrtc_version", version)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: cuda)
     env.refresh()
     try:
         state = mlx_moe_fix.status()["cuda_kernel_cache"]
