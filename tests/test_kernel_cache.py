@@ -95,6 +95,7 @@ def test_fill_writes_the_module_mlx_looks_up_once(ptx_dir):
     assert source.startswith(kernel_cache.PREAMBLE + "// raw header\n") and "utils.cuh" not in source
     assert compiled_module == module and kernel == "mlx::core::cu::custom_kernel_k_float16_t_3"
     assert options[:2] == ["--device-as-default-execution-space", "--gpu-architecture=sm_90a"]
+    assert ("--pch" in options) == kernel_cache.has_pch()
     kernel_cache.fill(*args, compile=fake_compile)
     assert len(compiled) == 1 and kernel_cache.written == [module]  # found: not compiled again
 
@@ -120,11 +121,15 @@ def test_cache_filling_fills_each_variant_once_and_leaves_failures_to_mlx(monkey
     assert kernel_cache.failures == ["custom_kernel_k: no NVRTC"]
 
 
-def test_fill_compiles_a_router_kernel_with_nvrtc(ptx_dir):
+def needs_nvrtc():
     try:
         kernel_cache.nvrtc_version()
     except kernel_cache.Unavailable as error:
         pytest.skip(f"no NVRTC on this machine ({error})")
+
+
+def test_fill_compiles_a_router_kernel_with_nvrtc(ptx_dir):
+    needs_nvrtc()
     from mlx_moe_fix.kernels.launch import global_qualifiers
     from mlx_moe_fix.kernels.sources import cuda_kernel_source
 
@@ -166,3 +171,25 @@ def test_status_says_whether_the_cache_is_on_and_why(monkeypatch, switch, cuda, 
         monkeypatch.undo()
         env.refresh()
     assert state["on"] is on and says in state["reason"]
+
+
+def test_the_precompiled_header_leaves_every_cubin_as_it_was():
+    """--pch is only for speed: the module MLX loads must be what its own compile would give."""
+    needs_nvrtc()
+    if not kernel_cache.has_pch():
+        pytest.skip(f"NVRTC {kernel_cache.nvrtc_version()} has no automatic PCH (12.8+)")
+    from mlx_moe_fix.kernels.sources import cuda_kernel_source
+
+    cubins = {}
+    for pch in (False, True, True):  # the second with-PCH compile uses the header the first made
+        for filename, section, template, inputs, outputs in (
+                ("moe_router.cu", "topk", (("T", mx.bfloat16), ("SOFTMAX_FIRST", True), ("NORMALIZE", True), ("LAST_K", True)),
+                 (("logits", mx.bfloat16), ("sizes", mx.int32)), (("indices", mx.uint32), ("weights", mx.bfloat16))),
+                ("moe_router.cu", "topk", (("T", mx.float16), ("SOFTMAX_FIRST", False), ("NORMALIZE", False), ("LAST_K", True)),
+                 (("logits", mx.float16), ("sizes", mx.int32)), (("indices", mx.uint32), ("weights", mx.float16)))):
+            header, body = cuda_kernel_source(filename, section)
+            source = kernel_cache.kernel_source("custom_kernel_k", header, body, inputs, outputs, template, kernel_cache.PREAMBLE)
+            cubin, _ = kernel_cache.compile_cubin(source, "m", "mlx::core::cu::custom_kernel_k",
+                                                  kernel_cache.compile_options((9, 0), pch=pch))
+            cubins.setdefault(template, set()).add(cubin)
+    assert [len(built) for built in cubins.values()] == [1, 1]
