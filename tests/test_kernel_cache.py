@@ -128,14 +128,19 @@ def needs_nvrtc():
         pytest.skip(f"no NVRTC on this machine ({error})")
 
 
+def router_topk_variant(dtype, softmax_first: bool) -> tuple:
+    """(template, inputs, outputs) of a variant of moe_router.cu's topk kernel, as fill takes them."""
+    template = (("T", dtype), ("SOFTMAX_FIRST", softmax_first), ("NORMALIZE", softmax_first), ("LAST_K", True))
+    return template, (("logits", dtype), ("sizes", mx.int32)), (("indices", mx.uint32), ("weights", dtype))
+
+
 def test_fill_compiles_a_router_kernel_with_nvrtc(ptx_dir):
     needs_nvrtc()
     from mlx_moe_fix.kernels.launch import global_qualifiers
     from mlx_moe_fix.kernels.sources import cuda_kernel_source
 
     header, body = cuda_kernel_source("moe_router.cu", "topk")
-    template = (("T", mx.bfloat16), ("SOFTMAX_FIRST", True), ("NORMALIZE", True), ("LAST_K", True))
-    inputs, outputs = (("logits", mx.bfloat16), ("sizes", mx.int32)), (("indices", mx.uint32), ("weights", mx.bfloat16))
+    template, inputs, outputs = router_topk_variant(mx.bfloat16, True)
     kernel_cache.fill("custom_kernel_router", header, header + global_qualifiers(()), body, inputs, outputs, template)
     (ptx,) = ptx_dir.glob("custom_kernel_router_bfloat16_t_t_t_t_*.ptx")
     kernel, lowered = ptx.with_suffix(".txt").read_text().strip().split("\t")
@@ -180,14 +185,10 @@ def test_the_precompiled_header_leaves_every_cubin_as_it_was():
         pytest.skip(f"NVRTC {kernel_cache.nvrtc_version()} has no automatic PCH (12.8+)")
     from mlx_moe_fix.kernels.sources import cuda_kernel_source
 
+    header, body = cuda_kernel_source("moe_router.cu", "topk")
     cubins = {}
     for pch in (False, True, True):  # the second with-PCH compile uses the header the first made
-        for filename, section, template, inputs, outputs in (
-                ("moe_router.cu", "topk", (("T", mx.bfloat16), ("SOFTMAX_FIRST", True), ("NORMALIZE", True), ("LAST_K", True)),
-                 (("logits", mx.bfloat16), ("sizes", mx.int32)), (("indices", mx.uint32), ("weights", mx.bfloat16))),
-                ("moe_router.cu", "topk", (("T", mx.float16), ("SOFTMAX_FIRST", False), ("NORMALIZE", False), ("LAST_K", True)),
-                 (("logits", mx.float16), ("sizes", mx.int32)), (("indices", mx.uint32), ("weights", mx.float16)))):
-            header, body = cuda_kernel_source(filename, section)
+        for template, inputs, outputs in (router_topk_variant(mx.bfloat16, True), router_topk_variant(mx.float16, False)):
             source = kernel_cache.kernel_source("custom_kernel_k", header, body, inputs, outputs, template, kernel_cache.PREAMBLE)
             cubin, _ = kernel_cache.compile_cubin(source, "m", "mlx::core::cu::custom_kernel_k",
                                                   kernel_cache.compile_options((9, 0), pch=pch))
