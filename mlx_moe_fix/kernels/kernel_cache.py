@@ -163,8 +163,9 @@ def compile_options(capability: tuple, pch: bool = False) -> list:
     """jit_module.cpp compile's: device code by default, the GPU's SASS (sm_XYa from 9.0 on); and
     with `pch` NVRTC's automatic precompiled header (12.8+), which changes the compile's time, not
     its cubin: the process parses the first #include (cuda_bf16.h) once, not once a variant
-    (forty-sixth session, on the development CPU: five variants 8.4 s without, 4.3 s with, each
-    cubin bit for bit the same; tests/test_kernel_cache.py checks the sameness)."""
+    (docs/benchmarks.md, forty-sixth session, item 7, development CPU: five variants 6.0-6.3 s
+    without, 4.0-4.1 s with, each cubin bit for bit the same; tests/test_kernel_cache.py checks
+    the sameness)."""
     major, minor = capability
     return (["--device-as-default-execution-space", f"--gpu-architecture=sm_{major}{minor}{'a' if major >= 9 else ''}"]
             + [f"--include-path={d}" for d in include_directories()] + (["--pch"] if pch else []))
