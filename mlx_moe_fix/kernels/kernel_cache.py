@@ -31,7 +31,6 @@ import functools
 import os
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -243,11 +242,8 @@ def fill(function: str, mlx_header: str, header: str, body: str, inputs: tuple, 
 
 class CacheFilling:
     """An mx.fast.cuda_kernel object whose calls first make sure (fill) that MLX's PTX cache holds
-    their variant; same call contract. The fill runs in a worker thread (NVRTC's compile, called
-    through ctypes, runs without the GIL), so that the variants of one op compile side by side; the
-    op waits for them before it returns (`fills_finished`), before anything can evaluate its
-    launches. A variant that cannot be filled is left to MLX's own compile, and `failures` says
-    why."""
+    their variant; same call contract. A variant that cannot be filled is left to MLX's own
+    compile, and `failures` says why."""
 
     def __init__(self, kernel, function: str, input_names: list, output_names: list, mlx_header: str, header: str,
                  body: str):
@@ -262,45 +258,13 @@ class CacheFilling:
         if key not in self._seen:
             with self._lock:
                 if key not in self._seen:
-                    _pending.append(_WORKERS.submit(self._fill, key))
+                    try:
+                        fill(self.function, self.mlx_header, self.header, self.body,
+                             tuple(zip(self.input_names, key[1])), tuple(zip(self.output_names, key[2])), key[0])
+                    except (Unavailable, OSError, KeyError) as error:  # KeyError: a dtype with no C type here
+                        failures.append(f"{self.function}: {error}")
                     self._seen.add(key)
         return self.kernel(inputs=inputs, template=template, output_dtypes=output_dtypes, **launch)
-
-    def _fill(self, key: tuple) -> None:
-        try:
-            fill(self.function, self.mlx_header, self.header, self.body,
-                 tuple(zip(self.input_names, key[1])), tuple(zip(self.output_names, key[2])), key[0])
-        except (Unavailable, OSError, KeyError) as error:  # KeyError: a dtype with no C type here
-            failures.append(f"{self.function}: {error}")
-
-
-# A prefill op launches at most 4 variants; the host's cores bound what runs side by side. The
-# threads start at the first fill.
-_WORKERS = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="mlx_moe_fix_fill")
-_pending: list = []  # the fills submitted and not yet waited for
-
-
-def finish_fills() -> None:
-    """Wait for every fill submitted so far (a no-op where none is pending)."""
-    while _pending:
-        try:
-            submitted = _pending.pop()
-        except IndexError:  # another thread took the last one
-            return
-        submitted.result()
-
-
-def fills_finished(op):
-    """`op` (a function launching our kernels) that returns once its launches' fills are done:
-    MLX looks a module up in its cache when it first evaluates the launch, which can be any time
-    after the op returns."""
-    @functools.wraps(op)
-    def launched(*args, **kwargs):
-        try:
-            return op(*args, **kwargs)
-        finally:
-            finish_fills()
-    return launched
 
 
 failures: list = []  # why variants were left to MLX's compile, for state()

@@ -16,7 +16,6 @@ import mlx.core as mx
 
 from .backend import Implementation, choose, current_backend
 from .experts import ExpertLinear, MoEExperts, SharedExperts
-from .kernel_cache import fills_finished
 from .launch import (Launch, absent, bias_template, cuda_kernel_object, fixed_or_absent, kernel_dims, kernel_params,
                      metal_kernel_object, per_pair, quantized_experts_reason, source_constants)
 from .reference import combine, expert_chain
@@ -282,7 +281,6 @@ def shared_decode_launches(experts: MoEExperts, shared: SharedExperts, top_k: in
     return experts.memo(("shared decode launches", shared, top_k, tokens, dtype, weighted), plan)
 
 
-@fills_finished
 def moe_decode_kernel(
     x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array] = None
 ) -> mx.array:

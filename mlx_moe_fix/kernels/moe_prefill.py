@@ -27,7 +27,6 @@ import mlx.core as mx
 from ..env import flag
 from .backend import Implementation, choose, compute_capability
 from .experts import MoEExperts
-from .kernel_cache import fills_finished
 from .launch import (ACTIVATION_CODES, Launch, absent, bias_template, cuda_kernel_object, int_array, kernel_dims,
                      kernel_params, per_pair, quantized_experts_reason)
 from .reference import combine, expert_chain
@@ -298,7 +297,6 @@ def grouped(a: mx.array, routing: tuple, pairs: int, top_k: int, experts: MoEExp
                   output_shapes=[(rows, launch.output_shapes[0][1])])[0]
 
 
-@fills_finished
 def moe_prefill_kernel(
     x: mx.array, indices: mx.array, experts: MoEExperts, weights: Optional[mx.array] = None
 ) -> mx.array:

@@ -48,7 +48,6 @@ import mlx.core as mx
 from ..env import flag
 from .backend import Implementation, choose, compute_capability, current_backend, multiprocessor_count
 from .experts import SUPPORTED_GROUP_SIZES, MoEExperts, RouterLinear, SharedExperts
-from .kernel_cache import fills_finished
 from .launch import cuda_kernel_object, float_array, int_array, source_constants
 from .moe_decode import gate_up_block_shape, gate_up_fixed_inputs, gate_up_grid, gate_up_launch, moe_decode_implementation
 from .moe_decode import shared_gate_up_fixed_inputs
@@ -141,7 +140,6 @@ def _launches(experts: MoEExperts, routing: Routing, leading_shape: tuple, dtype
     return experts.memo(("routed decode launches", routing, leading_shape, dtype, router, residual, shared), plan)
 
 
-@fills_finished
 def moe_routed_decode_kernel(x: mx.array, logits, routing: Routing, experts: MoEExperts,
                              residual: Optional[mx.array] = None, shared: Optional[SharedExperts] = None,
                              correction_bias: Optional[mx.array] = None, global_scale: Optional[mx.array] = None) -> mx.array:

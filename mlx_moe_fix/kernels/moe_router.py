@@ -21,7 +21,6 @@ import mlx.core as mx
 
 from ..env import flag
 from .backend import Implementation, choose, current_backend
-from .kernel_cache import fills_finished
 from .launch import cuda_kernel_object, float_array, int_array
 
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_ROUTER"
@@ -147,7 +146,6 @@ def cuda_unsupported_reason(logits_dtype, width: int, routing: Routing) -> Optio
     return None
 
 
-@fills_finished
 def moe_router_kernel(
     logits: mx.array, routing: Routing, correction_bias: Optional[mx.array] = None,
     global_scale: Optional[mx.array] = None, token_ids: Optional[mx.array] = None,

@@ -22,7 +22,6 @@ import mlx.core as mx
 
 from .backend import Implementation, choose
 from .experts import MoEExperts, SharedExperts
-from .kernel_cache import fills_finished
 from .launch import per_pair
 from .moe_decode import MAX_EXPERT_WORDS, moe_decode_implementation, moe_decode_reference, shared_decode_launches
 from .reference import activate
@@ -46,7 +45,6 @@ def shared_experts_reference(x: mx.array, shared: SharedExperts, weights: Option
     return shared.down(hidden)
 
 
-@fills_finished
 def moe_shared_decode_kernel(x: mx.array, indices: mx.array, experts: MoEExperts, weights: mx.array,
                              shared: SharedExperts, shared_weights: Optional[mx.array] = None) -> mx.array:
     """The CUDA implementation; same contract as moe_shared_decode_reference, for shared weights of
