@@ -18,10 +18,11 @@ against the same preamble), and writes the cubin and its kernel's name as MLX's 
 launch itself stays `mx.fast.cuda_kernel`'s: where a name does not match MLX's (another C++
 library), MLX just compiles as without this.
 
-On the H200 (docs/benchmarks.md, forty-sixth session): a process's first patched qwen3_moe
-prefill + token waited 0.27-0.38 s with the cache filled, against 8.8-18.8 s without and 9.1-11.2 s
-while filling it; the first token's log-probabilities were bitwise those of MLX's own compile in
-every process, and the whole CUDA parity suite passed on the cached code, no variant left to MLX.
+On the H200 (docs/benchmarks.md, forty-sixth and forty-seventh sessions): a process's first
+patched qwen3_moe prefill + token waited 0.22-0.38 s with the cache filled, against 8.8-18.8 s
+without and 1.99-3.10 s while filling it (9.1-11.2 s before the fill used NVRTC's precompiled
+header); the first token's log-probabilities were bitwise those of MLX's own compile in every
+process, and the whole CUDA parity suite passed on the cached code, no variant left to MLX.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def compile_options(capability: tuple, pch: bool = False) -> list:
     its cubin: the process parses the first #include (cuda_bf16.h) once, not once a variant
     (docs/benchmarks.md, forty-sixth session, item 7, development CPU: five variants 6.0-6.3 s
     without, 4.0-4.1 s with, each cubin bit for bit the same; tests/test_kernel_cache.py checks
-    the sameness)."""
+    the sameness; forty-seventh session, item 1, H200: 8.5 against 4.1 s)."""
     major, minor = capability
     return (["--device-as-default-execution-space", f"--gpu-architecture=sm_{major}{minor}{'a' if major >= 9 else ''}"]
             + [f"--include-path={d}" for d in include_directories()] + (["--pch"] if pch else []))
