@@ -263,172 +263,155 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   const int k_steps = d.in_dim / BK, groups_per_row = d.in_dim / GROUP;
   const size_t row_bytes = (size_t)d.in_dim * BITS / 8;
 
-  // The tile's rows that hold a pair come first (route), so only an expert's last tile has
-  // padding rows; where every row from 16 (or 32) on is padding, the warps load and multiply only
-  // their first one (or two) 16-row groups (the whole k-loop per count: a count tested inside it
-  // cost more than the padding's work, docs/benchmarks.md, twentieth session, item 6).
-  auto run = [&](auto live_groups) {
-    constexpr int LIVE_MI = decltype(live_groups)::value;
-    // This thread's A copies: offsets into `a` (32 bits: every `a` has fewer than 2^32 values) and
-    // whether each row exists (padding rows are zero-filled). Pointers would cost registers.
-    unsigned a_offset[A_CHUNKS];
-    unsigned a_present = 0;
-    const int a_chunk = tid % (BK / 8);
+  // This thread's A copies: offsets into `a` (32 bits: every `a` has fewer than 2^32 values) and
+  // whether each row exists (padding rows are zero-filled). Pointers would cost registers.
+  unsigned a_offset[A_CHUNKS];
+  unsigned a_present = 0;
+  const int a_chunk = tid % (BK / 8);
+#pragma unroll
+  for (int i = 0; i < A_CHUNKS; ++i) {
+    const int r = (tid + i * THREADS) / (BK / 8);
+    const int pair = row_pair[tile * BM + r];
+    const unsigned src_row = PAIRS_IN ? (pair >= 0 ? pair / d.top_k : 0) : tile * BM + r;
+    a_offset[i] = src_row * d.in_dim + a_chunk * 8;
+    a_present |= (pair >= 0 ? 1u : 0u) << i;
+  }
+  const WeightCopies<W_CHUNKS, THREADS, W_ROW_BYTES> w_copies(tid, n0, expert, d.out_dim, row_bytes);
+  auto load_stage = [&](int stage, int k0) {
+    T* a_dst = sa + stage * A_STAGE;
 #pragma unroll
     for (int i = 0; i < A_CHUNKS; ++i) {
       const int r = (tid + i * THREADS) / (BK / 8);
-      const int pair = row_pair[tile * BM + r];
-      const unsigned src_row = PAIRS_IN ? (pair >= 0 ? pair / d.top_k : 0) : tile * BM + r;
-      a_offset[i] = src_row * d.in_dim + a_chunk * 8;
-      a_present |= (pair >= 0 ? 1u : 0u) << i;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(&a_dst[r * LDS + a_chunk * 8])),
+                   "l"(a + a_offset[i] + k0), "r"((a_present >> i & 1u) * 16));
     }
-    const WeightCopies<W_CHUNKS, THREADS, W_ROW_BYTES> w_copies(tid, n0, expert, d.out_dim, row_bytes);
-    auto load_stage = [&](int stage, int k0) {
-      T* a_dst = sa + stage * A_STAGE;
 #pragma unroll
-      for (int i = 0; i < A_CHUNKS; ++i) {
-        const int r = (tid + i * THREADS) / (BK / 8);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(&a_dst[r * LDS + a_chunk * 8])),
-                     "l"(a + a_offset[i] + k0), "r"((a_present >> i & 1u) * 16));
-      }
-#pragma unroll
-      for (int m = 0; m < MATRICES; ++m)
-        w_copies.copy(reinterpret_cast<const unsigned char*>(m == 0 ? w0 : w1) + (size_t)k0 * BITS / 8,
-                      sw + (stage * MATRICES + m) * W_STAGE_BYTES, tid);
-    };
+    for (int m = 0; m < MATRICES; ++m)
+      w_copies.copy(reinterpret_cast<const unsigned char*>(m == 0 ? w0 : w1) + (size_t)k0 * BITS / 8,
+                    sw + (stage * MATRICES + m) * W_STAGE_BYTES, tid);
+  };
 
-    // Scales and biases of this thread's rows (n8 block j: column n0 + wn * 32 + 8 j + g) for one
-    // k-step. Loaded before the step's barrier, which hides their latency; loading them a step
-    // ahead instead held 16 more registers through the mmas and made the gated variants spill.
-    S group_scale[MATRICES][WN / 8], group_bias[MATRICES][WN / 8];
-    auto load_scales = [&](int k0) {
+  // Scales and biases of this thread's rows (n8 block j: column n0 + wn * 32 + 8 j + g) for one
+  // k-step. Loaded before the step's barrier, which hides their latency; loading them a step
+  // ahead instead held 16 more registers through the mmas and made the gated variants spill.
+  S group_scale[MATRICES][WN / 8], group_bias[MATRICES][WN / 8];
+  auto load_scales = [&](int k0) {
+#pragma unroll
+    for (int m = 0; m < MATRICES; ++m) {
+#pragma unroll
+      for (int j = 0; j < WN / 8; ++j) {
+        const int n = n0 + wn * WN + 8 * j + g;
+        const size_t at = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * groups_per_row + (k0 + 16 * t) / GROUP;
+        group_scale[m][j] = (m == 0 ? s0 : s1)[at];
+        group_bias[m][j] = (m == 0 ? b0 : b1)[at];
+      }
+    }
+  };
+
+  float acc[MATRICES][MI][WN / 8][4];
+#pragma unroll
+  for (int m = 0; m < MATRICES; ++m)
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+      for (int j = 0; j < WN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][i][j][e] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < k_steps) load_stage(s, s * BK);
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+  for (int step = 0; step < k_steps; ++step) {
+    const int stage = step % STAGES;
+    load_scales(step * BK);
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
+    __syncthreads();
+    // The stage computed in the previous step is free: every thread has passed the barrier.
+    const int ahead = step + STAGES - 1;
+    if (ahead < k_steps) load_stage(ahead % STAGES, ahead * BK);
+    asm volatile("cp.async.commit_group;\n" ::);
+
+    const T* a_stage = sa + stage * A_STAGE;
+    // This thread's packed words of its rows: WORDS / 2 per half, read per half (holding all of a
+    // step's made the gated variants spill)
+    const unsigned char* w_stage = sw + stage * MATRICES * W_STAGE_BYTES + (wn * WN + g) * W_ROW_BYTES + t * WORDS * 4;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // physical k 16t + 8 half .. + 7: k16 mmas 2 half, 2 half + 1
+      unsigned af[MI][2][4];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        const int row = wm * WM + mi * 16 + g;
+        const uint4 top = *reinterpret_cast<const uint4*>(&a_stage[row * LDS + 16 * t + 8 * half]);
+        const uint4 low = *reinterpret_cast<const uint4*>(&a_stage[(row + 8) * LDS + 16 * t + 8 * half]);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          // registers (e0 e1) (e2 e3) (e4 e5) (e6 e7): 4-bit pairs (e_2s, e_2s+4), (e_2s+1, e_2s+5);
+          // 8-bit pairs (e_4s, e_4s+2), (e_4s+1, e_4s+3)
+          const unsigned t0 = BITS == 4 ? (s ? top.y : top.x) : (s ? top.z : top.x);
+          const unsigned t1 = BITS == 4 ? (s ? top.w : top.z) : (s ? top.w : top.y);
+          const unsigned l0 = BITS == 4 ? (s ? low.y : low.x) : (s ? low.z : low.x);
+          const unsigned l1 = BITS == 4 ? (s ? low.w : low.z) : (s ? low.w : low.y);
+          af[mi][s][0] = __byte_perm(t0, t1, 0x5410);
+          af[mi][s][1] = __byte_perm(l0, l1, 0x5410);
+          af[mi][s][2] = __byte_perm(t0, t1, 0x7632);
+          af[mi][s][3] = __byte_perm(l0, l1, 0x7632);
+        }
+      }
 #pragma unroll
       for (int m = 0; m < MATRICES; ++m) {
 #pragma unroll
         for (int j = 0; j < WN / 8; ++j) {
-          const int n = n0 + wn * WN + 8 * j + g;
-          const size_t at = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * groups_per_row + (k0 + 16 * t) / GROUP;
-          group_scale[m][j] = (m == 0 ? s0 : s1)[at];
-          group_bias[m][j] = (m == 0 ? b0 : b1)[at];
-        }
-      }
-    };
-
-    float acc[MATRICES][LIVE_MI][WN / 8][4];
-#pragma unroll
-    for (int m = 0; m < MATRICES; ++m)
-#pragma unroll
-      for (int i = 0; i < LIVE_MI; ++i)
-#pragma unroll
-        for (int j = 0; j < WN / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[m][i][j][e] = 0.f;
-
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < k_steps) load_stage(s, s * BK);
-      asm volatile("cp.async.commit_group;\n" ::);
-    }
-    for (int step = 0; step < k_steps; ++step) {
-      const int stage = step % STAGES;
-      load_scales(step * BK);
-      asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2));
-      __syncthreads();
-      // The stage computed in the previous step is free: every thread has passed the barrier.
-      const int ahead = step + STAGES - 1;
-      if (ahead < k_steps) load_stage(ahead % STAGES, ahead * BK);
-      asm volatile("cp.async.commit_group;\n" ::);
-
-      const T* a_stage = sa + stage * A_STAGE;
-      // This thread's packed words of its rows: WORDS / 2 per half, read per half (holding all of a
-      // step's made the gated variants spill)
-      const unsigned char* w_stage = sw + stage * MATRICES * W_STAGE_BYTES + (wn * WN + g) * W_ROW_BYTES + t * WORDS * 4;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {  // physical k 16t + 8 half .. + 7: k16 mmas 2 half, 2 half + 1
-        unsigned af[LIVE_MI][2][4];
-#pragma unroll
-        for (int mi = 0; mi < LIVE_MI; ++mi) {
-          const int row = wm * WM + mi * 16 + g;
-          const uint4 top = *reinterpret_cast<const uint4*>(&a_stage[row * LDS + 16 * t + 8 * half]);
-          const uint4 low = *reinterpret_cast<const uint4*>(&a_stage[(row + 8) * LDS + 16 * t + 8 * half]);
+          const unsigned char* row = w_stage + m * W_STAGE_BYTES + 8 * j * W_ROW_BYTES + half * WORDS * 2;
+          unsigned words[WORDS / 2];
+          if constexpr (WORDS == 2) {
+            words[0] = *reinterpret_cast<const unsigned*>(row);
+          } else {
+            const uint2 v = *reinterpret_cast<const uint2*>(row);
+            words[0] = v.x, words[1] = v.y;
+          }
 #pragma unroll
           for (int s = 0; s < 2; ++s) {
-            // registers (e0 e1) (e2 e3) (e4 e5) (e6 e7): 4-bit pairs (e_2s, e_2s+4), (e_2s+1, e_2s+5);
-            // 8-bit pairs (e_4s, e_4s+2), (e_4s+1, e_4s+3)
-            const unsigned t0 = BITS == 4 ? (s ? top.y : top.x) : (s ? top.z : top.x);
-            const unsigned t1 = BITS == 4 ? (s ? top.w : top.z) : (s ? top.w : top.y);
-            const unsigned l0 = BITS == 4 ? (s ? low.y : low.x) : (s ? low.z : low.x);
-            const unsigned l1 = BITS == 4 ? (s ? low.w : low.z) : (s ? low.w : low.y);
-            af[mi][s][0] = __byte_perm(t0, t1, 0x5410);
-            af[mi][s][1] = __byte_perm(l0, l1, 0x5410);
-            af[mi][s][2] = __byte_perm(t0, t1, 0x7632);
-            af[mi][s][3] = __byte_perm(l0, l1, 0x7632);
-          }
-        }
+            // 4-bit: word `half`, nibble pairs (2s, 2s + 4) and (2s + 1, 2s + 5); 8-bit: word
+            // 2 half + s, byte pairs (0, 2) and (1, 3)
+            const unsigned word = BITS == 4 ? words[0] : words[s % (WORDS / 2)];
+            const int shift = BITS == 4 ? 8 * s : 0;
+            const unsigned b_lo = dequant_pair<T, S, BITS>(word >> shift & PAIR_MASK, group_scale[m][j], group_bias[m][j]);
+            const unsigned b_hi = dequant_pair<T, S, BITS>(word >> (shift + BITS) & PAIR_MASK, group_scale[m][j], group_bias[m][j]);
 #pragma unroll
-        for (int m = 0; m < MATRICES; ++m) {
-#pragma unroll
-          for (int j = 0; j < WN / 8; ++j) {
-            const unsigned char* row = w_stage + m * W_STAGE_BYTES + 8 * j * W_ROW_BYTES + half * WORDS * 2;
-            unsigned words[WORDS / 2];
-            if constexpr (WORDS == 2) {
-              words[0] = *reinterpret_cast<const unsigned*>(row);
-            } else {
-              const uint2 v = *reinterpret_cast<const uint2*>(row);
-              words[0] = v.x, words[1] = v.y;
-            }
-#pragma unroll
-            for (int s = 0; s < 2; ++s) {
-              // 4-bit: word `half`, nibble pairs (2s, 2s + 4) and (2s + 1, 2s + 5); 8-bit: word
-              // 2 half + s, byte pairs (0, 2) and (1, 3)
-              const unsigned word = BITS == 4 ? words[0] : words[s % (WORDS / 2)];
-              const int shift = BITS == 4 ? 8 * s : 0;
-              const unsigned b_lo = dequant_pair<T, S, BITS>(word >> shift & PAIR_MASK, group_scale[m][j], group_bias[m][j]);
-              const unsigned b_hi = dequant_pair<T, S, BITS>(word >> (shift + BITS) & PAIR_MASK, group_scale[m][j], group_bias[m][j]);
-#pragma unroll
-              for (int mi = 0; mi < LIVE_MI; ++mi) mma<T>(acc[m][mi][j], af[mi][s], b_lo, b_hi);
-            }
+            for (int mi = 0; mi < MI; ++mi) mma<T>(acc[m][mi][j], af[mi][s], b_lo, b_hi);
           }
         }
       }
     }
-
-    // The outputs through shared memory (the pipeline's, free once every warp is here).
-    static_assert(BM * OUT_STRIDE * sizeof(T) <= STAGES * (A_STAGE * sizeof(T) + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
-    T* staged = reinterpret_cast<T*>(shared_bytes);
-    __syncthreads();
-#pragma unroll
-    for (int mi = 0; mi < LIVE_MI; ++mi) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = wm * WM + mi * 16 + g + half * 8;
-        if (row_pair[tile * BM + r] < 0) continue;
-#pragma unroll
-        for (int ni = 0; ni < WN / 8; ++ni) {
-          const int column = wn * WN + ni * 8 + 2 * t, n = n0 + column;
-          if (n >= d.out_dim) continue;
-          float value[2];
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-            value[j] = finish<T, ACTIVATE, GATED, ACT, LIMITED>(acc[0][mi][ni][half * 2 + j], acc[MATRICES - 1][mi][ni][half * 2 + j],
-                                                                d, bias0, bias1, scale, params, expert, n + j);
-          *reinterpret_cast<unsigned*>(&staged[r * OUT_STRIDE + column]) = pack2<T>(value[0], value[1]);
-        }
-      }
-    }
-    __syncthreads();
-    store_staged_rows<T, BM, RBN, THREADS, ACTIVATE>(staged, out, row_pair, tile, n0, d.out_dim, tid);
-  };
-  if constexpr (WARPS_M == 1 && MI == 4) {
-    if (row_pair[tile * BM + 16] < 0) run(cuda::std::integral_constant<int, 1>{});
-    else if (row_pair[tile * BM + 32] < 0) run(cuda::std::integral_constant<int, 2>{});
-    else run(cuda::std::integral_constant<int, 4>{});
-  } else if constexpr (WARPS_M == 1 && MI == 2) {
-    if (row_pair[tile * BM + 16] < 0) run(cuda::std::integral_constant<int, 1>{});
-    else run(cuda::std::integral_constant<int, 2>{});
-  } else {
-    run(cuda::std::integral_constant<int, MI>{});
   }
+
+  // The outputs through shared memory (the pipeline's, free once every warp is here).
+  static_assert(BM * OUT_STRIDE * sizeof(T) <= STAGES * (A_STAGE * sizeof(T) + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
+  T* staged = reinterpret_cast<T*>(shared_bytes);
+  __syncthreads();
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = wm * WM + mi * 16 + g + half * 8;
+      if (row_pair[tile * BM + r] < 0) continue;
+#pragma unroll
+      for (int ni = 0; ni < WN / 8; ++ni) {
+        const int column = wn * WN + ni * 8 + 2 * t, n = n0 + column;
+        if (n >= d.out_dim) continue;
+        float value[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          value[j] = finish<T, ACTIVATE, GATED, ACT, LIMITED>(acc[0][mi][ni][half * 2 + j], acc[MATRICES - 1][mi][ni][half * 2 + j],
+                                                              d, bias0, bias1, scale, params, expert, n + j);
+        *reinterpret_cast<unsigned*>(&staged[r * OUT_STRIDE + column]) = pack2<T>(value[0], value[1]);
+      }
+    }
+  }
+  __syncthreads();
+  store_staged_rows<T, BM, RBN, THREADS, ACTIVATE>(staged, out, row_pair, tile, n0, d.out_dim, tid);
 }
 
 //// grouped_wgmma
@@ -477,155 +460,141 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   const int k_steps = d.in_dim / BK, groups_per_row = d.in_dim / GROUP;
   const size_t row_bytes = (size_t)d.in_dim * BITS / 8;
 
-  // The tile's rows that hold a pair come first (route), so only an expert's last tile has
-  // padding rows; where they are a 64-row tile's last 48 or 32, its wgmmas take N = 16 or 32 (the
-  // whole k-loop per width: a width chosen inside it cost more than the padding's work,
-  // docs/benchmarks.md, twentieth session, item 6).
-  auto run = [&](auto width) {
-    constexpr int N = decltype(width)::value;
-    // B copies: copy c takes tile row (c / 2) % BM, 8-value chunk kb = 2 ((c / 2) / BM) + c % 2 (two
-    // neighbouring lanes read a row's 32-byte sector), into core matrix (kb, row / 8) at shared byte
-    // (kb BM + row) x 16 (a warp's copies land on consecutive 16-byte slots).
-    unsigned b_offset[B_PER_THREAD], b_slot[B_PER_THREAD];
-    unsigned b_present = 0;
+  // B copies: copy c takes tile row (c / 2) % BM, 8-value chunk kb = 2 ((c / 2) / BM) + c % 2 (two
+  // neighbouring lanes read a row's 32-byte sector), into core matrix (kb, row / 8) at shared byte
+  // (kb BM + row) x 16 (a warp's copies land on consecutive 16-byte slots).
+  unsigned b_offset[B_PER_THREAD], b_slot[B_PER_THREAD];
+  unsigned b_present = 0;
+#pragma unroll
+  for (int i = 0; i < B_PER_THREAD; ++i) {
+    const int c = (tid + i * THREADS) % B_COPIES;
+    const int r = c / 2 % BM, kb = c / 2 / BM * 2 + c % 2;
+    const int pair = row_pair[tile * BM + r];
+    b_offset[i] = (pair >= 0 ? pair / d.top_k : 0) * d.in_dim + kb * 8;
+    b_slot[i] = (kb * BM + r) * 16;
+    b_present |= (pair >= 0 && tid + i * THREADS < B_COPIES ? 1u : 0u) << i;
+  }
+  const WeightCopies<W_PER_THREAD, THREADS, W_ROW_BYTES> w_copies(tid, n0, expert, d.out_dim, row_bytes);
+  auto load_stage = [&](int stage, int k0) {
+    const unsigned b_dst = smem_address(sb + stage * B_STAGE_BYTES);
 #pragma unroll
     for (int i = 0; i < B_PER_THREAD; ++i) {
-      const int c = (tid + i * THREADS) % B_COPIES;
-      const int r = c / 2 % BM, kb = c / 2 / BM * 2 + c % 2;
-      const int pair = row_pair[tile * BM + r];
-      b_offset[i] = (pair >= 0 ? pair / d.top_k : 0) * d.in_dim + kb * 8;
-      b_slot[i] = (kb * BM + r) * 16;
-      b_present |= (pair >= 0 && tid + i * THREADS < B_COPIES ? 1u : 0u) << i;
+      if (B_COPIES % THREADS == 0 || tid + i * THREADS < B_COPIES)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(b_dst + b_slot[i]), "l"(a + b_offset[i] + k0),
+                     "r"((b_present >> i & 1u) * 16));
     }
-    const WeightCopies<W_PER_THREAD, THREADS, W_ROW_BYTES> w_copies(tid, n0, expert, d.out_dim, row_bytes);
-    auto load_stage = [&](int stage, int k0) {
-      const unsigned b_dst = smem_address(sb + stage * B_STAGE_BYTES);
-#pragma unroll
-      for (int i = 0; i < B_PER_THREAD; ++i) {
-        if (B_COPIES % THREADS == 0 || tid + i * THREADS < B_COPIES)
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(b_dst + b_slot[i]), "l"(a + b_offset[i] + k0),
-                       "r"((b_present >> i & 1u) * 16));
-      }
-#pragma unroll
-      for (int m = 0; m < MATRICES; ++m)
-        w_copies.copy(reinterpret_cast<const unsigned char*>(m == 0 ? w0 : w1) + (size_t)k0 * BITS / 8,
-                      sw + (stage * MATRICES + m) * W_STAGE_BYTES, tid);
-    };
-
-    // Scales and biases of this thread's two rows for the next k-step: loaded as soon as the last
-    // k16 step has dequantised with the current ones, so that their latency overlaps the step's end.
-    S group_scale[MATRICES][2], group_bias[MATRICES][2];
-    auto load_scales = [&](int k0) {
-#pragma unroll
-      for (int m = 0; m < MATRICES; ++m) {
-#pragma unroll
-        for (int h8 = 0; h8 < 2; ++h8) {
-          const int n = n0 + row + 8 * h8;
-          const size_t at = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * groups_per_row + (k0 + 16 * t) / GROUP;
-          group_scale[m][h8] = (m == 0 ? s0 : s1)[at];
-          group_bias[m][h8] = (m == 0 ? b0 : b1)[at];
-        }
-      }
-    };
-
-#pragma unroll
-    for (int s = 0; s < WGMMA_AHEAD; ++s) {
-      if (s < k_steps) load_stage(s, s * BK);
-      asm volatile("cp.async.commit_group;\n" ::);
-    }
-    load_scales(0);
-    float acc[MATRICES][N / 2];
 #pragma unroll
     for (int m = 0; m < MATRICES; ++m)
-#pragma unroll
-      for (int i = 0; i < N / 2; ++i) acc[m][i] = 0.f;
+      w_copies.copy(reinterpret_cast<const unsigned char*>(m == 0 ? w0 : w1) + (size_t)k0 * BITS / 8,
+                    sw + (stage * MATRICES + m) * W_STAGE_BYTES, tid);
+  };
 
-    for (int step = 0; step < k_steps; ++step) {
-      const int stage = step % WGMMA_STAGES;
-      asm volatile("cp.async.wait_group %0;\n" ::"n"(WGMMA_AHEAD - 1));
-      // this thread's cp.async writes, visible to the wgmmas' (async proxy) reads after the barrier
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      __syncthreads();
-      // The stage refilled here was read two k-steps back: every warpgroup has since waited until
-      // at most its last k16 step's wgmmas were pending, and every thread has passed the barrier.
-      const int ahead = step + WGMMA_AHEAD;
-      if (ahead < k_steps) load_stage(ahead % WGMMA_STAGES, ahead * BK);
-      asm volatile("cp.async.commit_group;\n" ::);
+  // Scales and biases of this thread's two rows for the next k-step: loaded as soon as the last
+  // k16 step has dequantised with the current ones, so that their latency overlaps the step's end.
+  S group_scale[MATRICES][2], group_bias[MATRICES][2];
+  auto load_scales = [&](int k0) {
+#pragma unroll
+    for (int m = 0; m < MATRICES; ++m) {
+#pragma unroll
+      for (int h8 = 0; h8 < 2; ++h8) {
+        const int n = n0 + row + 8 * h8;
+        const size_t at = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * groups_per_row + (k0 + 16 * t) / GROUP;
+        group_scale[m][h8] = (m == 0 ? s0 : s1)[at];
+        group_bias[m][h8] = (m == 0 ? b0 : b1)[at];
+      }
+    }
+  };
 
-      const unsigned char* w_stage = sw + stage * MATRICES * W_STAGE_BYTES + row * W_ROW_BYTES + t * 8;
-      const unsigned b_stage = smem_address(sb + stage * B_STAGE_BYTES);
+  float acc[MATRICES][BM / 2];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        // this thread's packed word of each row at physical k 16t + 8 half .. + 7 (a step's words
-        // read per half: all at once cost registers that spilled)
-        unsigned words[MATRICES][2];
+  for (int m = 0; m < MATRICES; ++m)
 #pragma unroll
-        for (int m = 0; m < MATRICES; ++m)
+    for (int i = 0; i < BM / 2; ++i) acc[m][i] = 0.f;
+
 #pragma unroll
-          for (int h8 = 0; h8 < 2; ++h8)
-            words[m][h8] = *reinterpret_cast<const unsigned*>(w_stage + m * W_STAGE_BYTES + 8 * h8 * W_ROW_BYTES + half * 4);
+  for (int s = 0; s < WGMMA_AHEAD; ++s) {
+    if (s < k_steps) load_stage(s, s * BK);
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+  load_scales(0);
+  for (int step = 0; step < k_steps; ++step) {
+    const int stage = step % WGMMA_STAGES;
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(WGMMA_AHEAD - 1));
+    // this thread's cp.async writes, visible to the wgmmas' (async proxy) reads after the barrier
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    // The stage refilled here was read two k-steps back: every warpgroup has since waited until
+    // at most its last k16 step's wgmmas were pending, and every thread has passed the barrier.
+    const int ahead = step + WGMMA_AHEAD;
+    if (ahead < k_steps) load_stage(ahead % WGMMA_STAGES, ahead * BK);
+    asm volatile("cp.async.commit_group;\n" ::);
+
+    const unsigned char* w_stage = sw + stage * MATRICES * W_STAGE_BYTES + row * W_ROW_BYTES + t * 8;
+    const unsigned b_stage = smem_address(sb + stage * B_STAGE_BYTES);
 #pragma unroll
-        for (int s = 0; s < 2; ++s) {  // k16 step 2 half + s
-          unsigned af[MATRICES][4];  // (row g, h 0), (row g + 8, h 0), (row g, h 1), (row g + 8, h 1)
+    for (int half = 0; half < 2; ++half) {
+      // this thread's packed word of each row at physical k 16t + 8 half .. + 7 (a step's words
+      // read per half: all at once cost registers that spilled)
+      unsigned words[MATRICES][2];
 #pragma unroll
-          for (int m = 0; m < MATRICES; ++m) {
+      for (int m = 0; m < MATRICES; ++m)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
+        for (int h8 = 0; h8 < 2; ++h8)
+          words[m][h8] = *reinterpret_cast<const unsigned*>(w_stage + m * W_STAGE_BYTES + 8 * h8 * W_ROW_BYTES + half * 4);
 #pragma unroll
-              for (int h8 = 0; h8 < 2; ++h8) {
-                // the pair (e = 0, 1) at physical k 16t + 8 half + 4e + 2s + h: nibbles 2s + h and
-                // 2s + h + 4 of the half's word
-                af[m][2 * h + h8] = dequant_pair<T, S, BITS>(words[m][h8] >> (8 * s + 4 * h) & 0x000F000Fu, group_scale[m][h8],
-                                                             group_bias[m][h8]);
-              }
+      for (int s = 0; s < 2; ++s) {  // k16 step 2 half + s
+        unsigned af[MATRICES][4];  // (row g, h 0), (row g + 8, h 0), (row g, h 1), (row g + 8, h 1)
+#pragma unroll
+        for (int m = 0; m < MATRICES; ++m) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int h8 = 0; h8 < 2; ++h8) {
+              // the pair (e = 0, 1) at physical k 16t + 8 half + 4e + 2s + h: nibbles 2s + h and
+              // 2s + h + 4 of the half's word
+              af[m][2 * h + h8] = dequant_pair<T, S, BITS>(words[m][h8] >> (8 * s + 4 * h) & 0x000F000Fu, group_scale[m][h8],
+                                                           group_bias[m][h8]);
             }
           }
-          if (half == 1 && s == 1 && step + 1 < k_steps) load_scales((step + 1) * BK);
-#pragma unroll
-          for (int m = 0; m < MATRICES; ++m) pin(af[m]), pin(acc[m]);
-          wgmma_fence();
-#pragma unroll
-          for (int m = 0; m < MATRICES; ++m)
-            wgmma<T, N>(acc[m], af[m], wgmma_descriptor(b_stage + (2 * half + s) * 2 * BM * 16, BM * 16));
-          // one k16 step in flight while the next is dequantised: its registers are free after this
-          wgmma_commit();
-          wgmma_wait<1>();
         }
+        if (half == 1 && s == 1 && step + 1 < k_steps) load_scales((step + 1) * BK);
+#pragma unroll
+        for (int m = 0; m < MATRICES; ++m) pin(af[m]), pin(acc[m]);
+        wgmma_fence();
+#pragma unroll
+        for (int m = 0; m < MATRICES; ++m)
+          wgmma<T, BM>(acc[m], af[m], wgmma_descriptor(b_stage + (2 * half + s) * 2 * BM * 16, BM * 16));
+        // one k16 step in flight while the next is dequantised: its registers are free after this
+        wgmma_commit();
+        wgmma_wait<1>();
       }
     }
-    wgmma_wait<0>();
-#pragma unroll
-    for (int m = 0; m < MATRICES; ++m) pin(acc[m]);
-
-    // The block's outputs through shared memory (the pipeline's, free once every warp is here): a
-    // thread's accumulators are 2-byte pieces of BM rows, each output row leaves as 16-byte stores.
-    // acc[m][4j + 2 h8 + e] is block column row + 8 h8 of tile row 8j + 2t + e.
-    static_assert(BM * OUT_STRIDE * 2 <= WGMMA_STAGES * (B_STAGE_BYTES + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
-    T* staged = reinterpret_cast<T*>(shared_bytes);
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-#pragma unroll
-        for (int h8 = 0; h8 < 2; ++h8) {
-          const int n = n0 + row + 8 * h8;
-          const float value = finish<T, true, true, ACT, LIMITED>(acc[0][4 * j + 2 * h8 + e], acc[1][4 * j + 2 * h8 + e], d, bias0,
-                                                                 bias1, scale, params, expert, n < d.out_dim ? n : 0);
-          staged[(8 * j + 2 * t + e) * OUT_STRIDE + row + 8 * h8] = static_cast<T>(value);
-        }
-      }
-    }
-    __syncthreads();
-    store_staged_rows<T, BM, RBN, THREADS, true>(staged, out, row_pair, tile, n0, d.out_dim, tid);
-  };
-  if constexpr (BM == 64) {
-    if (row_pair[tile * BM + 16] < 0) run(cuda::std::integral_constant<int, 16>{});
-    else if (row_pair[tile * BM + 32] < 0) run(cuda::std::integral_constant<int, 32>{});
-    else run(cuda::std::integral_constant<int, 64>{});
-  } else {
-    run(cuda::std::integral_constant<int, BM>{});
   }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int m = 0; m < MATRICES; ++m) pin(acc[m]);
+
+  // The block's outputs through shared memory (the pipeline's, free once every warp is here): a
+  // thread's accumulators are 2-byte pieces of BM rows, each output row leaves as 16-byte stores.
+  // acc[m][4j + 2 h8 + e] is block column row + 8 h8 of tile row 8j + 2t + e.
+  static_assert(BM * OUT_STRIDE * 2 <= WGMMA_STAGES * (B_STAGE_BYTES + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
+  T* staged = reinterpret_cast<T*>(shared_bytes);
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int h8 = 0; h8 < 2; ++h8) {
+        const int n = n0 + row + 8 * h8;
+        const float value = finish<T, true, true, ACT, LIMITED>(acc[0][4 * j + 2 * h8 + e], acc[1][4 * j + 2 * h8 + e], d, bias0,
+                                                               bias1, scale, params, expert, n < d.out_dim ? n : 0);
+        staged[(8 * j + 2 * t + e) * OUT_STRIDE + row + 8 * h8] = static_cast<T>(value);
+      }
+    }
+  }
+  __syncthreads();
+  store_staged_rows<T, BM, RBN, THREADS, true>(staged, out, row_pair, tile, n0, d.out_dim, tid);
 }
 
 //// route
