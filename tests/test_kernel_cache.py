@@ -121,6 +121,38 @@ def test_cache_filling_fills_each_variant_once_and_leaves_failures_to_mlx(monkey
     assert kernel_cache.failures == ["custom_kernel_k: no NVRTC"]
 
 
+@pytest.fixture
+def warm_up_conditions(monkeypatch, ptx_dir):
+    """As on a CUDA machine with NVRTC 12.8+ and MLX's checked version; NVRTC's compile recorded."""
+    compiled = []
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernel_cache, "CHECKED_MLX_VERSIONS", (mx.__version__,))
+    monkeypatch.setattr(kernel_cache, "nvrtc_version", lambda: (13, 0))
+    monkeypatch.setattr(kernel_cache, "has_pch", lambda: True)
+    monkeypatch.setattr(kernel_cache, "compile_cubin", lambda *arguments: compiled.append(arguments) or (b"", ""))
+    monkeypatch.setattr(kernel_cache, "_warm_up", [])
+    return compiled
+
+
+def test_the_header_is_warmed_up_once_where_the_cache_holds_none_of_our_modules(warm_up_conditions):
+    assert kernel_cache.warm_up_header(True)
+    kernel_cache._warm_up[0].join(timeout=30)
+    ((source, module, kernel, options),) = warm_up_conditions
+    assert source.startswith(kernel_cache.PREAMBLE) and "--pch" in options
+    assert options == kernel_cache.compile_options((9, 0), pch=True)  # the fills' options: their header is this one
+    assert kernel == f"mlx::core::cu::{kernel_cache.WARM_UP_KERNEL}"
+    assert not kernel_cache.warm_up_header(True) and len(warm_up_conditions) == 1  # once a process
+    assert "precompiled header made at apply()" in kernel_cache.state(True)["reason"]
+
+
+def test_no_header_warm_up_where_a_module_of_ours_is_cached_or_the_cache_is_off(warm_up_conditions, ptx_dir):
+    assert not kernel_cache.warm_up_header(False)
+    ptx_dir.mkdir(parents=True, exist_ok=True)
+    (ptx_dir / "custom_kernel_mlx_moe_fix_moe_router_topk_0123.ptx").write_bytes(b"")
+    assert not kernel_cache.warm_up_header(True)
+    assert warm_up_conditions == [] and kernel_cache._warm_up == []
+
+
 def needs_nvrtc():
     try:
         kernel_cache.nvrtc_version()

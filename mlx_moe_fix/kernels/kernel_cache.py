@@ -271,6 +271,40 @@ class CacheFilling:
 failures: list = []  # why variants were left to MLX's compile, for state()
 written: list = []  # the modules this process compiled into MLX's cache
 
+# The first NVRTC compile of a process with `--pch` parses the preamble's headers and makes the
+# precompiled header (1.3-1.5 s on the H200's host), each later one takes 0.1-0.13 s
+# (docs/benchmarks.md, forty-seventh session, item 5): most of a filling process's wait.
+WARM_UP_KERNEL = "custom_kernel_mlx_moe_fix_header_warm_up"
+_warm_up: list = []  # the thread, once started
+
+
+def warm_up_header(switched_on: bool) -> bool:
+    """Where this process will likely fill the cache (it is on here and holds no module of this
+    package yet: a machine's first process, or a new cache folder), compile an empty kernel with
+    the fills' preamble and options in a daemon thread, so that NVRTC's precompiled header is made
+    while the caller goes on (apply() calls this: before a model loads); the first fill then
+    compiles only its own code. Once a process; whether it started."""
+    if _warm_up or not switched_on or not mx.cuda.is_available() or not naming_checked() or not has_pch():
+        return False
+    try:
+        options = compile_options(compute_capability(), pch=True)
+    except Unavailable:
+        return False
+    if next(ptx_cache_directory().glob("custom_kernel_mlx_moe_fix_*"), None) is not None:
+        return False
+    source = kernel_source(WARM_UP_KERNEL, "", "", (), (("out", mx.float32),), (), PREAMBLE)
+
+    def compile_empty_kernel():
+        try:
+            compile_cubin(source, WARM_UP_KERNEL, f"mlx::core::cu::{WARM_UP_KERNEL}", options)
+        except Unavailable:
+            pass  # the fills then meet the same failure and report it (failures)
+
+    thread = threading.Thread(target=compile_empty_kernel, name="mlx_moe_fix_nvrtc_warm_up", daemon=True)
+    _warm_up.append(thread)
+    thread.start()
+    return True
+
 
 def naming_checked() -> bool:
     return mx.__version__ in CHECKED_MLX_VERSIONS
@@ -289,6 +323,8 @@ def state(switched_on: bool) -> dict:
     except Unavailable as error:
         return {"on": False, "reason": f"no NVRTC here ({error}): MLX compiles each kernel in every process"}
     reason = f"the kernels' compiled code kept in MLX's PTX cache ({ptx_cache_directory()})"
+    if _warm_up:
+        reason += "; NVRTC's precompiled header made at apply() (the cache held no module of this package)"
     if failures:
         reason += f"; {len(failures)} variants left to MLX's compile (first: {failures[0][:300]})"
     return {"on": True, "reason": reason}

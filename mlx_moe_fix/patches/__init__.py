@@ -18,6 +18,7 @@ import wrapt
 
 from .. import env
 from ..env import flag
+from ..kernels import kernel_cache
 from . import mlx_lm, mlx_vlm, options
 from .methods import patched_method
 from .targets import Target, source_digest
@@ -75,6 +76,7 @@ def apply(prefill: bool = True, decode: bool = True) -> None:
         return
     options.set_phases(prefill, decode)
     _applied = True
+    kernel_cache.warm_up_header(flag(kernel_cache.SWITCH))
     for module_name in MODULES:
         module = sys.modules.get(module_name)
         if module is not None:
