@@ -6,29 +6,20 @@ MLX_PTX_CACHE_DIR that holds none of our modules. Result: docs/benchmarks.md, fo
 session, item 6.
     MLX_PTX_CACHE_DIR=<copy without custom_kernel_*> PYTHONPATH=. python3 docs/experiments/header_warm_up_probe.py warm|cold"""
 import argparse
-import functools
 import sys
 import time
+from pathlib import Path
 
 import mlx_moe_fix
 from benchmarks import models
 from benchmarks.decode_timeline import Decoder, prompts_of
 from mlx_moe_fix.kernels import kernel_cache
 
+sys.path.insert(0, str(Path(__file__).parent))
+from fill_time_probe import timed_fills  # noqa: E402
+
 mode = sys.argv[1]
-compiles = []
-compile_cubin = kernel_cache.compile_cubin
-
-
-def timed_compile(source, module, kernel, options):
-    start = time.perf_counter()
-    try:
-        return compile_cubin(source, module, kernel, options)
-    finally:
-        compiles.append(time.perf_counter() - start)
-
-
-kernel_cache.fill = functools.partial(kernel_cache.fill, compile=timed_compile)  # CacheFilling calls it by name
+compiles = timed_fills()
 if mode == "cold":
     kernel_cache.warm_up_header = lambda switched_on: False
 start = time.perf_counter()
@@ -42,5 +33,5 @@ ready = time.perf_counter()
 Decoder(built[False], prompts)
 first = time.perf_counter() - ready
 print(f"{mode}: apply() {applied - start:.3f} s, models built {ready - applied:.1f} s, warm-up started "
-      f"{bool(kernel_cache._warm_up)}; first patched prefill + token {first:.2f} s, of it NVRTC {sum(compiles):.2f} s "
-      f"in {len(compiles)} compiles ({', '.join(f'{c:.2f}' for c in compiles)})")
+      f"{bool(kernel_cache._warm_up)}; first patched prefill + token {first:.2f} s, of it NVRTC {sum(c for _, c in compiles):.2f} s "
+      f"in {len(compiles)} compiles ({', '.join(f'{c:.2f}' for _, c in compiles)})")
