@@ -278,6 +278,13 @@ WARM_UP_KERNEL = "custom_kernel_mlx_moe_fix_header_warm_up"
 _warm_up: list = []  # the thread, once started
 
 
+@functools.lru_cache(maxsize=None)
+def _holds_our_modules(directory: Path) -> bool:
+    """Looked at once a process and folder: apply() runs again at every patched() block and
+    benchmark turn, and the folder holds thousands of MLX's modules."""
+    return next(directory.glob("custom_kernel_mlx_moe_fix_*"), None) is not None
+
+
 def warm_up_header(switched_on: bool) -> bool:
     """Where this process will likely fill the cache (it is on here and holds no module of this
     package yet: a machine's first process, or a new cache folder), compile an empty kernel with
@@ -286,11 +293,11 @@ def warm_up_header(switched_on: bool) -> bool:
     compiles only its own code. Once a process; whether it started."""
     if _warm_up or not switched_on or not mx.cuda.is_available() or not naming_checked() or not has_pch():
         return False
+    if _holds_our_modules(ptx_cache_directory()):
+        return False
     try:
         options = compile_options(compute_capability(), pch=True)
     except Unavailable:
-        return False
-    if next(ptx_cache_directory().glob("custom_kernel_mlx_moe_fix_*"), None) is not None:
         return False
     source = kernel_source(WARM_UP_KERNEL, "", "", (), (("out", mx.float32),), (), PREAMBLE)
 
