@@ -272,7 +272,7 @@ failures: list = []  # why variants were left to MLX's compile, for state()
 written: list = []  # the modules this process compiled into MLX's cache
 
 # The first NVRTC compile of a process with `--pch` parses the preamble's headers and makes the
-# precompiled header (1.3-1.5 s on the H200's host), each later one takes 0.1-0.13 s
+# precompiled header (1.3-1.5 s on the H200's host), each later one takes 0.09-0.13 s
 # (docs/benchmarks.md, forty-seventh session, item 5): most of a filling process's wait.
 WARM_UP_KERNEL = "custom_kernel_mlx_moe_fix_header_warm_up"
 _warm_up: list = []  # the thread, once started
