@@ -69,7 +69,7 @@ def test_ptx_path_splits_long_module_names_as_mlx_does(tmp_path):
 @pytest.fixture
 def ptx_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
-    monkeypatch.setattr(kernel_cache, "compute_capability", lambda device_index=0: (9, 0))
+    monkeypatch.setattr(kernel_cache, "compute_capability", lambda: (9, 0))
     monkeypatch.setattr(kernel_cache, "written", [])
     return tmp_path / "ptx"
 

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import backend
+
 SWITCH = "MLX_MOE_FIX_KERNEL_CACHE"
 
 # The MLX versions whose custom-kernel module names this rebuilds, checked on a GPU (another
@@ -138,16 +140,12 @@ def nvrtc_version() -> tuple:
     return major.value, minor.value
 
 
-@functools.lru_cache(maxsize=None)
-def compute_capability(device_index: int = 0) -> tuple:
-    """(major, minor) of CUDA device `device_index`, from the driver."""
-    driver = _library(("libcuda.so.1", "libcuda.so"))
-    device, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-    if (driver.cuInit(0) or driver.cuDeviceGet(ctypes.byref(device), device_index)
-            or driver.cuDeviceGetAttribute(ctypes.byref(major), 75, device)  # ..._COMPUTE_CAPABILITY_MAJOR
-            or driver.cuDeviceGetAttribute(ctypes.byref(minor), 76, device)):  # ..._COMPUTE_CAPABILITY_MINOR
-        raise Unavailable(f"the CUDA driver gave no compute capability for device {device_index}")
-    return major.value, minor.value
+def compute_capability() -> tuple:
+    """(major, minor) of MLX's GPU, as the launchers read it (backend.compute_capability)."""
+    capability = backend.compute_capability()
+    if capability is None:
+        raise Unavailable("MLX gives no compute capability for its GPU")
+    return capability
 
 
 def include_directories() -> list:
