@@ -161,10 +161,12 @@ def include_directories() -> list:
 def compile_options(capability: tuple, pch: bool = False) -> list:
     """jit_module.cpp compile's: device code by default, the GPU's SASS (sm_XYa from 9.0 on); and
     with `pch` NVRTC's automatic precompiled header (12.8+), which changes the compile's time, not
-    its cubin: the process parses the first #include (cuda_bf16.h) once, not once a variant
+    its machine code: the process parses the first #include (cuda_bf16.h) once, not once a variant
     (docs/benchmarks.md, forty-sixth session, item 7, development CPU: five variants 6.0-6.3 s
-    without, 4.0-4.1 s with, each cubin bit for bit the same; tests/test_kernel_cache.py checks
-    the sameness; forty-seventh session, item 1, H200: 8.5 against 4.1 s)."""
+    without, 4.0-4.1 s with, each cubin bit for bit the same, as tests/test_kernel_cache.py
+    checks; forty-seventh session, item 1, H200: 8.5 against 4.1 s; item 8: there the SASS is the
+    same but the cubin's symbol table lists eight cuda::std constants in another order, so that
+    test fails on the H200)."""
     major, minor = capability
     return (["--device-as-default-execution-space", f"--gpu-architecture=sm_{major}{minor}{'a' if major >= 9 else ''}"]
             + [f"--include-path={d}" for d in include_directories()] + (["--pch"] if pch else []))
