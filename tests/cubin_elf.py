@@ -1,0 +1,55 @@
+"""A cubin's contents with the symbol table's order taken out, to compare two compiles of one kernel.
+
+NVRTC's precompiled header can list the same symbols in another order (forty-seventh session,
+docs/benchmarks.md item 8): the machine code and its data are the same, but the symbol table, the
+relocations and the .nv.info records that name symbols by index are not byte for byte. So every
+section's bytes are compared except those; the symbol table and relocations are compared with
+each index replaced by the symbol it names, and the .nv.info and .nv.callgraph sections (records
+holding symbol indices among other fields) by name and size only."""
+
+import struct
+from collections import Counter
+
+_SYMTAB, _STRTAB, _RELA, _REL = 2, 3, 4, 9
+_SYMBOL_INDEXED = (_SYMTAB, _STRTAB, _RELA, _REL)
+
+
+def _sections(cubin: bytes):
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2 or cubin[5] != 1:
+        raise ValueError("not a little-endian 64-bit ELF")
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = headers[shstrndx][4]
+
+    def name(offset, base=names_at):
+        return cubin[base + offset:cubin.index(b"\0", base + offset)].decode()
+
+    return [{"name": name(h[0]), "type": h[1], "flags": h[2], "offset": h[4], "size": h[5], "link": h[6],
+             "info": h[7], "entsize": h[9], "data": cubin[h[4]:h[4] + h[5]] if h[1] != 8 else b""} for h in headers], name
+
+
+def normalised(cubin: bytes) -> dict:
+    """What must be equal in two compiles of one kernel, whatever order their symbols are listed in."""
+    sections, name = _sections(cubin)
+    symtab = next(s for s in sections if s["type"] == _SYMTAB)
+    strings_at = sections[symtab["link"]]["offset"]
+    symbols = []
+    for at in range(0, symtab["size"], symtab["entsize"]):
+        st_name, st_info, st_other, st_shndx, st_value, st_size = struct.unpack_from("<IBBHQQ", symtab["data"], at)
+        section = sections[st_shndx]["name"] if 0 < st_shndx < len(sections) else st_shndx
+        symbols.append((name(st_name, strings_at), st_info, st_other, section, st_value, st_size))
+    relocations = Counter()
+    for s in sections:
+        if s["type"] in (_REL, _RELA):
+            for at in range(0, s["size"], s["entsize"]):
+                offset, info = struct.unpack_from("<QQ", s["data"], at)
+                addend = struct.unpack_from("<q", s["data"], at + 16)[0] if s["type"] == _RELA else None
+                relocations[(sections[s["info"]]["name"], offset, info & 0xFFFFFFFF, symbols[info >> 32][0], addend)] += 1
+    return {
+        "sections": [(s["name"], s["type"], s["flags"], s["size"]) for s in sections],
+        "bytes": {s["name"]: s["data"] for s in sections
+                  if s["type"] not in _SYMBOL_INDEXED and not s["name"].startswith((".nv.info", ".nv.callgraph"))},
+        "symbols": Counter(symbols),
+        "relocations": relocations,
+    }
