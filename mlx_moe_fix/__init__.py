@@ -3,8 +3,10 @@
     import mlx_moe_fix
     mlx_moe_fix.apply()
 
-Every supported MoE layer then runs on the package's ops (kernels where the backend has them,
-pure-MLX references otherwise); anything unsupported runs the original code.
+Every supported MoE layer then runs on the package's ops (our CUDA kernels; where a layer's call
+has no kernel, the op's pure-MLX reference); anything unsupported runs the original code. Where no
+kernel of ours is on (the CPU; Metal unless MLX_MOE_FIX_METAL_DECODE=1) apply() patches nothing
+and status() says why; MLX_MOE_FIX_REFERENCES=1 patches there too, running the references.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from .kernels.moe_prefill import gemm_state, moe_prefill_implementation
 from .kernels.moe_routed_decode import fused_router_state, moe_routed_decode_implementation
 from .kernels.moe_router import moe_router_implementation
 from .kernels.moe_shared_decode import moe_shared_decode_implementation
-from .patches import TARGETS, apply, compiled, disabled_by_env, is_applied, options, patched, revert, target_state
+from .patches import (TARGETS, apply, compiled, disabled_by_env, is_applied, options, patched, revert, target_state,
+                      why_not_applied)
 from .patches.activations import known_activation_names
 from .trace import path_counts, reset_path_counts
 
@@ -57,6 +60,7 @@ def status() -> dict:
     }
     return {
         "applied": is_applied(),
+        "why_not_applied": why_not_applied(),
         "disabled_by_env": disabled_by_env(),
         "phases": options.current(),
         "backend": current_backend(),

@@ -10,6 +10,7 @@ import time
 import mlx.core as mx
 
 import mlx_moe_fix
+from mlx_moe_fix.patches import no_kernel_reason
 
 
 def markdown_table(headers: list, rows: list) -> str:
@@ -33,6 +34,8 @@ def show_status(as_json: bool) -> int:
         print(json.dumps(status, indent=2))
         return 0
     print(f"applied: {status['applied']}   backend: {status['backend']}   phases: {status['phases']}")
+    if status["why_not_applied"]:
+        print(f"not applied: {status['why_not_applied']}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in status["versions"].items()))
     print()
     print(markdown_table(["op", "runs", "why"], [[k, v["path"], v["reason"]] for k, v in status["ops"].items()]))
@@ -78,7 +81,11 @@ def demo(family: str, bits: int, prompt_tokens: int, new_tokens: int, repeats: i
     mlx_moe_fix.revert()
     stock = timed_generation(model, prompt, new_tokens, repeats)
     mlx_moe_fix.reset_path_counts()
-    with mlx_moe_fix.patched():
+    no_kernel = no_kernel_reason()
+    if no_kernel is not None:
+        print(f"apply() alone patches nothing here ({no_kernel}); the patched run takes the references, "
+              "to show their parity", file=sys.stderr)
+    with mlx_moe_fix.patched(references=True):
         patched = timed_generation(model, prompt, new_tokens, repeats)
     paths = sorted({f"{r.layer} {r.phase}: {r.path}" for r in mlx_moe_fix.path_counts()})
     same = stock["tokens"] == patched["tokens"]

@@ -1,7 +1,7 @@
 """The package's environment switches: MLX_MOE_FIX_DISABLE, MLX_MOE_FIX_TRACE,
 MLX_MOE_FIX_CUDA_DECODE, MLX_MOE_FIX_CUDA_PREFILL, MLX_MOE_FIX_CUDA_PREFILL_WGMMA, MLX_MOE_FIX_CUDA_ROUTER,
 MLX_MOE_FIX_CUDA_ROUTED_DECODE, MLX_MOE_FIX_CUDA_FUSED_ROUTER, MLX_MOE_FIX_CUDA_SHARED_DECODE, MLX_MOE_FIX_COMPILED_DECODE, MLX_MOE_FIX_COMPILED_PREFILL,
-MLX_MOE_FIX_SHARED_STEPS, MLX_MOE_FIX_RESIDUAL_IN_BLOCK, MLX_MOE_FIX_METAL_DECODE, MLX_MOE_FIX_KERNEL_CACHE.
+MLX_MOE_FIX_SHARED_STEPS, MLX_MOE_FIX_RESIDUAL_IN_BLOCK, MLX_MOE_FIX_METAL_DECODE, MLX_MOE_FIX_KERNEL_CACHE, MLX_MOE_FIX_REFERENCES.
 
 Read on first use and again at every `apply()`, not per call: reading `os.environ` costs
 ~0.7 us, and the patched layers consult the switches on every call of a decode step."""
@@ -16,7 +16,10 @@ SWITCHES = {"MLX_MOE_FIX_DISABLE": False, "MLX_MOE_FIX_TRACE": False, "MLX_MOE_F
             "MLX_MOE_FIX_COMPILED_PREFILL": True, "MLX_MOE_FIX_SHARED_STEPS": True, "MLX_MOE_FIX_RESIDUAL_IN_BLOCK": True,
             # off until the Metal decode kernel has run on Apple hardware (kernels/metal/)
             "MLX_MOE_FIX_METAL_DECODE": False,
-            "MLX_MOE_FIX_KERNEL_CACHE": True}
+            "MLX_MOE_FIX_KERNEL_CACHE": True,
+            # on: apply() patches where no kernel of ours is on, the layers then running the
+            # pure-MLX references (tests, parity tools); off: upstream's code stays there
+            "MLX_MOE_FIX_REFERENCES": False}
 _values: dict = {}
 _snapshot: list = [()]
 

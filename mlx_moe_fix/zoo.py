@@ -559,7 +559,8 @@ def finite_stand_in(a, seed: int):
 
 def replayed_layer_calls(model, prompt: list[int], n: int) -> tuple[int, list[tuple]]:
     """Every MoE layer call of a stock greedy run of ``n`` tokens, replayed on its recorded inputs
-    stock and under ``mlx_moe_fix.patched()``: (calls recorded, [(call number, args, stock output,
+    stock and under ``mlx_moe_fix.patched(references=True)`` (the references where no kernel of ours
+    is on): (calls recorded, [(call number, args, stock output,
     patched output)] for each call whose replayed stock output is finite). Non-finite inputs get
     finite_stand_in, the recorded routing kept."""
     import mlx_moe_fix
@@ -573,7 +574,7 @@ def replayed_layer_calls(model, prompt: list[int], n: int) -> tuple[int, list[tu
         stock = layer(*args, **kwargs)
         if not mx.isfinite(stock).all().item():
             continue
-        with mlx_moe_fix.patched():
+        with mlx_moe_fix.patched(references=True):
             patched = layer(*args, **kwargs)
         replayed.append((number, args, stock, patched))
     return len(calls), replayed

@@ -1,11 +1,15 @@
 import os
 
-import mlx.core as mx
-import pytest
+# The suite checks the patched layers everywhere: where no kernel of ours is on (the CPU) that is
+# through the references, which apply() leaves out unless asked (test_patches checks the default).
+os.environ.setdefault("MLX_MOE_FIX_REFERENCES", "1")
 
-import mlx_moe_fix
-from mlx_moe_fix import env
-from mlx_moe_fix.patches import compiled
+import mlx.core as mx  # noqa: E402
+import pytest  # noqa: E402
+
+import mlx_moe_fix  # noqa: E402
+from mlx_moe_fix import env  # noqa: E402
+from mlx_moe_fix.patches import compiled  # noqa: E402
 
 
 def gpu_available() -> bool:

@@ -146,6 +146,59 @@ def test_disable_env_makes_apply_a_no_op():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
 
 
+def test_apply_leaves_upstreams_code_where_no_kernel_is_on():
+    # the suite runs with MLX_MOE_FIX_REFERENCES=1 (conftest); here the default
+    result = run_python(
+        """
+        import os
+        import mlx.core as mx
+        import mlx_moe_fix
+        from mlx_moe_fix.patches.methods import wrapper_of
+        from mlx_lm.models.switch_layers import SwitchGLU
+        mx.set_default_device(mx.cpu)
+        original = SwitchGLU.__dict__["__call__"]
+        mlx_moe_fix.apply()
+        assert SwitchGLU.__dict__["__call__"] is original
+        status = mlx_moe_fix.status()
+        assert not status["applied"] and "CPU" in status["why_not_applied"], status["why_not_applied"]
+        assert "MLX_MOE_FIX_REFERENCES=1" in status["why_not_applied"]
+        states = {t["state"] for t in status["targets"] if "not installed" not in t["reason"]}
+        reasons = {t["reason"] for t in status["targets"] if "not installed" not in t["reason"]}
+        assert states == {"not applied"} and reasons == {status["why_not_applied"]}, (states, reasons)
+        with mlx_moe_fix.patched(references=True):
+            assert wrapper_of(SwitchGLU.__dict__["__call__"]) is not None
+            assert mlx_moe_fix.status()["why_not_applied"] is None
+        assert SwitchGLU.__dict__["__call__"] is original and os.environ["MLX_MOE_FIX_REFERENCES"] == ""
+        with mlx_moe_fix.patched():
+            assert SwitchGLU.__dict__["__call__"] is original
+        mlx_moe_fix.revert()
+        assert mlx_moe_fix.status()["why_not_applied"] is None
+        os.environ["MLX_MOE_FIX_REFERENCES"] = "1"
+        mlx_moe_fix.apply()
+        assert wrapper_of(SwitchGLU.__dict__["__call__"]) is not None and mlx_moe_fix.status()["applied"]
+        print("ok")
+        """,
+        MLX_MOE_FIX_REFERENCES="",
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+def test_no_kernel_reason_by_backend(monkeypatch, switch):
+    from mlx_moe_fix import patches
+
+    switch("MLX_MOE_FIX_REFERENCES", "0")
+    for backend, expected in (("cuda", None), ("metal", "MLX_MOE_FIX_METAL_DECODE=1"), ("cpu", "CPU")):
+        monkeypatch.setattr(patches, "current_backend", lambda: backend)
+        reason = patches.no_kernel_reason()
+        assert reason is None if expected is None else expected in reason, (backend, reason)
+    monkeypatch.setattr(patches, "current_backend", lambda: "metal")
+    switch("MLX_MOE_FIX_METAL_DECODE", "1")
+    assert patches.no_kernel_reason() is None
+    switch("MLX_MOE_FIX_METAL_DECODE", "0")
+    switch("MLX_MOE_FIX_REFERENCES", "1")
+    assert patches.no_kernel_reason() is None
+
+
 def test_trace_env_logs_each_path_once_per_shape_class():
     result = run_python(
         """
@@ -263,14 +316,17 @@ def test_quantized_switch_linear_called_positionally():
 
 
 def test_demo_command_reports_parity():
+    # as a user runs it: MLX_MOE_FIX_REFERENCES unset, so on the CPU the demo itself asks for the
+    # references (apply() alone would patch nothing there) and says so
     result = subprocess.run(
-        [sys.executable, "-m", "mlx_moe_fix", "demo", "--prompt-tokens", "64", "--new-tokens", "8", "--repeats", "1"],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=300,
+        [sys.executable, "-m", "mlx_moe_fix", "demo", "--prompt-tokens", "64", "--new-tokens", "8", "--repeats", "1", "--cpu"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO, "MLX_MOE_FIX_REFERENCES": ""}, timeout=300,
     )
     assert result.returncode == 0, result.stderr
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()]
     patched_row = next(row for row in rows if row[0] == "patched")
     assert patched_row[3] == "yes" and "reference" in patched_row[4]
+    assert "apply() alone patches nothing here" in result.stderr
 
 
 def test_env_switches_are_read_at_apply(monkeypatch):

@@ -5,20 +5,26 @@ apply() replaces each target method on its class with a function calling the tar
 must change). Modules not imported yet are patched by a wrapt post-import hook when they are;
 apply() never imports them itself. revert() puts the
 original function objects back and makes the hooks inert (wrapt cannot unregister a hook).
+Where no kernel of ours is on (the CPU; Metal unless its decode kernel is switched on) apply()
+patches nothing: the layers would run the pure-MLX references, upstream's math with the wrappers'
+host time on top, never faster. MLX_MOE_FIX_REFERENCES=1 patches there anyway (the tests' and
+parity tools' way to run the references).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
-from typing import Dict
+from typing import Dict, Optional
 
 import wrapt
 
 from .. import env
 from ..env import flag
-from ..kernels import kernel_cache
+from ..kernels import current_backend, kernel_cache
+from ..kernels.moe_decode import METAL_KERNEL_SWITCH
 from . import mlx_lm, mlx_vlm, options
 from .methods import patched_method
 from .targets import Target, source_digest
@@ -31,10 +37,29 @@ _missing: Dict[str, str] = {}  # target name -> why it could not be patched
 _unsupported: Dict[str, str] = {}  # target name -> why its method was left as it is
 _hooked: set = set()  # modules with a post-import hook registered in this process
 _applied = False
+_declined: Dict[str, str] = {}  # "reason": why the last apply() patched nothing, until revert()
+
+REFERENCES_SWITCH = "MLX_MOE_FIX_REFERENCES"
 
 
 def disabled_by_env() -> bool:
     return flag("MLX_MOE_FIX_DISABLE")
+
+
+def no_kernel_reason() -> Optional[str]:
+    """Why apply() leaves upstream's code in place on the current backend (None: it patches):
+    none of our kernels is on here and MLX_MOE_FIX_REFERENCES does not ask for the references."""
+    backend = current_backend()
+    if backend == "cuda" or flag(REFERENCES_SWITCH):
+        return None
+    if backend == "metal":
+        if flag(METAL_KERNEL_SWITCH):
+            return None
+        kernels = f"the Metal decode kernel is off (untested on Apple hardware; {METAL_KERNEL_SWITCH}=1 turns it on)"
+    else:
+        kernels = "no kernel of ours runs on the CPU"
+    return (f"{kernels}: the patched layers would run the pure-MLX references (upstream's math with the "
+            f"wrappers' host time on top), so upstream's code stays ({REFERENCES_SWITCH}=1 patches anyway)")
 
 
 def _installed(module_name: str) -> bool:
@@ -69,11 +94,17 @@ def _on_import(module) -> None:
 
 def apply(prefill: bool = True, decode: bool = True) -> None:
     """Route every supported MoE layer call through the ops; idempotent. prefill / decode choose
-    which phases use them (the other phase stays on stock code)."""
+    which phases use them (the other phase stays on stock code). Patches nothing where
+    no_kernel_reason() says why (why_not_applied() then says it too)."""
     global _applied
     env.refresh()
     if disabled_by_env():
         return
+    declined = None if _applied else no_kernel_reason()
+    if declined is not None:
+        _declined["reason"] = declined
+        return
+    _declined.clear()
     options.set_phases(prefill, decode)
     _applied = True
     kernel_cache.warm_up_header(flag(kernel_cache.SWITCH))
@@ -96,15 +127,19 @@ def revert() -> None:
             setattr(getattr(sys.modules[target.module], target.cls), target.method, original)
     _missing.clear()
     _unsupported.clear()
+    _declined.clear()
     options.set_phases(True, True)
 
 
 @contextlib.contextmanager
-def patched(prefill: bool = True, decode: bool = True):
-    """apply() for the block, then back to the state before it."""
+def patched(prefill: bool = True, decode: bool = True, references: bool = False):
+    """apply() for the block, then back to the state before it. references=True: also where no
+    kernel of ours is on, the references then running (as MLX_MOE_FIX_REFERENCES=1), for a tool
+    that compares stock with patched and must not compare stock with itself."""
     was_applied = _applied
     previous = options.current()
-    apply(prefill=prefill, decode=decode)
+    with _environment(REFERENCES_SWITCH, "1" if references else None):
+        apply(prefill=prefill, decode=decode)
     try:
         yield
     finally:
@@ -114,8 +149,33 @@ def patched(prefill: bool = True, decode: bool = True):
             revert()
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: Optional[str]):
+    """os.environ[name] = value in the block (None: as it is); the switches are read afresh after it."""
+    if value is None:
+        yield
+        return
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+        env.refresh()
+
+
 def is_applied() -> bool:
     return _applied
+
+
+def why_not_applied() -> Optional[str]:
+    """Why the last apply() patched nothing (MLX_MOE_FIX_DISABLE, or no_kernel_reason), else None."""
+    if disabled_by_env():
+        return "MLX_MOE_FIX_DISABLE is set"
+    return None if _applied else _declined.get("reason")
 
 
 def target_state(target: Target) -> tuple:
@@ -131,5 +191,5 @@ def target_state(target: Target) -> tuple:
     if disabled_by_env():
         return "not applied", "MLX_MOE_FIX_DISABLE is set"
     if not _applied:
-        return "not applied", "apply() has not been called (or revert() was)"
+        return "not applied", _declined.get("reason", "apply() has not been called (or revert() was)")
     return "deferred", f"patched when {target.module} is imported"

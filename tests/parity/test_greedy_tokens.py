@@ -233,7 +233,7 @@ def doubled_down_scales(model):
 def test_layer_call_replay_passes_the_patch_and_catches_a_wrong_layer(cpu_device, monkeypatch, wrong):
     model = zoo.build("qwen3_moe", 4)
     if wrong:
-        monkeypatch.setattr(mlx_moe_fix, "patched", lambda: doubled_down_scales(model))
+        monkeypatch.setattr(mlx_moe_fix, "patched", lambda references: doubled_down_scales(model))
         with pytest.raises(AssertionError, match="layer call"):
             assert_layer_calls_match_stock(model, zoo.prompt_for("qwen3_moe"), True, mx.float32)
     else:
