@@ -136,11 +136,12 @@ class Layer:
     dense_q: tuple
     dense_bf16: mx.array
     indices: Optional[mx.array] = None
-    # Only the first layer carries the dequantized experts (bf16 gather_mm column, prefill).
+    # Only the layers a prefill row times carry the dequantized experts (bf16 gather_mm column).
     experts_bf16: Optional[mx.array] = None
 
 
-def build_layers(shape: Shape, count: int, with_bf16: bool) -> List[Layer]:
+def build_layers(shape: Shape, count: int, bf16_layers: int) -> List[Layer]:
+    """`count` layers, the first `bf16_layers` of them with their experts also dequantized to bf16."""
     layers = []
     for i in range(count):
         w, s, b = random_quantized(shape.experts, shape.ffn, shape.hidden)
@@ -150,7 +151,7 @@ def build_layers(shape: Shape, count: int, with_bf16: bool) -> List[Layer]:
         dense_bf16 = dense_bf16 * (shape.hidden**-0.5)
         experts = MoEExperts((ExpertLinear(w, s, b, group_size=GROUP_SIZE, bits=BITS),))
         layer = Layer(w, s, b, experts, dense_q, dense_bf16)
-        if with_bf16 and i == 0:
+        if i < bf16_layers:
             layer.experts_bf16 = mx.dequantize(w, s, b, GROUP_SIZE, BITS)
         mx.eval(layer.dense_bf16, [] if layer.experts_bf16 is None else layer.experts_bf16)
         layers.append(layer)
@@ -370,7 +371,7 @@ def run_projection_cases(
     per_expert = quantized_bytes(shape.ffn, shape.hidden)
     count = pool_size(shape, shape.experts * per_expert, args)
     log(f"[kernels] {shape.name}: building {count} layer(s) of expert weights")
-    pool = build_layers(shape, count, with_bf16=not args.no_bf16_gather)
+    pool = build_layers(shape, count, bf16_layers=0 if args.no_bf16_gather else args.prefill_layers)
     cases = []
     for tokens in args.tokens:
         decode = tokens <= args.chain_max_tokens

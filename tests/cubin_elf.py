@@ -1,16 +1,21 @@
-"""A cubin's contents with the symbol table's order taken out, to compare two compiles of one kernel.
+"""A cubin's contents with the symbol table's order and the layout of zero-filled globals taken
+out, to compare two compiles of one kernel.
 
-NVRTC's precompiled header can list the same symbols in another order (forty-seventh session,
-docs/benchmarks.md item 8): the machine code and its data are the same, but the symbol table, the
-relocations and the .nv.info records that name symbols by index are not byte for byte. So every
-section's bytes are compared except those; the symbol table and relocations are compared with
-each index replaced by the symbol it names, and the .nv.info and .nv.callgraph sections (records
-holding symbol indices among other fields) by name and size only."""
+With NVRTC's precompiled header the H200's NVRTC lists the same symbols in another order and lays
+out eight one-byte cuda::std constants (all false, so in the zero-filled .nv.global section)
+at one another's offsets, the global address table in .nv.constant4 naming them in the same
+swapped order (docs/benchmarks.md, forty-seventh session item 8, forty-eighth session item 1): the
+machine code, the initialised data and what every address holds are the same, but the symbol
+table, the relocations and the .nv.info records that name symbols by index are not byte for byte.
+So every section's bytes are compared except those; the symbol table and relocations are compared
+with each index replaced by the symbol it names, a zero-filled symbol by its section and size
+only (any two such of one size hold the same bytes); the .nv.info and .nv.callgraph sections
+(records holding symbol indices among other fields) by name and size only."""
 
 import struct
 from collections import Counter
 
-_SYMTAB, _STRTAB, _RELA, _REL = 2, 3, 4, 9
+_SYMTAB, _STRTAB, _RELA, _NOBITS, _REL = 2, 3, 4, 8, 9
 _SYMBOL_INDEXED = (_SYMTAB, _STRTAB, _RELA, _REL)
 
 
@@ -26,7 +31,7 @@ def _sections(cubin: bytes):
         return cubin[base + offset:cubin.index(b"\0", base + offset)].decode()
 
     return [{"name": name(h[0]), "type": h[1], "flags": h[2], "offset": h[4], "size": h[5], "link": h[6],
-             "info": h[7], "entsize": h[9], "data": cubin[h[4]:h[4] + h[5]] if h[1] != 8 else b""} for h in headers], name
+             "info": h[7], "entsize": h[9], "data": cubin[h[4]:h[4] + h[5]] if h[1] != _NOBITS else b""} for h in headers], name
 
 
 def normalised(cubin: bytes) -> dict:
@@ -37,8 +42,12 @@ def normalised(cubin: bytes) -> dict:
     symbols = []
     for at in range(0, symtab["size"], symtab["entsize"]):
         st_name, st_info, st_other, st_shndx, st_value, st_size = struct.unpack_from("<IBBHQQ", symtab["data"], at)
-        section = sections[st_shndx]["name"] if 0 < st_shndx < len(sections) else st_shndx
-        symbols.append((name(st_name, strings_at), st_info, st_other, section, st_value, st_size))
+        section = sections[st_shndx] if 0 < st_shndx < len(sections) else None
+        if section is not None and section["type"] == _NOBITS and st_size > 0:
+            symbols.append((f"zero-filled {st_size} bytes", st_info, st_other, section["name"], None, st_size))
+        else:
+            symbols.append((name(st_name, strings_at), st_info, st_other, st_shndx if section is None else section["name"],
+                            st_value, st_size))
     relocations = Counter()
     for s in sections:
         if s["type"] in (_REL, _RELA):

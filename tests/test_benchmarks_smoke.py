@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from tests.subprocess_env import repo_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -523,7 +525,7 @@ def test_kernel_source_cost_weighs_each_kernel_as_compiled():
 def test_record_launches_writes_every_case_s_launches(tmp_path):
     path = tmp_path / "launches.json"
     done = subprocess.run([sys.executable, "scripts/record_launches.py", str(path)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          text=True, timeout=300, env=repo_env())
     assert done.returncode == 0, done.stderr[-4000:]
     with open(path) as f:
         recorded = json.load(f)

@@ -1,7 +1,9 @@
-"""Patch lifecycle: replaced, idempotent, reverted exactly, deferred, disabled, falls through."""
+"""Patch lifecycle: replaced, idempotent, reverted exactly, deferred, disabled, falls through.
+
+Every test here runs on the CPU, also on a GPU machine (its checks are of the references, exact);
+the CUDA paths' own tests are in tests/parity."""
 
 import importlib
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,15 +15,16 @@ import mlx_moe_fix
 from mlx_moe_fix.kernels.moe_routed_decode import fused_router_unavailable_reason
 from mlx_moe_fix.patches import TARGETS
 from mlx_moe_fix.patches.methods import wrapper_of
+from tests.subprocess_env import repo_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.usefixtures("cpu_device")
 
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": REPO, **env}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=environment, timeout=300
-    )
+    """`code` in a fresh interpreter, on the CPU as the tests here are."""
+    environment = repo_env(**env)
+    code = "import mlx.core\nmlx.core.set_default_device(mlx.core.cpu)\n" + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=300)
 
 
 def imported_classes():
@@ -320,7 +323,7 @@ def test_demo_command_reports_parity():
     # references (apply() alone would patch nothing there) and says so
     result = subprocess.run(
         [sys.executable, "-m", "mlx_moe_fix", "demo", "--prompt-tokens", "64", "--new-tokens", "8", "--repeats", "1", "--cpu"],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO, "MLX_MOE_FIX_REFERENCES": ""}, timeout=300,
+        capture_output=True, text=True, env=repo_env(MLX_MOE_FIX_REFERENCES=""), timeout=300,
     )
     assert result.returncode == 0, result.stderr
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()]

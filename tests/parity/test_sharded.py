@@ -13,6 +13,7 @@ import pytest
 
 import mlx_moe_fix
 from mlx_moe_fix import zoo
+from tests.subprocess_env import REPO, repo_env
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
@@ -33,15 +34,10 @@ def test_sharded_model_keeps_tokens_through_the_ops(cpu_device, family):
     assert paths == {("prefill", "reference"), ("decode", "reference")}, mlx_moe_fix.path_counts()
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def rank0_result(stdout: str) -> dict:
     return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
-
-
-def repo_env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
 
 
 def port_for(family: str) -> str:
