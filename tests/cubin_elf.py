@@ -1,16 +1,21 @@
-"""A cubin's contents with the symbol table's order and the layout of zero-filled globals taken
-out, to compare two compiles of one kernel.
+"""A cubin's contents with the symbol table's order, the layout of zero-filled globals and the
+order of the global address table taken out, to compare two compiles of one kernel.
 
-With NVRTC's precompiled header the H200's NVRTC lists the same symbols in another order and lays
-out eight one-byte cuda::std constants (all false, so in the zero-filled .nv.global section)
-at one another's offsets, the global address table in .nv.constant4 naming them in the same
-swapped order (docs/benchmarks.md, forty-seventh session item 8, forty-eighth session item 1): the
-machine code, the initialised data and what every address holds are the same, but the symbol
-table, the relocations and the .nv.info records that name symbols by index are not byte for byte.
-So every section's bytes are compared except those; the symbol table and relocations are compared
-with each index replaced by the symbol it names, a zero-filled symbol by its section and size
-only (any two such of one size hold the same bytes); the .nv.info and .nv.callgraph sections
-(records holding symbol indices among other fields) by name and size only."""
+With NVRTC's precompiled header the H200's NVRTC lists the same symbols in another order, lays
+out eight one-byte cuda::std constants (all false, so in the zero-filled .nv.global section) at
+one another's offsets, and fills the slots of the global address table in .nv.constant4 (each
+slot relocated to one global's address) in another order (docs/benchmarks.md, forty-seventh
+session item 8, forty-eighth session item 1): the machine code, the initialised data and the set
+of addresses in the table are the same, but the symbol table, the relocations and the .nv.info
+records that name symbols by index are not byte for byte. So every section's bytes are compared
+except those; the symbol table is compared with a zero-filled symbol taken by its section and
+size only (any two such of one size hold the same bytes), the relocations with each symbol index
+replaced by the symbol it names, and those into a constant bank's address table without their
+slot's offset. That last step cannot tell whether the code reads a slot whose global moved: the
+code is the same bytes, and the table's permuted slots are cuda::std's compile-time constants,
+folded where the kernel uses them (the patched model's log-probabilities were bitwise the same in
+every process, forty-seventh session item 1). The .nv.info and .nv.callgraph sections (records
+holding symbol indices among other fields) are compared by name and size only."""
 
 import struct
 from collections import Counter
@@ -54,7 +59,9 @@ def normalised(cubin: bytes) -> dict:
             for at in range(0, s["size"], s["entsize"]):
                 offset, info = struct.unpack_from("<QQ", s["data"], at)
                 addend = struct.unpack_from("<q", s["data"], at + 16)[0] if s["type"] == _RELA else None
-                relocations[(sections[s["info"]]["name"], offset, info & 0xFFFFFFFF, symbols[info >> 32][0], addend)] += 1
+                target = sections[s["info"]]["name"]
+                slot = None if target.startswith(".nv.constant") else offset
+                relocations[(target, slot, info & 0xFFFFFFFF, symbols[info >> 32][0], addend)] += 1
     return {
         "sections": [(s["name"], s["type"], s["flags"], s["size"]) for s in sections],
         "bytes": {s["name"]: s["data"] for s in sections
