@@ -12,36 +12,19 @@ HBM bandwidth. Each layer's output is also checked against stock (relative error
 """
 
 import argparse
-import contextlib
 import os
 import statistics
 
 import mlx.core as mx
 
 import mlx_moe_fix
-from mlx_moe_fix import env
+from mlx_moe_fix.env import switched
 from mlx_moe_fix.patches import compiled
 
 from .switch_glu import add_shape_arguments, experts_of, quantized_switch_glu
 from .timing import build_and_evaluation, relative_error, warm_up
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (baseline-h200.md)
-
-
-@contextlib.contextmanager
-def switched(name: str, value: str):
-    """The environment switch `name` at `value` for the block (re-read by mlx_moe_fix.env)."""
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    env.refresh()
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = previous
-        env.refresh()
 
 
 def per_layer_table(first_column: str, rows, layers: int, layer_bytes: int = 0) -> str:

@@ -6,6 +6,7 @@ MLX_MOE_FIX_SHARED_STEPS, MLX_MOE_FIX_RESIDUAL_IN_BLOCK, MLX_MOE_FIX_METAL_DECOD
 Read on first use and again at every `apply()`, not per call: reading `os.environ` costs
 ~0.7 us, and the patched layers consult the switches on every call of a decode step."""
 
+import contextlib
 import os
 
 # name: its value where unset (or set empty)
@@ -45,3 +46,19 @@ def flag(name: str) -> bool:
     if not _values:
         refresh()
     return _values[name]
+
+
+@contextlib.contextmanager
+def switched(name: str, value: str):
+    """The environment switch `name` at `value` for the block, read afresh at its start and end."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    refresh()
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
+        refresh()

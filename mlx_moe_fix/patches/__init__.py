@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import sys
 from typing import Dict, Optional
 
@@ -138,7 +137,7 @@ def patched(prefill: bool = True, decode: bool = True, references: bool = False)
     that compares stock with patched and must not compare stock with itself."""
     was_applied = _applied
     previous = options.current()
-    with _environment(REFERENCES_SWITCH, "1" if references else None):
+    with env.switched(REFERENCES_SWITCH, "1") if references else contextlib.nullcontext():
         apply(prefill=prefill, decode=decode)
     try:
         yield
@@ -147,24 +146,6 @@ def patched(prefill: bool = True, decode: bool = True, references: bool = False)
             options.set_phases(**previous)
         else:
             revert()
-
-
-@contextlib.contextmanager
-def _environment(name: str, value: Optional[str]):
-    """os.environ[name] = value in the block (None: as it is); the switches are read afresh after it."""
-    if value is None:
-        yield
-        return
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
-        env.refresh()
 
 
 def is_applied() -> bool:
