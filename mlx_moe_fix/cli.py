@@ -56,11 +56,14 @@ def show_status(as_json: bool) -> int:
 
 
 def timed_generation(model, prompt: list, new_tokens: int, repeats: int) -> dict:
-    """Greedy generation, prefill and decode timed apart: the best of `repeats` runs after a
-    warm-up at the same shapes (MLX compiles kernels per shape)."""
+    """Greedy generation, prefill and decode timed apart: the best of `repeats` runs after two
+    warm-ups at the same shapes (MLX compiles kernels per shape, and a patched block traces its
+    compiled graph at a shape's second call: with one warm-up the first timed prefill took that
+    trace, 10 tok/s on the H200, docs/benchmarks.md forty-eighth session item 4)."""
     from .zoo import greedy_decode_timed
 
-    greedy_decode_timed(model, prompt, new_tokens)
+    for _ in range(2):
+        greedy_decode_timed(model, prompt, new_tokens)
     runs = [greedy_decode_timed(model, prompt, new_tokens) for _ in range(repeats)]
     return {
         "tokens": runs[0][0],
