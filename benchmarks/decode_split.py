@@ -19,6 +19,7 @@ import mlx.core as mx
 
 import mlx_moe_fix
 from mlx_moe_fix.env import switched
+from mlx_moe_fix.kernels import current_backend
 from mlx_moe_fix.patches import compiled
 
 from .switch_glu import add_shape_arguments, experts_of, quantized_switch_glu
@@ -115,7 +116,7 @@ def main(argv=None):
         with switched(compiled.SWITCH, "0"):
             rows.append(("patched SwitchGLU, each step built in Python (not compiled)", split(run_layers, args.reps)))
             errors += [relative_error(p, s) for p, s in zip(run_layers(), stock_out)]
-    if mx.cuda.is_available():
+    if current_backend() == "cuda":
         import importlib
 
         decode = importlib.import_module("mlx_moe_fix.kernels.moe_decode")

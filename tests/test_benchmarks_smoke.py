@@ -1,7 +1,8 @@
 """The benchmark scripts run end to end at tiny sizes on the CPU and write the JSON that
 scripts/gpu-check.sh reads. Their real runs happen on the GPU machine; this keeps them from
-rotting between those runs. The scripts run as children on the CPU also on a GPU machine
-(MLX_MOE_FIX_BENCH_CPU=1: MLX's CUDA quantized_matmul has no kernel for some of their tiny shapes).
+rotting between those runs. They run on the CPU also on a GPU machine, as children
+(MLX_MOE_FIX_BENCH_CPU=1) and in this process (MLX's CUDA quantized_matmul has no kernel for some of
+their tiny shapes, and their checks are of the references).
 
     python3 -m pytest tests/test_benchmarks_smoke.py -q
 """
@@ -19,6 +20,9 @@ import pytest
 from tests.subprocess_env import repo_env
 
 CHILD_ENV = repo_env(MLX_MOE_FIX_BENCH_CPU="1")
+
+# the benchmarks called in this process run on the CPU too
+pytestmark = pytest.mark.usefixtures("cpu_device")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
