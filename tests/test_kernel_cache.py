@@ -3,12 +3,14 @@ with kernels compiled here. No GPU here: what MLX then loads is for the GPU mach
 
 import shutil
 import subprocess
+import sys
 
 import mlx.core as mx
 import pytest
 
 from mlx_moe_fix import env
 from mlx_moe_fix.kernels import kernel_cache
+from tests.subprocess_env import repo_env
 
 
 @pytest.fixture
@@ -126,6 +128,7 @@ def warm_up_conditions(monkeypatch, ptx_dir):
     """As on a CUDA machine with NVRTC 12.8+ and MLX's checked version; NVRTC's compile recorded."""
     compiled = []
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernel_cache.backend, "current_backend", lambda: "cuda")
     monkeypatch.setattr(kernel_cache, "CHECKED_MLX_VERSIONS", (mx.__version__,))
     monkeypatch.setattr(kernel_cache, "nvrtc_version", lambda: (13, 0))
     monkeypatch.setattr(kernel_cache, "has_pch", lambda: True)
@@ -151,6 +154,25 @@ def test_no_header_warm_up_where_a_module_of_ours_is_cached_or_the_cache_is_off(
     (ptx_dir / "custom_kernel_mlx_moe_fix_moe_router_topk_0123.ptx").write_bytes(b"")
     assert not kernel_cache.warm_up_header(True)
     assert warm_up_conditions == [] and kernel_cache._warm_up == []
+
+
+def test_no_header_warm_up_where_the_default_device_is_the_cpu(warm_up_conditions, monkeypatch):
+    monkeypatch.setattr(kernel_cache.backend, "current_backend", lambda: "cpu")
+    assert not kernel_cache.warm_up_header(True) and warm_up_conditions == []
+
+
+def test_a_process_exiting_during_the_warm_up_compile_exits_cleanly():
+    # a daemon thread inside NVRTC when the interpreter finalised crashed the exit (rc -11)
+    needs_nvrtc()
+    if not kernel_cache.has_pch():
+        pytest.skip(f"NVRTC {kernel_cache.nvrtc_version()} has no automatic PCH (12.8+)")
+    code = ("import mlx.core as mx\nfrom mlx_moe_fix.kernels import kernel_cache as k\n"
+            "source = k.kernel_source(k.WARM_UP_KERNEL, '', '', (), (('out', mx.float32),), (), k.PREAMBLE)\n"
+            "thread = k.compile_in_background(source, k.compile_options((9, 0), pch=True))\n"
+            "import time\ntime.sleep(0.3)\n"  # into NVRTC's compile (1 s or more with the headers)
+            "print(thread.is_alive())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=repo_env(), timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", (done.returncode, done.stderr[-2000:])
 
 
 def needs_nvrtc():

@@ -288,10 +288,10 @@ def _holds_our_modules(directory: Path) -> bool:
 def warm_up_header(switched_on: bool) -> bool:
     """Where this process will likely fill the cache (it is on here and holds no module of this
     package yet: a machine's first process, or a new cache folder), compile an empty kernel with
-    the fills' preamble and options in a daemon thread, so that NVRTC's precompiled header is made
+    the fills' preamble and options in a thread, so that NVRTC's precompiled header is made
     while the caller goes on (apply() calls this: before a model loads); the first fill then
     compiles only its own code. Once a process; whether it started."""
-    if _warm_up or not switched_on or not mx.cuda.is_available() or not naming_checked() or not has_pch():
+    if _warm_up or not switched_on or backend.current_backend() != "cuda" or not naming_checked() or not has_pch():
         return False
     if _holds_our_modules(ptx_cache_directory()):
         return False
@@ -300,6 +300,16 @@ def warm_up_header(switched_on: bool) -> bool:
     except Unavailable:
         return False
     source = kernel_source(WARM_UP_KERNEL, "", "", (), (("out", mx.float32),), (), PREAMBLE)
+    _warm_up.append(compile_in_background(source, options))
+    return True
+
+
+def compile_in_background(source: str, options: list) -> threading.Thread:
+    """The warm-up's compile, started in a thread. Not a daemon thread: a process that exited
+    while NVRTC compiled in a daemon thread crashed (segmentation fault, 6 runs of 6 on the
+    development CPU, docs/benchmarks.md forty-eighth session item 6), as `mlx-moe-fix status` on
+    a machine's first process would; the interpreter waits for it instead (at most the compile's
+    1.3-1.5 s)."""
 
     def compile_empty_kernel():
         try:
@@ -307,10 +317,9 @@ def warm_up_header(switched_on: bool) -> bool:
         except Unavailable:
             pass  # the fills then meet the same failure and report it (failures)
 
-    thread = threading.Thread(target=compile_empty_kernel, name="mlx_moe_fix_nvrtc_warm_up", daemon=True)
-    _warm_up.append(thread)
+    thread = threading.Thread(target=compile_empty_kernel, name="mlx_moe_fix_nvrtc_warm_up")
     thread.start()
-    return True
+    return thread
 
 
 def naming_checked() -> bool:
