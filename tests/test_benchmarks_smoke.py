@@ -17,15 +17,12 @@ import sys
 
 import pytest
 
-from tests.subprocess_env import repo_env
+from tests.subprocess_env import REPO, repo_env
 
 CHILD_ENV = repo_env(MLX_MOE_FIX_BENCH_CPU="1")
 
 # the benchmarks called in this process run on the CPU too
 pytestmark = pytest.mark.usefixtures("cpu_device")
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def run_module(module: str, *args: str) -> str:
     """`python3 -m <module> <args>` from the repo root, as gpu-check.sh runs it."""

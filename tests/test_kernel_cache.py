@@ -163,9 +163,7 @@ def test_no_header_warm_up_where_the_default_device_is_the_cpu(warm_up_condition
 
 def test_a_process_exiting_during_the_warm_up_compile_exits_cleanly():
     # a daemon thread inside NVRTC when the interpreter finalised crashed the exit (rc -11)
-    needs_nvrtc()
-    if not kernel_cache.has_pch():
-        pytest.skip(f"NVRTC {kernel_cache.nvrtc_version()} has no automatic PCH (12.8+)")
+    needs_pch()
     code = ("import mlx.core as mx\nfrom mlx_moe_fix.kernels import kernel_cache as k\n"
             "source = k.kernel_source(k.WARM_UP_KERNEL, '', '', (), (('out', mx.float32),), (), k.PREAMBLE)\n"
             "thread = k.compile_in_background(source, k.compile_options((9, 0), pch=True))\n"
@@ -180,6 +178,12 @@ def needs_nvrtc():
         kernel_cache.nvrtc_version()
     except kernel_cache.Unavailable as error:
         pytest.skip(f"no NVRTC on this machine ({error})")
+
+
+def needs_pch():
+    needs_nvrtc()
+    if not kernel_cache.has_pch():
+        pytest.skip(f"NVRTC {kernel_cache.nvrtc_version()} has no automatic PCH (12.8+)")
 
 
 def router_topk_variant(dtype, softmax_first: bool) -> tuple:
@@ -236,9 +240,7 @@ def test_the_precompiled_header_leaves_every_cubin_as_it_was():
     """--pch is only for speed: the module MLX loads must be what its own compile would give: the
     same machine code and data. Not byte for byte: on the H200's NVRTC the symbol table can list
     the same symbols in another order (tests/cubin_elf.py)."""
-    needs_nvrtc()
-    if not kernel_cache.has_pch():
-        pytest.skip(f"NVRTC {kernel_cache.nvrtc_version()} has no automatic PCH (12.8+)")
+    needs_pch()
     from mlx_moe_fix.kernels.sources import cuda_kernel_source
     from tests.cubin_elf import normalised
 

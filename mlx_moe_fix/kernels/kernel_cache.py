@@ -164,9 +164,9 @@ def compile_options(capability: tuple, pch: bool = False) -> list:
     its machine code: the process parses the first #include (cuda_bf16.h) once, not once a variant
     (docs/benchmarks.md, forty-sixth session, item 7, development CPU: five variants 6.0-6.3 s
     without, 4.0-4.1 s with, each cubin bit for bit the same, as tests/test_kernel_cache.py
-    checks; forty-seventh session, item 1, H200: 8.5 against 4.1 s; item 8: there the SASS is the
-    same but the cubin's symbol table lists eight cuda::std constants in another order, so that
-    test fails on the H200)."""
+    checks; forty-seventh session, item 1, H200: 8.5 against 4.1 s; there the code and data are the
+    same but a few cuda::std constants and address-table slots come in another order, forty-eighth
+    session item 1, which that test takes out: tests/cubin_elf.py)."""
     major, minor = capability
     return (["--device-as-default-execution-space", f"--gpu-architecture=sm_{major}{minor}{'a' if major >= 9 else ''}"]
             + [f"--include-path={d}" for d in include_directories()] + (["--pch"] if pch else []))

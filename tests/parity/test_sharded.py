@@ -34,8 +34,6 @@ def test_sharded_model_keeps_tokens_through_the_ops(cpu_device, family):
     assert paths == {("prefill", "reference"), ("decode", "reference")}, mlx_moe_fix.path_counts()
 
 
-
-
 def rank0_result(stdout: str) -> dict:
     return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
 
