@@ -89,7 +89,7 @@ def demo(family: str, bits: int, prompt_tokens: int, new_tokens: int, repeats: i
     if no_kernel is not None:
         print(f"apply() alone patches nothing here ({no_kernel}); the patched run takes the references, "
               "to show their parity", file=sys.stderr)
-    with mlx_moe_fix.patched(references=True):
+    with mlx_moe_fix.patched(references=no_kernel is not None):
         patched = timed_generation(model, prompt, new_tokens, repeats)
     paths = sorted({f"{r.layer} {r.phase}: {r.path}" for r in mlx_moe_fix.path_counts()})
     same = stock["tokens"] == patched["tokens"]

@@ -166,9 +166,17 @@ def test_apply_leaves_upstreams_code_where_no_kernel_is_on():
         states = {t["state"] for t in status["targets"] if "not installed" not in t["reason"]}
         reasons = {t["reason"] for t in status["targets"] if "not installed" not in t["reason"]}
         assert states == {"not applied"} and reasons == {status["why_not_applied"]}, (states, reasons)
+        import mlx.core as mx
+        import mlx.nn as nn
+        layer = SwitchGLU(64, 64, 4)
+        nn.quantize(layer, group_size=64, bits=4)
         with mlx_moe_fix.patched(references=True):
             assert wrapper_of(SwitchGLU.__dict__["__call__"]) is not None
             assert mlx_moe_fix.status()["why_not_applied"] is None
+            # the switch holds for the block: its calls take the references, not upstream's code
+            mx.eval(layer(mx.ones((1, 1, 64)), mx.array([[[0, 2]]])))
+            paths = {(r.layer, r.path) for r in mlx_moe_fix.path_counts()}
+            assert paths == {("SwitchGLU", "reference")}, paths
         assert SwitchGLU.__dict__["__call__"] is original and os.environ["MLX_MOE_FIX_REFERENCES"] == ""
         with mlx_moe_fix.patched():
             assert SwitchGLU.__dict__["__call__"] is original
@@ -380,6 +388,26 @@ def test_plan_sends_batched_decode_with_many_pairs_per_expert_to_the_grouped_ker
             assert chosen.function is not grouped_kernel.function and chosen.path == "reference"
         else:
             assert chosen.function is grouped_kernel.function and chosen.path == "kernel", tokens
+
+
+def test_a_call_no_kernel_takes_runs_upstreams_code_unless_the_references_are_asked_for(monkeypatch):
+    import mlx_moe_fix.kernels as kernels
+    from mlx_moe_fix import env
+    from mlx_moe_fix.kernels.backend import Implementation
+    from tests.parity.cases import make_case
+
+    no_kernel = Implementation(lambda *a: None, "reference", "no kernel for these experts")
+    monkeypatch.setattr(kernels, "moe_prefill_implementation", lambda experts, dtype: no_kernel)
+    monkeypatch.setattr(kernels, "moe_decode_implementation", lambda experts, dtype: no_kernel)
+    for tokens, phase in ((1, "decode"), (40, "prefill")):
+        case = make_case(mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 64, 64, 8, 2, 1, tokens)
+        for references, path, function in (("0", "stock", None), ("1", "reference", no_kernel.function),
+                                           ("0", "stock", None)):
+            with env.switched("MLX_MOE_FIX_REFERENCES", references):
+                chosen = kernels.plan(case.x, case.indices, case.experts)
+            assert (chosen.phase, chosen.path, chosen.function) == (phase, path, function), (tokens, references)
+            assert chosen.reason.startswith(no_kernel.reason)
+            assert ("upstream's code runs" in chosen.reason) == (path == "stock")
 
 
 def test_routed_plan_fuses_decode_sized_calls_only(monkeypatch):

@@ -5,7 +5,8 @@ two fused: a block's routing inside the decode kernel's first launch), `moe_shar
 experts with a block's always-on shared experts in the same two launches).
 
 `plan()` picks the op for a call: the sorted grouped prefill when many (token, expert) pairs are
-present, the fused decode otherwise, or none (stock code) when the call is not supported.
+present, the fused decode otherwise, or none (stock code) when the call is not supported or no
+kernel of ours takes it (the op's reference instead where MLX_MOE_FIX_REFERENCES=1).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable, NamedTuple, Optional
 import mlx.core as mx
 
 from ..env import flag, snapshot
-from .backend import current_backend
+from .backend import REFERENCES_SWITCH, current_backend
 from .experts import Activation, ExpertLinear, MoEExperts, RouterLinear, SharedExperts
 from .moe_decode import CUDA_KERNEL_SWITCH as DECODE_SWITCH
 from .moe_decode import METAL_KERNEL_SWITCH as METAL_DECODE_SWITCH
@@ -57,7 +58,8 @@ def plan(
     decode): the decode kernel computes every (token, expert) pair alike, whatever else the call
     holds, and takes the block whole; otherwise the call stays with upstream's block path (its
     own exact kernels on Metal, per-pair projections elsewhere)."""
-    switches = (current_backend(), flag(PREFILL_SWITCH), flag(DECODE_SWITCH), flag(METAL_DECODE_SWITCH))
+    switches = (current_backend(), flag(PREFILL_SWITCH), flag(DECODE_SWITCH), flag(METAL_DECODE_SWITCH),
+                flag(REFERENCES_SWITCH))
     if indices.size >= PREFILL_MIN_PAIRS:
         return _plan(x, indices, experts, prefill, decode, token_by_token, switches)
     # A decode step calls every layer with the same few shapes: plan each once (a prefill's
@@ -161,6 +163,10 @@ def _supported_plan(phase: str, experts: MoEExperts, dtype, grouped: bool, token
             return Plan(phase, "kernel", f"{implementation.reason}: {GROUPED_MIN_PAIRS_PER_EXPERT}+ pairs per expert, "
                         "each routed expert read once", implementation.function)
     implementation = (moe_prefill_implementation if phase == "prefill" else moe_decode_implementation)(experts, dtype)
+    if implementation.path == "reference" and not flag(REFERENCES_SWITCH):
+        # the reference is upstream's math restated, with our wrappers' host time on top
+        return Plan(phase, "stock", f"{implementation.reason}: upstream's code runs ({REFERENCES_SWITCH}=1: the "
+                    "reference)", None)
     return Plan(phase, implementation.path, implementation.reason, implementation.function)
 
 

@@ -12,6 +12,11 @@ import mlx.core as mx
 from ..env import flag
 
 
+# On: a call that no kernel of ours takes runs the op's pure-MLX reference (the tests' and parity
+# tools' way to check the references, env.SWITCHES); off: it runs upstream's code.
+REFERENCES_SWITCH = "MLX_MOE_FIX_REFERENCES"
+
+
 def current_backend() -> str:
     """'cuda', 'metal' or 'cpu': where MLX runs ops on the default device."""
     if mx.default_device() == mx.cpu:

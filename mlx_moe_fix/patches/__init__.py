@@ -24,6 +24,7 @@ import wrapt
 from .. import env
 from ..env import flag
 from ..kernels import current_backend, kernel_cache
+from ..kernels.backend import REFERENCES_SWITCH
 from ..kernels.moe_decode import METAL_KERNEL_SWITCH
 from . import mlx_lm, mlx_vlm, options
 from .methods import patched_method
@@ -38,8 +39,6 @@ _unsupported: Dict[str, str] = {}  # target name -> why its method was left as i
 _hooked: set = set()  # modules with a post-import hook registered in this process
 _applied = False
 _declined: Dict[str, str] = {}  # "reason": why the last apply() patched nothing, until revert()
-
-REFERENCES_SWITCH = "MLX_MOE_FIX_REFERENCES"
 
 
 def disabled_by_env() -> bool:
@@ -133,20 +132,21 @@ def revert() -> None:
 
 @contextlib.contextmanager
 def patched(prefill: bool = True, decode: bool = True, references: bool = False):
-    """apply() for the block, then back to the state before it. references=True: also where no
-    kernel of ours is on, the references then running (as MLX_MOE_FIX_REFERENCES=1), for a tool
-    that compares stock with patched and must not compare stock with itself."""
+    """apply() for the block, then back to the state before it. references=True: the block runs
+    as under MLX_MOE_FIX_REFERENCES=1 (patched also where no kernel of ours is on, every call that
+    no kernel takes on a reference), for a tool that compares stock with patched and must not
+    compare stock with itself."""
     was_applied = _applied
     previous = options.current()
     with env.switched(REFERENCES_SWITCH, "1") if references else contextlib.nullcontext():
         apply(prefill=prefill, decode=decode)
-    try:
-        yield
-    finally:
-        if was_applied:
-            options.set_phases(**previous)
-        else:
-            revert()
+        try:
+            yield
+        finally:
+            if was_applied:
+                options.set_phases(**previous)
+            else:
+                revert()
 
 
 def is_applied() -> bool:
