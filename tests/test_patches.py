@@ -312,6 +312,25 @@ def test_a_patched_layer_follows_a_replaced_quantization_bias_or_additive_bias(p
     assert mx.array_equal(out, expected).item()
 
 
+def test_a_patched_expert_projection_follows_its_replaced_arrays_and_says_why_it_falls_through():
+    # the projection's description is kept while its arrays are the same objects (describe_linear)
+    for layer, path in ((quantized_glu(), "reference"), (quantized_glu(mode="mxfp4"), "stock")):
+        projection = layer.up_proj
+        x = mx.random.normal((3, 1, 1, 64))
+        indices = mx.array([[0, 1], [2, 3], [1, 2]], dtype=mx.uint32)
+        mlx_moe_fix.reset_path_counts()
+        with mlx_moe_fix.patched():
+            before = projection(x, indices)
+            projection["scales"] = projection["scales"] * 2
+            out = projection(x, indices)
+        expected = projection(x, indices)
+        assert not mx.array_equal(expected, before).item()
+        assert mx.array_equal(out, expected).item()
+        records = mlx_moe_fix.path_counts()
+        assert {(r.layer, r.path) for r in records} == {("QuantizedSwitchLinear", path)}, records
+        assert path == "reference" or all("mxfp4" in r.reason for r in records), records
+
+
 def test_quantized_switch_linear_called_positionally():
     """sorted_indices given positionally, as a caller may: same output as stock."""
     layer = quantized_glu()

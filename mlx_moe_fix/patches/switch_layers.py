@@ -83,6 +83,20 @@ def describe_shared(module, count: int) -> Optional[SharedExperts]:
     return _cached_on(module, _SHARED_CACHE_ATTRIBUTE, parts, lambda: SharedExperts.from_module(module, count, activation))
 
 
+_LINEAR_CACHE_ATTRIBUTE = "_mlx_moe_fix_linear_described"
+
+
+def describe_linear(module) -> Optional[MoEExperts]:
+    """MoEExperts of a lone expert projection (a QuantizedSwitchLinear), or None where it is not
+    one; cached on the module as describe() caches (its calls come three a layer call, on stock's
+    path too)."""
+    def compute():
+        linear = ExpertLinear.from_module(module)
+        return None if linear is None else MoEExperts((linear,))
+
+    return _cached_on(module, _LINEAR_CACHE_ATTRIBUTE, [module.get(name) for name in PROJECTION_ARRAYS], compute)
+
+
 def _describe(layer, projection_names: tuple, gate_scale, out_scale):
     activation = None
     if len(projection_names) > 1:
@@ -237,16 +251,17 @@ def quantized_switch_linear(wrapped, instance, args, kwargs):
     """QuantizedSwitchLinear.__call__(x, indices, sorted_indices=False): x [..., 1, in] rows
     broadcast against indices, as the switch layers call it; returns [..., 1, out]."""
     x, indices = bind(args, kwargs, ("x", "indices"))
-    linear = ExpertLinear.from_module(instance)
-    experts = None if linear is None else MoEExperts((linear,))
+    experts = describe_linear(instance)
+    # experts no op takes go to stock before any array is made: a stock SwitchGLU calls three
+    why_not = "not a quantized expert projection" if experts is None else experts.projections_unsupported_reason
+    if why_not is not None:
+        return stock("QuantizedSwitchLinear", x, indices, why_not, wrapped, args, kwargs)
     rows_per_pair = x.ndim >= 2 and x.shape[-2] == 1 and x.shape[:-2] == indices.shape
     rows_per_token = (
         x.ndim >= 2 and x.shape[-2] == 1 and x.shape[:-2] == (*indices.shape[:-1], 1)
     )
-    if experts is None or not (rows_per_pair or rows_per_token):
-        why_not = "not a quantized expert projection" if experts is None else (
-            f"x {tuple(x.shape)} is not one row per token or per (token, expert) pair of indices {tuple(indices.shape)}"
-        )
+    if not (rows_per_pair or rows_per_token):
+        why_not = f"x {tuple(x.shape)} is not one row per token or per (token, expert) pair of indices {tuple(indices.shape)}"
         return stock("QuantizedSwitchLinear", x, indices, why_not, wrapped, args, kwargs)
     if rows_per_pair:
         tokens, pairs = x.reshape(-1, x.shape[-1]), indices.reshape(-1, 1)
@@ -255,4 +270,4 @@ def quantized_switch_linear(wrapped, instance, args, kwargs):
     chosen = choose("QuantizedSwitchLinear", tokens, pairs, experts, None)
     if chosen.function is None:
         return wrapped(*args, **kwargs)
-    return chosen.function(tokens, pairs, experts).reshape(*indices.shape, 1, linear.output_dims)
+    return chosen.function(tokens, pairs, experts).reshape(*indices.shape, 1, experts.output_dims)
