@@ -252,7 +252,7 @@ def quantized_switch_linear(wrapped, instance, args, kwargs):
     broadcast against indices, as the switch layers call it; returns [..., 1, out]."""
     x, indices = bind(args, kwargs, ("x", "indices"))
     experts = describe_linear(instance)
-    # experts no op takes go to stock before any array is made: a stock SwitchGLU calls three
+    # a projection no op takes goes to stock at once: a SwitchGLU on stock's path calls three a call
     why_not = "not a quantized expert projection" if experts is None else experts.projections_unsupported_reason
     if why_not is not None:
         return stock("QuantizedSwitchLinear", x, indices, why_not, wrapped, args, kwargs)
