@@ -81,13 +81,16 @@ def test_edge_cases_match_stock(device, name, op):
 
 def test_decode_of_no_tokens_gives_an_empty_output_without_a_launch(device):
     # at zero pairs a launch has no blocks, which CUDA refuses (stock's gather_qmm fails so): the
-    # kernel's dispatcher returns the empty output itself, also where it is called off the GPU
-    from mlx_moe_fix.kernels.moe_decode import moe_decode_kernel
+    # kernel returns the empty output itself, also where it is called off the GPU. The dispatcher
+    # too where it runs the kernel, or the CPU's reference; with the kernel switched off on a GPU
+    # it runs the reference, which fails there as stock does.
+    from mlx_moe_fix.kernels.moe_decode import moe_decode_implementation, moe_decode_kernel
 
     for with_weights in (False, True):
         case = make_case(mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 128, 64, 8, 2, 1, 0, with_weights=with_weights)
         shape = (1, 0, 128) if with_weights else (1, 0, 2, 128)
-        for op in (moe_decode, moe_decode_kernel):
+        dispatched = device == "cpu" or moe_decode_implementation(case.experts, mx.bfloat16).path == "kernel"
+        for op in (moe_decode, moe_decode_kernel) if dispatched else (moe_decode_kernel,):
             out = op(case.x, case.indices, case.experts, case.weights)
             mx.eval(out)
             assert (out.shape, out.dtype) == (shape, mx.bfloat16), (op.__name__, with_weights, out.shape)
