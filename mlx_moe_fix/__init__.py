@@ -3,8 +3,8 @@
     import mlx_moe_fix
     mlx_moe_fix.apply()
 
-Every supported MoE layer then runs on the package's ops (our CUDA kernels; where a layer's call
-has no kernel, the op's pure-MLX reference); anything unsupported runs the original code. Where no
+Every supported MoE layer then runs on the package's ops (our CUDA kernels); a call that no kernel
+of ours takes, and anything unsupported, runs the original code. Where no
 kernel of ours is on (the CPU; Metal unless MLX_MOE_FIX_METAL_DECODE=1) apply() patches nothing
 and status() says why; MLX_MOE_FIX_REFERENCES=1 patches there too, running the references.
 """

@@ -18,8 +18,9 @@ SWITCHES = {"MLX_MOE_FIX_DISABLE": False, "MLX_MOE_FIX_TRACE": False, "MLX_MOE_F
             # off until the Metal decode kernel has run on Apple hardware (kernels/metal/)
             "MLX_MOE_FIX_METAL_DECODE": False,
             "MLX_MOE_FIX_KERNEL_CACHE": True,
-            # on: apply() patches where no kernel of ours is on, the layers then running the
-            # pure-MLX references (tests, parity tools); off: upstream's code stays there
+            # on: apply() patches where no kernel of ours is on, and every call that no kernel
+            # takes runs the pure-MLX reference (tests, parity tools); off: upstream's code runs
+            # there (kernels.backend.REFERENCES_SWITCH)
             "MLX_MOE_FIX_REFERENCES": False}
 _values: dict = {}
 _snapshot: list = [()]

@@ -24,6 +24,7 @@ CHILD_ENV = repo_env(MLX_MOE_FIX_BENCH_CPU="1")
 # the benchmarks called in this process run on the CPU too
 pytestmark = pytest.mark.usefixtures("cpu_device")
 
+
 def run_module(module: str, *args: str) -> str:
     """`python3 -m <module> <args>` from the repo root, as gpu-check.sh runs it."""
     done = subprocess.run(

@@ -288,10 +288,10 @@ def moe_decode_kernel(
     moe_decode_reference. The kernels read x, the indices and the weights as contiguous rows (MLX
     copies an input that is not), so they take them in the caller's shapes and give the output in
     its shape: no reshape nodes, each of which costs a decode step host time."""
-    out_dims = experts.output_dims
+    out_shape = (*(indices.shape if weights is None else x.shape[:-1]), experts.output_dims)
     if indices.size == 0:
         # nothing to compute: a launch of no blocks fails on CUDA (stock's gather_qmm fails so)
-        return mx.zeros((*indices.shape, out_dims) if weights is None else (*x.shape[:-1], out_dims), x.dtype)
+        return mx.zeros(out_shape, x.dtype)
     top_k = indices.shape[-1]
     pair_indices = indices.astype(mx.uint32)  # the same array where the router gave uint32
     gate_up, down = decode_launches(
@@ -299,8 +299,8 @@ def moe_decode_kernel(
     )
     rows = x if gate_up is None else gate_up(x, pair_indices)[0]
     if weights is None:
-        return down(rows, pair_indices, absent(), output_shapes=[(*indices.shape, out_dims)])[0]
-    return down(rows, pair_indices, per_pair(weights, indices), output_shapes=[(*x.shape[:-1], out_dims)])[0]
+        return down(rows, pair_indices, absent(), output_shapes=[out_shape])[0]
+    return down(rows, pair_indices, per_pair(weights, indices), output_shapes=[out_shape])[0]
 
 
 def moe_decode(
