@@ -75,6 +75,9 @@ from .timing import environment, environment_line, log, take_path_counts, write_
 
 GROUP_SIZE = 64
 BITS = 4
+# --experts-mode: the routed experts' quantization (every other linear stays 4-bit affine g64).
+EXPERT_QUANTIZATIONS = {"affine": {"group_size": GROUP_SIZE, "bits": BITS, "mode": "affine"},
+                        "mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}
 
 
 @dataclass
@@ -89,6 +92,7 @@ class ModelSpec:
     # "mlx_vlm": `module` is mlx_vlm.models.<module>, whose language model is built from its
     # config class (VLM_CONFIG_CLASSES) and called through LogitsOnly.
     library: str = "mlx_lm"
+    experts_mode: str = "affine"  # a key of EXPERT_QUANTIZATIONS
 
 
 VLM_CONFIG_CLASSES = {"inkling": "TextConfig", "deepseek_v4": "ModelConfig"}
@@ -415,24 +419,30 @@ HUGE_ELEMENTS = 2**31
 EXPERT_CHUNK = 16
 
 
-def quantize_huge_expert_weights(model: nn.Module) -> None:
-    """Each switch linear of HUGE_ELEMENTS or more weights replaced by its quantized form, with
-    weights drawn as its own init does (uniform, bound input_dims ** -0.5) in bf16, chunk by
-    chunk; lazy, like the rest of the build."""
+def is_expert_linear(module: nn.Module) -> bool:
+    """A switch linear: one weight matrix per expert."""
+    weight = module.get("weight") if hasattr(module, "to_quantized") else None
+    return isinstance(weight, mx.array) and weight.ndim == 3
+
+
+def quantize_huge_expert_weights(model: nn.Module, quantization: Dict[str, Any]) -> None:
+    """Each switch linear of HUGE_ELEMENTS or more weights replaced by its `quantization`
+    (EXPERT_QUANTIZATIONS) form, with weights drawn as its own init does (uniform, bound
+    input_dims ** -0.5) in bf16, chunk by chunk; lazy, like the rest of the build."""
     leaves = []
     for path, module in model.named_modules():
-        weight = module.get("weight") if hasattr(module, "to_quantized") else None
-        if not isinstance(weight, mx.array) or weight.ndim != 3 or weight.size < HUGE_ELEMENTS:
+        if not is_expert_linear(module) or module["weight"].size < HUGE_ELEMENTS:
             continue
-        experts, out_dims, in_dims = weight.shape
-        quantized = module.to_quantized(group_size=GROUP_SIZE, bits=BITS)  # its own quantize: never evaluated
+        experts, out_dims, in_dims = module["weight"].shape
+        quantized = module.to_quantized(**quantization)  # its own quantize: never evaluated
         bound = in_dims**-0.5
         parts = [
             mx.quantize(mx.random.uniform(-bound, bound, (min(EXPERT_CHUNK, experts - e), out_dims, in_dims)).astype(mx.bfloat16),
-                        GROUP_SIZE, BITS)
+                        **quantization)
             for e in range(0, experts, EXPERT_CHUNK)
         ]
-        quantized.weight, quantized.scales, quantized.biases = (mx.concatenate([p[i] for p in parts]) for i in range(3))
+        for i, name in enumerate(("weight", "scales", "biases")[:len(parts[0])]):  # mxfp4 has no biases
+            quantized[name] = mx.concatenate([p[i] for p in parts])
         leaves.append((path, quantized))
     if leaves:
         model.update_modules(tree_unflatten(leaves))
@@ -464,9 +474,16 @@ def build_model(spec: ModelSpec) -> nn.Module:
             (k, v.astype(mx.bfloat16) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v)
             for k, v in tree_flatten(model.parameters())
         ]))
-    quantize_huge_expert_weights(model)
+    quantization = EXPERT_QUANTIZATIONS[spec.experts_mode]
+    quantize_huge_expert_weights(model, quantization)
+    predicate = own_predicate
+    if spec.experts_mode != "affine":
+        others = own_predicate or getattr(model, "quant_predicate", None) or (lambda path, module: True)
+
+        def predicate(path, module):
+            return quantization if is_expert_linear(module) else others(path, module)
     with contextlib.redirect_stdout(sys.stderr):  # its bits-per-weight note is not a result
-        quantize_model(model, {}, group_size=GROUP_SIZE, bits=BITS, quant_predicate=own_predicate)
+        quantize_model(model, {}, group_size=GROUP_SIZE, bits=BITS, quant_predicate=predicate)
     # One module at a time: only one module's float32 weights exist at any moment.
     for _, sub in model.named_modules():
         mx.eval([v for v in sub.values() if isinstance(v, mx.array)])
@@ -831,6 +848,9 @@ def parse_args(argv=None):
         help="layers of the DeepSeek-V3, Inkling and DeepSeek-V4 models (6.3, 8.1 and 3.2 GB of "
         "4-bit experts each)",
     )
+    p.add_argument("--experts-mode", choices=list(EXPERT_QUANTIZATIONS), default="affine",
+                   help="the routed experts' quantization: affine (4-bit, group 64, as every other linear) or mxfp4 "
+                   "(group 32, as gpt-oss's checkpoints ship them)")
     p.add_argument("--seed", type=int, default=0, help="seeds weights and prompts")
     p.add_argument("--json", help="write all numbers here")
     p.add_argument(
@@ -860,7 +880,10 @@ def start_run(args, tag: str):
     mx.random.seed(args.seed)
     env = environment()
     log(f"[{tag}] " + environment_line(env))
-    return np.random.default_rng(args.seed), env, model_specs(args.smoke, args.deepseek_layers)
+    specs = model_specs(args.smoke, args.deepseek_layers)
+    for spec in specs.values():
+        spec.experts_mode = getattr(args, "experts_mode", "affine")
+    return np.random.default_rng(args.seed), env, specs
 
 
 def main(argv=None) -> Dict[str, Any]:

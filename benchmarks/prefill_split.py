@@ -5,8 +5,10 @@ SwitchGLU for comparison.
 
     python3 -m benchmarks.prefill_split                                  # Qwen3-30B-A3B shape, T=2048
     python3 -m benchmarks.prefill_split --hidden 4096 --ffn 14336 --experts 8 --top-k 2 --tokens 2048
+    python3 -m benchmarks.prefill_split --hidden 2880 --ffn 2880 --experts 32 --top-k 4 --mode mxfp4   # gpt-oss-20b
 
-One layer, bf16 activations, 4-bit affine experts (group 64), random routing. Each stage is timed
+One layer, bf16 activations, 4-bit affine experts (group 64; `--mode mxfp4`: gpt-oss's mxfp4),
+random routing. Each stage is timed
 alone on already-evaluated inputs, `--launches` copies of it per evaluated graph (medians after
 warm-up at the same shape, divided by the copies; 1 times single launches, each with its own
 eval round trip); TFLOP/s counts the useful FLOPs (2 * pairs * in * out per projection), not the
@@ -40,6 +42,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_arguments(parser)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--mode", choices=("affine", "mxfp4"), default="affine",
+                        help="the experts' quantization: affine 4-bit g64, or mxfp4 (gpt-oss's)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--launches", type=int, default=8, help="copies of a stage per timed graph")
     parser.add_argument("--no-stock", action="store_true",
@@ -113,7 +117,7 @@ def main(argv=None):
     mlx_moe_fix.revert()
 
     print(environment_line(environment()))
-    print(f"hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, top-{args.top_k}, T={args.tokens}: "
+    print(f"{args.mode} experts, hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, top-{args.top_k}, T={args.tokens}: "
           f"{pairs} pairs, {tile}-row tiles, {tiles} tiles in the grid")
     print(f"first launch of the route kernel and the two GEMM variants (NVRTC compiles included): {compile_seconds:.2f} s")
     print(f"{args.launches} launches per timed graph")

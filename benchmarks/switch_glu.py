@@ -18,9 +18,13 @@ def add_shape_arguments(parser) -> None:
 
 
 def quantized_switch_glu(args) -> SwitchGLU:
-    """Random weights, affine experts of `args.bits` (default 4) with group size 64, bf16, evaluated."""
+    """Random weights, bf16, evaluated; experts affine of `args.bits` (default 4) with group size
+    64, or mxfp4 (group 32) where `args.mode` says so."""
     layer = SwitchGLU(args.hidden, args.ffn, args.experts)
-    nn.quantize(layer, group_size=64, bits=getattr(args, "bits", 4))
+    if getattr(args, "mode", "affine") == "mxfp4":
+        nn.quantize(layer, group_size=32, bits=4, mode="mxfp4")
+    else:
+        nn.quantize(layer, group_size=64, bits=getattr(args, "bits", 4))
     layer.set_dtype(mx.bfloat16)
     mx.eval(layer.parameters())
     return layer

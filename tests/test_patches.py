@@ -255,11 +255,11 @@ def assert_patched_output_is_stock(layer):
 @pytest.mark.parametrize(
     "make_layer, reason_part",
     [
-        (lambda: quantized_glu(mode="mxfp4"), "mxfp4"),
+        (lambda: quantized_glu(mode="mxfp8", bits=8), "mxfp8"),
         (lambda: quantized_glu(bits=3), "3-bit"),
         (lambda: quantized_glu(activation=ReluGLU()), "not recognised"),
     ],
-    ids=["mxfp4", "3-bit", "unknown-activation"],
+    ids=["mxfp8", "3-bit", "unknown-activation"],
 )
 def test_unsupported_layers_fall_through_to_stock_and_say_why(make_layer, reason_part):
     assert_patched_output_is_stock(make_layer())
@@ -314,7 +314,7 @@ def test_a_patched_layer_follows_a_replaced_quantization_bias_or_additive_bias(p
 
 def test_a_patched_expert_projection_follows_its_replaced_arrays_and_says_why_it_falls_through():
     # the projection's description is kept while its arrays are the same objects (describe_linear)
-    for layer, path in ((quantized_glu(), "reference"), (quantized_glu(mode="mxfp4"), "stock")):
+    for layer, path in ((quantized_glu(), "reference"), (quantized_glu(mode="mxfp8", bits=8), "stock")):
         projection = layer.up_proj
         x = mx.random.normal((3, 1, 1, 64))
         indices = mx.array([[0, 1], [2, 3], [1, 2]], dtype=mx.uint32)
@@ -328,7 +328,7 @@ def test_a_patched_expert_projection_follows_its_replaced_arrays_and_says_why_it
         assert mx.array_equal(out, expected).item()
         records = mlx_moe_fix.path_counts()
         assert {(r.layer, r.path) for r in records} == {("QuantizedSwitchLinear", path)}, records
-        assert path == "reference" or all("mxfp4" in r.reason for r in records), records
+        assert path == "reference" or all("mxfp8" in r.reason for r in records), records
 
 
 def test_quantized_switch_linear_called_positionally():
@@ -427,6 +427,26 @@ def test_a_call_no_kernel_takes_runs_upstreams_code_unless_the_references_are_as
             assert (chosen.phase, chosen.path, chosen.function) == (phase, path, function), (tokens, references)
             assert chosen.reason.startswith(no_kernel.reason)
             assert ("upstream's code runs" in chosen.reason) == (path == "stock")
+
+
+def test_mxfp4_experts_take_the_prefill_kernel_and_leave_decode_to_upstreams_code_on_cuda(monkeypatch):
+    # gpt-oss ships mxfp4 experts: the grouped prefill kernel dequantises them, no decode kernel
+    # does, so a decode call plans as stock (saying why) and a prefill call as the kernel.
+    import mlx_moe_fix.kernels as kernels
+    from mlx_moe_fix.kernels import backend
+    from mlx_moe_fix.kernels.moe_prefill import moe_prefill_kernel
+    from tests.parity.cases import make_case
+
+    from mlx_moe_fix import env
+
+    monkeypatch.setattr(backend, "current_backend", lambda: "cuda")
+    for tokens, phase, path in ((1, "decode", "stock"), (40, "prefill", "kernel")):
+        case = make_case(mx.bfloat16, (4, 32, "mxfp4"), True, "swiglu_oai", 7.0, False, 64, 64, 8, 2, 1, tokens, bias=True)
+        with env.switched("MLX_MOE_FIX_REFERENCES", "0"):
+            chosen = kernels.plan(case.x, case.indices, case.experts)
+        assert (chosen.phase, chosen.path) == (phase, path), chosen
+        assert chosen.function is (moe_prefill_kernel if path == "kernel" else None)
+        assert path == "kernel" or "mxfp4-quantized experts" in chosen.reason, chosen
 
 
 def test_routed_plan_fuses_decode_sized_calls_only(monkeypatch):

@@ -16,6 +16,9 @@ import mlx.nn as nn
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
+# MLX's microscaling 4-bit floats (gpt-oss's checkpoints ship their experts so): e2m1 values in
+# groups of 32 with one e8m0 scale (a power of two) each, no biases.
+MXFP4 = "mxfp4"
 SUPPORTED_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
@@ -74,8 +77,12 @@ class ExpertLinear:
     def unsupported_reason(self) -> Optional[str]:
         if not self.quantized:
             return None
+        if self.mode == MXFP4:
+            if (self.bits, self.group_size) != (4, 32) or self.biases is not None or self.global_scale is not None:
+                return f"an mxfp4 projection of {self.bits} bits in groups of {self.group_size} (4 in groups of 32 only)"
+            return None
         if self.mode != "affine" or self.biases is None or self.global_scale is not None:
-            return f"quantization mode {self.mode!r} is not supported yet (affine only)"
+            return f"quantization mode {self.mode!r} is not supported yet (affine and mxfp4 only)"
         if self.bits not in SUPPORTED_BITS:
             return f"{self.bits}-bit experts are not supported (supported: {SUPPORTED_BITS})"
         if self.group_size not in SUPPORTED_GROUP_SIZES:

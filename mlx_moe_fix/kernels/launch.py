@@ -219,22 +219,25 @@ def kernel_params(activation) -> mx.array:
     return float_array(activation.limit or 0.0, activation.alpha or 0.0) if activation is not None else float_array(0.0, 0.0)
 
 
-def quantized_experts_reason(experts: MoEExperts):
+def quantized_experts_reason(experts: MoEExperts, modes: tuple = ("affine",)):
     """Why the kernels cannot read these experts' weights, or None: they need every projection
-    affine-quantized with one dtype for scales, biases and additive biases."""
+    quantized in one of `modes` (the kernel's), with one dtype for the scales, and for affine
+    projections their biases and additive biases."""
     first = experts.projections[0]
     for p in experts.projections:
         if not p.quantized:
-            return "unquantized experts: the kernels read affine-quantized weights"
-        if p.scales.dtype != first.scales.dtype or (p.bias is not None and p.bias.dtype != p.scales.dtype):
+            return "unquantized experts: the kernels read quantized weights"
+        if p.mode not in modes:
+            return f"{p.mode}-quantized experts: this kernel reads {' and '.join(modes)} weights only"
+        if p.scales.dtype != first.scales.dtype or (p.mode == "affine" and p.bias is not None and p.bias.dtype != p.scales.dtype):
             return "projections with scales / bias of different dtypes"
     if len(experts.projections) == 3:
         gate, up = experts.projections[:2]
         if (gate.bias is None) != (up.bias is None):
             return "a bias on only one of gate and up"
-        if (gate.bits, gate.group_size) != (up.bits, up.group_size):
-            return (f"gate ({gate.bits}-bit, group {gate.group_size}) and up ({up.bits}-bit, group {up.group_size}) "
-                    "quantized differently: the gate+up kernels read both with one")
+        if (gate.mode, gate.bits, gate.group_size) != (up.mode, up.bits, up.group_size):
+            return (f"gate ({gate.mode} {gate.bits}-bit, group {gate.group_size}) and up ({up.mode} {up.bits}-bit, group "
+                    f"{up.group_size}) quantized differently: the gate+up kernels read both with one")
     scales = [s for s in (experts.gate_scale, experts.out_scale) if s is not None]
     if len({s.dtype for s in scales}) > 1:
         return "gate_scale and out_scale of different dtypes"

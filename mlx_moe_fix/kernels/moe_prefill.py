@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from ..env import flag
 from .backend import Implementation, choose, compute_capability
-from .experts import MoEExperts
+from .experts import MXFP4, MoEExperts
 from .launch import (ACTIVATION_CODES, Launch, absent, bias_template, cuda_kernel_object, int_array, kernel_dims,
                      kernel_params, per_pair, quantized_experts_reason)
 from .reference import combine, expert_chain
@@ -60,6 +60,7 @@ ROUTE_MAX_EXPERTS = 1024  # the route kernel's shared arrays
 ROUTE_THREADS = 1024
 MAX_GRID_TILES = 65535  # the grouped GEMM's grid has one y index per tile
 MAX_OFFSET = 2**32  # the grouped GEMM addresses its activation rows with 32-bit offsets
+QUANTIZATION_MODES = ("affine", MXFP4)
 
 
 def moe_prefill_reference(
@@ -238,7 +239,12 @@ def combine_kernel(rows: mx.array, weights: mx.array) -> mx.array:
 def cuda_unsupported_reason(experts: MoEExperts, dtype) -> Optional[str]:
     if dtype not in (mx.bfloat16, mx.float16):
         return f"the grouped prefill kernel takes bfloat16 / float16 activations, not {dtype}"
-    reason = quantized_experts_reason(experts)
+    reason = quantized_experts_reason(experts, QUANTIZATION_MODES)
+    mxfp4 = [p for p in experts.projections if p.mode == MXFP4]
+    if reason is None and mxfp4 and dtype != mx.bfloat16:
+        reason = f"mxfp4 experts against {dtype} activations (the kernel dequantises mxfp4 to bfloat16 only)"
+    if reason is None and any(p.bias is not None and p.bias.dtype != dtype for p in mxfp4):
+        reason = "an mxfp4 projection whose additive bias is not of the activations' dtype"
     if reason is None and any(p.input_dims % BLOCK_K or p.output_dims % 32 for p in experts.projections):
         reason = f"expert input widths that are not multiples of {BLOCK_K} or output widths not of 32"
     return reason
@@ -248,6 +254,11 @@ def cuda_unsupported_reason(experts: MoEExperts, dtype) -> Optional[str]:
 # activation, written into expert-sorted padded rows), "last" (the last projection on those rows,
 # written back per pair), "only" (a lone projection on the token rows, per pair).
 GROUPED_STAGES = ("first", "last", "only")
+
+
+def optional(array: Optional[mx.array]) -> mx.array:
+    """An optional input of the GEMM, or the placeholder of an absent one."""
+    return array if array is not None else absent()
 
 
 def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtype, gemm: str) -> Launch:
@@ -264,14 +275,12 @@ def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtyp
     gated = len(matrices) == 2
     return Launch(
         cuda_kernel(gemm, shared_bytes(tile, gated, first.bits, gemm), launch_bounds_for(tile, gated, gemm)),
-        [first.weight, first.scales, first.biases, second.weight, second.scales, second.biases,
-         first.bias if first.bias is not None else absent(),
-         second.bias if second.bias is not None else absent(),
-         scale if scale is not None else absent(),
+        [first.weight, first.scales, optional(first.biases), second.weight, second.scales, optional(second.biases),
+         optional(first.bias), optional(second.bias), optional(scale),
          kernel_dims(first.input_dims, first.output_dims, top_k, activation, first.bias is not None, scale is not None),
          kernel_params(activation)],
         [("T", dtype), ("S", first.scales.dtype), ("SC", scale.dtype if scale is not None else mx.float32),
-         ("BITS", first.bits), ("GROUP", first.group_size), ("BM", tile),
+         ("BITS", first.bits), ("GROUP", first.group_size), ("MXFP4", first.mode == MXFP4), ("BM", tile),
          ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated),
          ("ACT", ACTIVATION_CODES[activation.kind] if activation is not None else 0),
          ("LIMITED", activation is not None and activation.limit is not None), bias_template(first)],

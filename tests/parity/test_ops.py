@@ -109,12 +109,30 @@ def test_limit_binds_and_changes_the_output():
     assert clamped[2].item() == pytest.approx(1.0 * (1 / (1 + 2.718281828**-1.0)), rel=1e-5)
 
 
-def test_unsupported_quantization_is_reported():
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_unsupported_quantization_is_reported(mode):
     w = mx.random.normal((2, 64, 64))
-    q, scales = mx.quantize(w, group_size=32, bits=4, mode="mxfp4")
-    linear = ExpertLinear(q, scales, None, group_size=32, bits=4, mode="mxfp4")
+    q, scales = mx.quantize(w, mode=mode)
+    linear = ExpertLinear(q, scales, None, group_size=32 if mode == "mxfp8" else 16, bits=8 if mode == "mxfp8" else 4, mode=mode)
     reason = MoEExperts((linear,)).unsupported_reason(mx.zeros((1, 64)), mx.zeros((1, 1), mx.uint32))
-    assert "mxfp4" in reason
+    assert mode in reason
+
+
+def test_mxfp4_experts_are_supported_by_the_references_and_the_prefill_kernel_only():
+    # The ops' references run MLX's own mxfp4 matmuls; of the CUDA kernels only the grouped
+    # prefill GEMM dequantises mxfp4 (against bf16), the decode kernels read affine weights.
+    from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason as decode_reason
+    from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason as prefill_reason
+
+    case = make_case(mx.bfloat16, (4, 32, "mxfp4"), True, "swiglu_oai", 7.0, False, 128, 64, 8, 2, 1, 40, bias=True)
+    assert all(p.mode == "mxfp4" and p.biases is None for p in case.experts.projections)
+    assert case.experts.unsupported_reason(case.x, case.indices) is None
+    assert prefill_reason(case.experts, mx.bfloat16) is None
+    assert "bfloat16 only" in prefill_reason(case.experts, mx.float16)
+    assert "mxfp4-quantized experts" in decode_reason(case.experts)
+    linear = case.experts.projections[0]
+    grouped_64 = dataclasses.replace(linear, group_size=64)
+    assert "groups of 32 only" in grouped_64.unsupported_reason()
 
 
 def test_gate_and_up_quantized_differently_are_left_to_stock():
@@ -166,8 +184,8 @@ def float32_oracle(reference, case):
     float32: MLX's CPU bf16 / fp16 quantized matmuls land ~9 ulps from it, where the kernels and
     stock's CUDA path land ~1, so half-precision CPU references would hide or fake an error."""
 
-    def widen(a):
-        return None if a is None or not mx.issubdtype(a.dtype, mx.floating) else a.astype(mx.float32)
+    def widen(a):  # mxfp4's e8m0 scale bytes stay as they are
+        return a if a is None or not mx.issubdtype(a.dtype, mx.floating) else a.astype(mx.float32)
 
     def widen_linear(p):
         return dataclasses.replace(p, weight=widen(p.weight) if not p.quantized else p.weight,
@@ -384,6 +402,52 @@ def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, switch, mon
     assert tile_height(case.indices.size, 8) == tile
     check(moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
+
+# mxfp4 experts (gpt-oss's) against bf16: (glu, kind, tokens, routing, bias, tile height).
+MXFP4_PREFILL_CASES = {
+    "64-row-tiles-gpt-oss-biased": (True, "swiglu_oai", 1100, "random", True, 64),
+    "32-row-tiles-empty-experts": (False, "gelu_approx", 100, "few_experts", False, 32),
+    "16-row-tiles": (True, "swiglu", 20, "random", False, 16),
+}
+
+
+@PREFILL_GEMMS
+@pytest.mark.parametrize("name", MXFP4_PREFILL_CASES)
+def test_cuda_prefill_kernel_matches_ref_on_mxfp4_experts(cuda_device, switch, monkeypatch, wgmma, name):
+    from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel, tile_height
+
+    prefill_gemm(switch, monkeypatch, wgmma)
+    glu, kind, tokens, routing, bias, tile = MXFP4_PREFILL_CASES[name]
+    case = make_case(mx.bfloat16, (4, 32, "mxfp4"), glu, kind, 7.0, False, 256, 256, 8, 2, 1, tokens,
+                     routing=routing, with_weights=True, bias=bias)
+    assert all(p.mode == "mxfp4" and (p.bias is not None) == bias for p in case.experts.projections)
+    assert cuda_unsupported_reason(case.experts, mx.bfloat16) is None
+    assert tile_height(case.indices.size, 8) == tile
+    check(moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
+
+
+def test_cuda_prefill_kernel_dequantises_every_mxfp4_code_and_scale_exactly(cuda_device):
+    # One-hot activation rows read the dequantised weights out of the GEMM unrounded: every
+    # e2m1 code (code 1, 0.5, passes through a bf16 subnormal) at scales 2^-27 .. 2^13 (past the
+    # 2^(e - 1) that one product would need, which overflows bf16 from e = 129), each output
+    # exactly MLX's own dequantisation of its weight.
+    from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel
+
+    experts, out_dim, in_dim = 2, 64, 128
+    codes = mx.random.randint(0, 16, (experts, out_dim, in_dim))
+    codes[1, :, :16] = mx.arange(16)
+    shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
+    words = (codes.reshape(experts, out_dim, in_dim // 8, 8).astype(mx.uint32) << shifts).sum(axis=-1).astype(mx.uint32)
+    scales = mx.random.randint(100, 141, (experts, out_dim, in_dim // 32)).astype(mx.uint8)
+    scales[1, :4, 0] = mx.array([127, 128, 129, 140], dtype=mx.uint8)
+    linear = ExpertLinear(words, scales, None, group_size=32, bits=4, mode="mxfp4")
+    moe = MoEExperts((linear,))
+    assert cuda_unsupported_reason(moe, mx.bfloat16) is None
+    x = mx.eye(in_dim, dtype=mx.bfloat16)
+    indices = mx.ones((in_dim, 1), dtype=mx.uint32)  # every row to expert 1
+    out = moe_prefill_kernel(x, indices, moe)[:, 0, :]
+    expected = mx.dequantize(words[1], scales[1], group_size=32, bits=4, mode="mxfp4").astype(mx.bfloat16).T
+    assert mx.array_equal(out, expected).item(), mx.abs(out.astype(mx.float32) - expected.astype(mx.float32)).max()
 
 
 def test_wgmma_k_order_puts_each_physical_column_where_grouped_wgmma_reads_it():
