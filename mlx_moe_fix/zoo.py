@@ -322,13 +322,20 @@ def _reinit(model: nn.Module, family: str) -> None:
 # --------------------------------------------------------------------------
 
 
-def _quantize(model: nn.Module, family: str, group_size: int, bits: int) -> None:
+# build(experts_mode=...): how the routed experts' switch linears are quantized, where not as the
+# rest of the model (gpt-oss's checkpoints ship mxfp4 experts).
+EXPERT_MODES = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}
+
+
+def _quantize(model: nn.Module, family: str, group_size: int, bits: int, experts_mode: str = "affine") -> None:
     """Affine-quantize like mlx_lm.utils.quantize_model.
 
     Layers whose input dim is not a multiple of group_size are skipped; for
     mlx-lm families the model's own ``quant_predicate`` is honoured (routers
     at 8 bits for qwen3_moe / gpt_oss). deepseek_v4's own predicate asks for
-    mxfp4/mxfp8, which we override: everything quantizable is affine here.
+    mxfp4/mxfp8, which we override: everything quantizable is affine here,
+    but the routed experts' switch linears where ``experts_mode`` is one of
+    EXPERT_MODES.
     """
     own = None if family in MLX_VLM_FAMILIES else getattr(model, "quant_predicate", None)
 
@@ -337,6 +344,8 @@ def _quantize(model: nn.Module, family: str, group_size: int, bits: int) -> None
             return False
         if m.weight.shape[-1] % group_size != 0:
             return False
+        if experts_mode in EXPERT_MODES and m.weight.ndim == 3:
+            return EXPERT_MODES[experts_mode]
         if own is None:
             return True
         r = own(path, m)
@@ -366,19 +375,22 @@ def _cast(model: nn.Module, dtype) -> None:
 # --------------------------------------------------------------------------
 
 
-def build(family: str, bits: int, *, seed: int = 0, dtype=mx.float32):
-    """A small random MoE model of ``family``, affine-quantized to ``bits``."""
+def build(family: str, bits: int, *, seed: int = 0, dtype=mx.float32, experts_mode: str = "affine"):
+    """A small random MoE model of ``family``, affine-quantized to ``bits``; its routed experts
+    in ``experts_mode`` ("affine" as the rest, or one of EXPERT_MODES)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if experts_mode != "affine" and experts_mode not in EXPERT_MODES:
+        raise ValueError(f"experts_mode must be 'affine' or one of {tuple(EXPERT_MODES)}, got {experts_mode!r}")
     config = _config(family)
     cls = _model_class(family)
     mx.random.seed(seed)
     model = cls(config)
     _reinit(model, family)
     _cast(model, dtype)
-    _quantize(model, family, GROUP_SIZE, bits)
+    _quantize(model, family, GROUP_SIZE, bits, experts_mode)
     model.eval()
     mx.eval(model.parameters())
     return model
