@@ -10,7 +10,7 @@ from collections import Counter
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from hypothesis import example, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 import mlx_moe_fix
@@ -372,7 +372,7 @@ def test_cuda_routed_decode_kernel_matches_the_router_and_decode_kernels(cuda_ke
     from mlx_moe_fix.kernels.moe_router import moe_router_kernel
 
     case, logits, routing = routed
-    assert cuda_unsupported_reason(case.experts, routing, case.dtype, logits.dtype) is None, case.label
+    assume(cuda_unsupported_reason(case.experts, routing, case.dtype, logits.dtype) is None)  # mxfp4 experts: no decode kernel
     fused = moe_routed_decode_kernel(case.x, logits, routing, case.experts)
     indices, weights = moe_router_kernel(logits, routing)
     apart = moe_decode_kernel(case.x, indices, case.experts, weights)
