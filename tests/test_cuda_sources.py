@@ -34,8 +34,9 @@ FLOAT_INPUTS = {"params", "gate_scale", "out_scale", "scale", "correction", "glo
 BIAS_INPUTS = {"bias0", "bias1", "gate_bias", "up_bias", "bias"}  # S, or the float32 placeholder
 
 
-# mxfp4 GEMMs (MXFP4): e8m0 scale bytes, the absent quantization biases' float32 placeholder.
-MXFP4_INPUTS = {"s0": "uint8_t", "s1": "uint8_t", "b0": "float", "b1": "float"}
+# mxfp4 experts' kernels (S = uint8_t: the prefill's MXFP4, the decode's S "uint8_t"): e8m0 scale
+# bytes, the absent quantization biases' float32 placeholder.
+MXFP4_INPUTS = {**dict.fromkeys(("s0", "s1", "s", "gate_s", "up_s"), "uint8_t"), **dict.fromkeys(("b0", "b1", "b", "gate_b", "up_b"), "float")}
 
 
 def signature(name, inputs, outputs, t, has_bias, mxfp4=False):
@@ -64,9 +65,12 @@ def translation_unit(module, filename, variants, source_constants=()):
     body = "".join(constant.declaration() for constant in source_constants) + body
     text = "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n" + header
     for i, (_, t, constants) in enumerate(variants):
-        mxfp4 = constants.get("MXFP4", False)
-        lines = [f"  using T = {t}; using S = {MXFP4_INPUTS['s0'] if mxfp4 else t}; using SC = float; using WT = {t};"]
-        lines += [f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};" for k, v in constants.items()]
+        # S: the scales' type, a template type of the variant (not a constant); "uint8_t", mxfp4
+        s_type = constants.get("S", "uint8_t" if constants.get("MXFP4") else t)
+        mxfp4 = s_type == "uint8_t"
+        lines = [f"  using T = {t}; using S = {s_type}; using SC = float; using WT = {t};"]
+        lines += [f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};" for k, v in constants.items()
+                  if k != "S"]
         text += f"\n{signature(f'k{i}', inputs, module.OUTPUTS[stage], t, constants.get('HAS_BIAS'), mxfp4)} {{\n"
         text += "\n".join(lines)
         text += f"\n{body}\n}}\n"
@@ -123,6 +127,11 @@ def test_decode_kernels_compile(tmp_path, t):
         variants += [("shared_gate_up", t, {**base, "GATED": True, "SHARED_SPLIT": split, "SHARED": 2, "SHARED_WEIGHTS": weighted})
                      for split in (False, t != "float") for weighted in (False, True)]
         variants += [(stage, t, {**base, "SHARED": shared}) for stage in ("shared_down", "routed_shared_down") for shared in (1, 2)]
+    if t != "float":  # mxfp4 experts against 16-bit activations (moe_decode.cuda_unsupported_reason), with gpt-oss's biases
+        mxfp4 = {"S": "uint8_t", "BITS": 4, "GROUP": 32, "WARPS": 8, "RPW": 4, "HAS_BIAS": True}
+        variants += [("gate_up", t, {**mxfp4, "GATED": gated, "SHARED_SPLIT": split}) for gated in (True, False) for split in (False, True)]
+        variants += [("down", t, {**mxfp4, "INPUT_PER_PAIR": True, "COMBINE": c}) for c in (True, False)]
+        variants += [("routed_down", t, {**mxfp4, "RESIDUAL": residual}) for residual in (False, True)]
     compile_all(tmp_path, translation_units(DECODE, "moe_decode.cu", variants))
 
 
@@ -182,6 +191,9 @@ def test_routed_decode_kernel_compiles(tmp_path, t):
     variants += [("sigmoid_shared_gate_up", t, {"BITS": bits, "GROUP": group, "WARPS": 4, "RPW": 4, "HAS_BIAS": bits == 8,
                                                 "GATED": True, "SHARED_SPLIT": t != "float" and split, "SHARED": shared})
                  for bits, group in ((4, 64), (8, 32)) for split in (True, False) for shared in (1, 2)]
+    if t != "float":  # mxfp4 experts, as gpt-oss's block routes them
+        variants += [("routed_gate_up", t, {"S": "uint8_t", "BITS": 4, "GROUP": 32, "WARPS": 8, "RPW": 4, "HAS_BIAS": True, "GATED": True,
+                                            "SHARED_SPLIT": True, "SOFTMAX_FIRST": False, "NORMALIZE": False, "LAST_K": False})]
     texts = translation_units(ROUTED, "moe_routed_decode.cu", variants)
     if t == "__nv_bfloat16":  # router_gate_up reproduces MLX's bf16 quantized_matmul: bf16 only
         router_variants = [("router_gate_up", t, {"BITS": bits, "GROUP": 64, "WARPS": 4, "RPW": 4, "HAS_BIAS": False, "GATED": True,
@@ -240,6 +252,16 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
                       *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": True, "SOFTMAX_FIRST": True, "NORMALIZE": True,
                                                       "LAST_K": True, "ROUTER_BITS": router_bits, "ROUTER_GROUP": 64}
                                                      for router_bits in (4, 8)])))
+    if t != "float" and bits == 4:  # mxfp4 experts (S = uint8_t, e8m0 scales)
+        mxfp4 = {**base, "S": "uint8_t", "GROUP": 32}
+        units += [
+            (DECODE, "moe_decode.cu", "gate_up", *shaped(DECODE.GATE_UP_BLOCK, [{**mxfp4, **split, "GATED": True}])),
+            (DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.DOWN_BLOCK, [{**mxfp4, "RESIDUAL": True}])),
+            (DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [{**mxfp4, "RESIDUAL": True}])),
+            (ROUTED, "moe_routed_decode.cu", "routed_gate_up",
+             *shaped(DECODE.GATE_UP_BLOCK, [{**mxfp4, **split, "GATED": True, "SOFTMAX_FIRST": False, "NORMALIZE": False,
+                                             "LAST_K": False}])),
+        ]
     if t != "float" and bits == 4:  # the combining down of one pair a warp (moe_decode.down_block_shape), its own bounds
         units += [(DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [{**base, "RESIDUAL": residual}]))
                   for residual in (False, True)]

@@ -429,24 +429,26 @@ def test_a_call_no_kernel_takes_runs_upstreams_code_unless_the_references_are_as
             assert ("upstream's code runs" in chosen.reason) == (path == "stock")
 
 
-def test_mxfp4_experts_take_the_prefill_kernel_and_leave_decode_to_upstreams_code_on_cuda(monkeypatch):
-    # gpt-oss ships mxfp4 experts: the grouped prefill kernel dequantises them, no decode kernel
-    # does, so a decode call plans as stock (saying why) and a prefill call as the kernel.
+def test_mxfp4_experts_take_the_cuda_kernels_against_the_activations_each_reads_them_with(monkeypatch):
+    # gpt-oss ships mxfp4 experts: the grouped prefill GEMM dequantises them against bf16, the
+    # decode GEMV reads them against bf16 / fp16; other calls plan as upstream's code, saying why.
     import mlx_moe_fix.kernels as kernels
+    from mlx_moe_fix import env
     from mlx_moe_fix.kernels import backend
+    from mlx_moe_fix.kernels.moe_decode import moe_decode_kernel
     from mlx_moe_fix.kernels.moe_prefill import moe_prefill_kernel
     from tests.parity.cases import make_case
 
-    from mlx_moe_fix import env
-
-    monkeypatch.setattr(backend, "current_backend", lambda: "cuda")
-    for tokens, phase, path in ((1, "decode", "stock"), (40, "prefill", "kernel")):
-        case = make_case(mx.bfloat16, (4, 32, "mxfp4"), True, "swiglu_oai", 7.0, False, 64, 64, 8, 2, 1, tokens, bias=True)
+    for module in (backend, sys.modules["mlx_moe_fix.kernels.moe_decode"]):
+        monkeypatch.setattr(module, "current_backend", lambda: "cuda")
+    for dtype, tokens, phase, kernel in ((mx.bfloat16, 1, "decode", moe_decode_kernel), (mx.bfloat16, 40, "prefill", moe_prefill_kernel),
+                                         (mx.float16, 1, "decode", moe_decode_kernel), (mx.float16, 40, "prefill", None),
+                                         (mx.float32, 1, "decode", None)):
+        case = make_case(dtype, (4, 32, "mxfp4"), True, "swiglu_oai", 7.0, False, 64, 64, 8, 2, 1, tokens, bias=True)
         with env.switched("MLX_MOE_FIX_REFERENCES", "0"):
             chosen = kernels.plan(case.x, case.indices, case.experts)
-        assert (chosen.phase, chosen.path) == (phase, path), chosen
-        assert chosen.function is (moe_prefill_kernel if path == "kernel" else None)
-        assert path == "kernel" or "mxfp4-quantized experts" in chosen.reason, chosen
+        assert (chosen.phase, chosen.path, chosen.function) == (phase, "kernel" if kernel else "stock", kernel), (dtype, chosen)
+        assert kernel or f"mxfp4 experts against {dtype} activations" in chosen.reason, chosen
 
 
 def test_routed_plan_fuses_decode_sized_calls_only(monkeypatch):

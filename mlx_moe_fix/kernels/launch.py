@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from ..env import flag
 from . import kernel_cache
-from .experts import MoEExperts
+from .experts import MXFP4, MoEExperts
 from .sources import cuda_header_directive, cuda_kernel_source, sections
 
 # Activation kinds as the kernels' run-time `dims[3]` (see cuda/*.cu).
@@ -241,4 +241,16 @@ def quantized_experts_reason(experts: MoEExperts, modes: tuple = ("affine",)):
     scales = [s for s in (experts.gate_scale, experts.out_scale) if s is not None]
     if len({s.dtype for s in scales}) > 1:
         return "gate_scale and out_scale of different dtypes"
+    return None
+
+
+def mxfp4_activations_reason(experts: MoEExperts, dtype, dtypes: tuple) -> Optional[str]:
+    """Why a kernel that reads mxfp4 experts against activations of `dtypes` cannot take these
+    experts against `dtype`, or None (also for experts without mxfp4 projections): their additive
+    biases must be of the activations' dtype (the kernels read them as such)."""
+    mxfp4 = [p for p in experts.projections if p.mode == MXFP4]
+    if mxfp4 and dtype not in dtypes:
+        return f"mxfp4 experts against {dtype} activations (this kernel reads mxfp4 against {' / '.join(map(str, dtypes))} only)"
+    if any(p.bias is not None and p.bias.dtype != dtype for p in mxfp4):
+        return "an mxfp4 projection whose additive bias is not of the activations' dtype"
     return None

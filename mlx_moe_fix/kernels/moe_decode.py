@@ -15,9 +15,9 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 
 from .backend import Implementation, choose, current_backend
-from .experts import ExpertLinear, MoEExperts, SharedExperts
+from .experts import MXFP4, ExpertLinear, MoEExperts, SharedExperts
 from .launch import (Launch, absent, bias_template, cuda_kernel_object, fixed_or_absent, kernel_dims, kernel_params,
-                     metal_kernel_object, per_pair, quantized_experts_reason, source_constants)
+                     metal_kernel_object, mxfp4_activations_reason, per_pair, quantized_experts_reason, source_constants)
 from .reference import combine, expert_chain
 
 
@@ -119,8 +119,13 @@ def shared_split_bytes(experts: MoEExperts, dtype, backend: str) -> int:
 MAX_EXPERT_WORDS = 2**32
 
 
-def cuda_unsupported_reason(experts: MoEExperts) -> Optional[str]:
-    reason = quantized_experts_reason(experts)
+def cuda_unsupported_reason(experts: MoEExperts, dtype, backend: Optional[str] = None) -> Optional[str]:
+    """Why the GPU decode kernel of `backend` (default: the current one; Metal's too) cannot take
+    these experts against activations of `dtype`, or None. mxfp4 experts on CUDA only, against
+    16-bit activations (the fixed-point GEMV reads their codes: cuda/moe_decode.cu, e2m1_bytes)."""
+    cuda = (backend or current_backend()) == "cuda"
+    reason = quantized_experts_reason(experts, ("affine", MXFP4) if cuda else ("affine",))
+    reason = reason or mxfp4_activations_reason(experts, dtype, (mx.bfloat16, mx.float16))
     if reason is None and any(p.output_dims * p.weight.shape[-1] >= MAX_EXPERT_WORDS for p in experts.projections):
         return "an expert matrix of 2^32 packed words or more: the CUDA decode GEMV addresses one with 32-bit offsets"
     return reason
@@ -321,6 +326,7 @@ def moe_decode_implementation(experts: Optional[MoEExperts] = None, dtype=None) 
     """dtype: the activations' (every dtype the ops support has a decode kernel)."""
     return choose(
         "moe_decode", moe_decode_reference, moe_decode_kernel, CUDA_KERNEL_SWITCH,
-        None if experts is None else lambda: experts.memo("gpu decode", lambda: cuda_unsupported_reason(experts)),
+        None if experts is None else lambda: experts.memo(("gpu decode", current_backend(), dtype),
+                                                          lambda: cuda_unsupported_reason(experts, dtype)),
         metal=(moe_decode_kernel, METAL_KERNEL_SWITCH),
     )

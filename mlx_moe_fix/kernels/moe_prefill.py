@@ -28,7 +28,7 @@ from ..env import flag
 from .backend import Implementation, choose, compute_capability
 from .experts import MXFP4, MoEExperts
 from .launch import (ACTIVATION_CODES, Launch, absent, bias_template, cuda_kernel_object, int_array, kernel_dims,
-                     kernel_params, per_pair, quantized_experts_reason)
+                     kernel_params, mxfp4_activations_reason, per_pair, quantized_experts_reason)
 from .reference import combine, expert_chain
 
 # Tile heights (BM in cuda/moe_prefill.cu) and the mean rows per expert from which each pays
@@ -239,12 +239,8 @@ def combine_kernel(rows: mx.array, weights: mx.array) -> mx.array:
 def cuda_unsupported_reason(experts: MoEExperts, dtype) -> Optional[str]:
     if dtype not in (mx.bfloat16, mx.float16):
         return f"the grouped prefill kernel takes bfloat16 / float16 activations, not {dtype}"
-    reason = quantized_experts_reason(experts, QUANTIZATION_MODES)
-    mxfp4 = [p for p in experts.projections if p.mode == MXFP4]
-    if reason is None and mxfp4 and dtype != mx.bfloat16:
-        reason = f"mxfp4 experts against {dtype} activations (the kernel dequantises mxfp4 to bfloat16 only)"
-    if reason is None and any(p.bias is not None and p.bias.dtype != dtype for p in mxfp4):
-        reason = "an mxfp4 projection whose additive bias is not of the activations' dtype"
+    # the GEMM dequantises mxfp4 to bf16 (cuda/moe_prefill.cu, dequant_pair)
+    reason = quantized_experts_reason(experts, QUANTIZATION_MODES) or mxfp4_activations_reason(experts, dtype, (mx.bfloat16,))
     if reason is None and any(p.input_dims % BLOCK_K or p.output_dims % 32 for p in experts.projections):
         reason = f"expert input widths that are not multiples of {BLOCK_K} or output widths not of 32"
     return reason

@@ -204,6 +204,8 @@ def fused_router_reason(x: mx.array, router: RouterLinear, experts: MoEExperts, 
         return "a router with an additive bias"
     if router.output_dims != experts.num_experts or router.input_dims != experts.input_dims:
         return f"a router of {router.input_dims} -> {router.output_dims} for experts of {experts.input_dims} x {experts.num_experts}"
+    if any(p.mode != "affine" for p in experts.projections):
+        return "experts not affine-quantized: router_gate_up is verified with affine experts only"
     if router.output_dims > MAX_FUSED_ROUTER_EXPERTS:
         return f"{router.output_dims} experts (at most {MAX_FUSED_ROUTER_EXPERTS})"
     return experts.memo(("fused router waves", top_k), lambda: _waves_reason(experts, top_k))

@@ -118,9 +118,10 @@ def test_unsupported_quantization_is_reported(mode):
     assert mode in reason
 
 
-def test_mxfp4_experts_are_supported_by_the_references_and_the_prefill_kernel_only():
-    # The ops' references run MLX's own mxfp4 matmuls; of the CUDA kernels only the grouped
-    # prefill GEMM dequantises mxfp4 (against bf16), the decode kernels read affine weights.
+def test_mxfp4_experts_are_supported_by_the_references_and_the_cuda_kernels_that_read_them():
+    # The ops' references run MLX's own mxfp4 matmuls. On CUDA the grouped prefill GEMM
+    # dequantises mxfp4 to bf16 and the decode GEMV reads it in fixed point (bf16 / fp16); the
+    # Metal decode kernel reads affine weights only.
     from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason as decode_reason
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason as prefill_reason
 
@@ -129,7 +130,9 @@ def test_mxfp4_experts_are_supported_by_the_references_and_the_prefill_kernel_on
     assert case.experts.unsupported_reason(case.x, case.indices) is None
     assert prefill_reason(case.experts, mx.bfloat16) is None
     assert "bfloat16 only" in prefill_reason(case.experts, mx.float16)
-    assert "mxfp4-quantized experts" in decode_reason(case.experts)
+    assert decode_reason(case.experts, mx.bfloat16, "cuda") is None
+    assert "mxfp4 experts against mlx.core.float32 activations" in decode_reason(case.experts, mx.float32, "cuda")
+    assert "mxfp4-quantized experts" in decode_reason(case.experts, mx.bfloat16, "metal")
     linear = case.experts.projections[0]
     grouped_64 = dataclasses.replace(linear, group_size=64)
     assert "groups of 32 only" in grouped_64.unsupported_reason()
@@ -162,8 +165,8 @@ def test_experts_past_32_bit_offsets_are_left_to_stock():
         return ExpertLinear(mx.zeros((1, rows, words), mx.uint32), scales, scales, group_size=group, bits=bits)
 
     largest = MoEExperts((linear(MAX_EXPERT_WORDS // 4096 - 1, 4096),))
-    assert cuda_unsupported_reason(largest) is None
-    reason = cuda_unsupported_reason(MoEExperts((linear(MAX_EXPERT_WORDS // 4096, 4096),)))
+    assert cuda_unsupported_reason(largest, mx.bfloat16) is None
+    reason = cuda_unsupported_reason(MoEExperts((linear(MAX_EXPERT_WORDS // 4096, 4096),)), mx.bfloat16)
     assert "32-bit offsets" in reason
 
 
@@ -212,7 +215,7 @@ def check_kernel(kernel, unsupported_reason, reference, case):
 def test_cuda_decode_kernel_matches_ref(cuda_device, case):
     from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason, moe_decode_kernel
 
-    check_kernel(moe_decode_kernel, cuda_unsupported_reason(case.experts), moe_decode_reference, case)
+    check_kernel(moe_decode_kernel, cuda_unsupported_reason(case.experts, case.dtype), moe_decode_reference, case)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -226,7 +229,7 @@ def test_cuda_decode_kernel_sums_activations_of_every_magnitude(cuda_device, dty
     from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason, moe_decode_kernel
 
     case = make_case(dtype, (bits, 64), True, "swiglu", 50.0, False, 512, 128, 8, 2, 1, 4, with_weights=True)
-    assert cuda_unsupported_reason(case.experts) is None
+    assert cuda_unsupported_reason(case.experts, dtype) is None
     vectors = 512 // 32
     mx.random.seed(1)
     magnitude = mx.power(2.0, mx.random.randint(-12, 5, (1, 4, vectors, 1)).astype(mx.float32))
@@ -274,7 +277,7 @@ def test_metal_decode_kernel_matches_ref(metal_device, case):
     # the CUDA test's property, on Apple hardware (not run by this project: no Metal machine here)
     from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason, moe_decode_kernel
 
-    check_kernel(moe_decode_kernel, cuda_unsupported_reason(case.experts), moe_decode_reference, case)
+    check_kernel(moe_decode_kernel, cuda_unsupported_reason(case.experts, case.dtype), moe_decode_reference, case)
 
 
 # The prefill kernel's gate+up GEMMs (moe_prefill.GEMMS): mma.sync, and Hopper's wgmma, which
@@ -448,6 +451,26 @@ def test_cuda_prefill_kernel_dequantises_every_mxfp4_code_and_scale_exactly(cuda
     out = moe_prefill_kernel(x, indices, moe)[:, 0, :]
     expected = mx.dequantize(words[1], scales[1], group_size=32, bits=4, mode="mxfp4").astype(mx.bfloat16).T
     assert mx.array_equal(out, expected).item(), mx.abs(out.astype(mx.float32) - expected.astype(mx.float32)).max()
+
+
+def test_cuda_decode_kernel_reads_every_mxfp4_code_and_scale_exactly(cuda_device):
+    # The decode GEMV sums mxfp4 codes as signed bytes of twice their values (PRMT lookups) in
+    # fixed point: one-hot activation rows read each weight out of it exactly, every e2m1 code at
+    # scale bytes 100-140, as MLX's own dequantisation gives it.
+    from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason, moe_decode_kernel
+
+    experts, out_dim, in_dim = 2, 64, 128
+    codes = mx.random.randint(0, 16, (experts, out_dim, in_dim))
+    codes[1, :, :16] = mx.arange(16)
+    shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
+    words = (codes.reshape(experts, out_dim, in_dim // 8, 8).astype(mx.uint32) << shifts).sum(axis=-1).astype(mx.uint32)
+    scales = mx.random.randint(100, 141, (experts, out_dim, in_dim // 32)).astype(mx.uint8)
+    moe = MoEExperts((ExpertLinear(words, scales, None, group_size=32, bits=4, mode="mxfp4"),))
+    expected = mx.dequantize(words[1], scales[1], group_size=32, bits=4, mode="mxfp4").T
+    for dtype in (mx.bfloat16, mx.float16):
+        assert cuda_unsupported_reason(moe, dtype) is None
+        out = moe_decode_kernel(mx.eye(in_dim, dtype=dtype), mx.ones((in_dim, 1), dtype=mx.uint32), moe)[:, 0, :]
+        assert mx.array_equal(out, expected.astype(dtype)).item(), (dtype, mx.abs(out.astype(mx.float32) - expected).max())
 
 
 def test_wgmma_k_order_puts_each_physical_column_where_grouped_wgmma_reads_it():

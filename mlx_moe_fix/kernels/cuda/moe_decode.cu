@@ -5,7 +5,8 @@
 // Sections are split on "//// <name>" lines: `header` goes into cuda_kernel's header, the others
 // are kernel bodies. Template constants and types (set from Python; few, since each distinct
 // set is one NVRTC compile):
-//   T   activation / output type        S   scales, affine biases and additive bias type
+//   T   activation / output type        S   scales, affine biases and additive bias type; uint8_t:
+//       mxfp4 experts (MXFP4_EXPERTS: e8m0 scales, e2m1 codes, no affine biases, additive biases of T)
 //   SC  per-expert scale type           WT  routing weight type
 //   BITS 4 or 8, GROUP 32/64/128, WARPS (warps per block), RPW (output rows per warp: the
 //   warp reads each activation vector once for all of them), HAS_BIAS (the bias inputs' signature:
@@ -121,15 +122,31 @@ __device__ __forceinline__ float dot_vector(const uint4& packed, const float* pr
 template <typename T>
 constexpr bool FIXED_POINT = sizeof(T) == 2;
 
+// MLX's mxfp4 experts, told by their scales: e8m0 bytes (2^(e - 127)), the one supported
+// quantization with 8-bit scales. Their 4-bit values are e2m1 codes (sign, two exponent bits, one
+// mantissa bit), with no affine biases; their additive biases are of the activations' type. Only
+// the fixed-point path reads them: each code as a signed byte of twice its value (the magnitudes
+// 0, 1, 2, 3, 4, 6, 8, 12 looked up by PRMT), the group's scale halved.
+template <typename S>
+constexpr bool MXFP4_EXPERTS = cuda::std::is_same_v<S, uint8_t>;
+template <typename S, typename T>
+using AdditiveBias = cuda::std::conditional_t<MXFP4_EXPERTS<S>, T, S>;
+
+// 2^(e - 128): an e8m0 scale byte's power of two, halved (e = 0 and 1 as fp32 subnormals).
+__device__ __forceinline__ float e8m0_half(uint8_t e) {
+  return e > 1 ? __uint_as_float(static_cast<unsigned>(e - 1) << 23) : __uint_as_float(0x00200000u << e);
+}
+
 // One activation vector split for dot_fixed. Entry e's byte b multiplies byte b of the weight
 // word dot_fixed takes for e: for 4-bit weights the nibbles (word e / 2 >> 4 (e % 2)) & 0x0F0F0F0F,
-// values 8 (e / 2) + e % 2 + 2b; for 8-bit ones word e itself, values 4e + b. lo[e], mid[e],
+// values 8 (e / 2) + e % 2 + 2b; for mxfp4 CODES the codes of word e / 2's half e % 2 looked up,
+// values 8 (e / 2) + 4 (e % 2) + b; for 8-bit ones word e itself, values 4e + b. lo[e], mid[e],
 // hi[e]: bytes 0, 1 (unsigned) and 2 (signed) of those values' X.
 template <int BITS>
 constexpr int FIXED_ENTRIES = VALUES<BITS> / 4;
-template <int BITS>
+template <int BITS, bool CODES>
 __host__ __device__ constexpr int fixed_value(int e, int b) {
-  return BITS == 4 ? 8 * (e / 2) + e % 2 + 2 * b : 4 * e + b;
+  return CODES ? 8 * (e / 2) + 4 * (e % 2) + b : BITS == 4 ? 8 * (e / 2) + e % 2 + 2 * b : 4 * e + b;
 }
 // |X| < 2^X_BITS keeps a vector's sum of q X within 32 bits (32 values of 15, 16 of 255).
 template <int BITS>
@@ -142,7 +159,7 @@ struct FixedVector {
   float sum;      // the activations' fp32 sum, in dot_vector's order, for the affine biases
 };
 
-template <int BITS, typename T>
+template <int BITS, bool CODES, typename T>
 __device__ __forceinline__ void load_fixed_vector(FixedVector<BITS>& f, const T* row, int v) {
   static_assert(sizeof(T) == 2, "16-bit activations");
   constexpr int N = VALUES<BITS>;
@@ -182,8 +199,8 @@ __device__ __forceinline__ void load_fixed_vector(FixedVector<BITS>& f, const T*
 #pragma unroll
     for (int e = PER_WORD / 4 * w; e < PER_WORD / 4 * (w + 1); ++e) {
       const int first = PER_WORD * w;
-      const unsigned a = fixed[fixed_value<BITS>(e, 0) - first], b = fixed[fixed_value<BITS>(e, 1) - first];
-      const unsigned c = fixed[fixed_value<BITS>(e, 2) - first], d = fixed[fixed_value<BITS>(e, 3) - first];
+      const unsigned a = fixed[fixed_value<BITS, CODES>(e, 0) - first], b = fixed[fixed_value<BITS, CODES>(e, 1) - first];
+      const unsigned c = fixed[fixed_value<BITS, CODES>(e, 2) - first], d = fixed[fixed_value<BITS, CODES>(e, 3) - first];
       const unsigned low01 = __byte_perm(a, b, 0x5140), low23 = __byte_perm(c, d, 0x5140);
       const unsigned top01 = __byte_perm(a, b, 0x0062), top23 = __byte_perm(c, d, 0x0062);
       f.lo[e] = __byte_perm(low01, low23, 0x5410);
@@ -193,17 +210,40 @@ __device__ __forceinline__ void load_fixed_vector(FixedVector<BITS>& f, const T*
   }
 }
 
-// Sum over a vector's values of q X, exact in 32 bits (X_BITS).
-template <int BITS>
+// Four mxfp4 codes (the nibbles of `codes`' low 16 bits) as signed bytes of twice their values.
+// PRMT looks each code's magnitude up among 8 bytes; a selector nibble's top bit (the code's
+// sign) makes it replicate the looked-up byte's sign bit instead, 0: so `positive` holds the
+// magnitudes of the positive codes, `magnitude ^ positive` those of the negative ones, and the
+// bytewise difference (no byte borrows: each stays within 116 .. 140 before the last XOR) is the
+// signed value.
+__device__ __forceinline__ unsigned e2m1_bytes(unsigned codes) {
+  constexpr unsigned LOW = 0x03020100u, HIGH = 0x0C080604u;  // 0, 1, 2, 3 | 4, 6, 8, 12
+  unsigned magnitude, positive;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(magnitude) : "r"(LOW), "r"(HIGH), "r"(codes & 0x7777u));
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(positive) : "r"(LOW), "r"(HIGH), "r"(codes));
+  return ((positive | 0x80808080u) - (magnitude ^ positive)) ^ 0x80808080u;
+}
+
+// Sum over a vector's values of q X, exact in 32 bits (X_BITS); CODES: q twice the mxfp4 codes'
+// values, signed (|q| <= 12 where 4-bit values are below 16).
+template <int BITS, bool CODES>
 __device__ __forceinline__ int dot_fixed(const uint4& packed, const FixedVector<BITS>& f) {
+  static_assert(!CODES || BITS == 4, "mxfp4 codes are 4-bit");
   const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
   unsigned hi = 0, mid = 0, lo = 0;
 #pragma unroll
   for (int e = 0; e < FIXED_ENTRIES<BITS>; ++e) {
-    const unsigned q = BITS == 4 ? (words[e / 2] >> (4 * (e % 2))) & 0x0F0F0F0Fu : words[e];
-    asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(hi) : "r"(q), "r"(f.hi[e]));
-    asm("dp4a.u32.u32 %0, %1, %2, %0;" : "+r"(mid) : "r"(q), "r"(f.mid[e]));
-    asm("dp4a.u32.u32 %0, %1, %2, %0;" : "+r"(lo) : "r"(q), "r"(f.lo[e]));
+    if constexpr (CODES) {
+      const unsigned q = e2m1_bytes(e % 2 ? words[e / 2] >> 16 : words[e / 2]);
+      asm("dp4a.s32.s32 %0, %1, %2, %0;" : "+r"(hi) : "r"(q), "r"(f.hi[e]));
+      asm("dp4a.s32.u32 %0, %1, %2, %0;" : "+r"(mid) : "r"(q), "r"(f.mid[e]));
+      asm("dp4a.s32.u32 %0, %1, %2, %0;" : "+r"(lo) : "r"(q), "r"(f.lo[e]));
+    } else {
+      const unsigned q = BITS == 4 ? (words[e / 2] >> (4 * (e % 2))) & 0x0F0F0F0Fu : words[e];
+      asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(hi) : "r"(q), "r"(f.hi[e]));
+      asm("dp4a.u32.u32 %0, %1, %2, %0;" : "+r"(mid) : "r"(q), "r"(f.mid[e]));
+      asm("dp4a.u32.u32 %0, %1, %2, %0;" : "+r"(lo) : "r"(q), "r"(f.lo[e]));
+    }
   }
   return static_cast<int>((hi << 16) + (mid << 8) + lo);
 }
@@ -226,24 +266,29 @@ static_assert(sizeof(SharedFixed<4>) <= 128 && sizeof(SharedFixed<8>) <= 128, "a
 // 9.3 to 8.7 µs: docs/benchmarks.md, twenty-third session). A vector a thread, the last threads
 // first: the routed gate+up's first warp routes meanwhile. The caller's barrier makes the split
 // visible to every warp.
-template <int BITS, bool SHARED_SPLIT, typename T>
+template <int BITS, bool SHARED_SPLIT, bool CODES, typename T>
 __device__ __forceinline__ SharedFixed<BITS>* split_row(const T* row, int in_dim) {
   if constexpr (!SHARED_SPLIT) {
     return nullptr;
   } else {
     extern __shared__ __align__(16) unsigned char decode_shared[];
     SharedFixed<BITS>* split = reinterpret_cast<SharedFixed<BITS>*>(decode_shared);
-    for (int v = blockDim.x - 1 - threadIdx.x; v < in_dim / VALUES<BITS>; v += blockDim.x) load_fixed_vector(split[v].f, row, v);
+    for (int v = blockDim.x - 1 - threadIdx.x; v < in_dim / VALUES<BITS>; v += blockDim.x) load_fixed_vector<BITS, CODES>(split[v].f, row, v);
     return split;
   }
 }
 
-// One expert's quantized matrix: packed rows and per-group scales and affine biases.
+// One expert's quantized matrix: packed rows and per-group scales and affine biases (mxfp4
+// experts: the absent input's placeholder, never read).
 template <typename S>
 struct QuantizedRows {
   const uint32_t* w;
   const S* s;
   const S* b;
+
+  QuantizedRows() = default;
+  template <typename B>
+  __device__ QuantizedRows(const uint32_t* w, const S* s, const B* b) : w(w), s(s), b(reinterpret_cast<const S*>(b)) {}
 
   // Expert `expert`'s matrix, where these are every expert's [E, out_dim, in_dim] ones.
   template <int BITS, int GROUP>
@@ -320,6 +365,8 @@ __device__ __forceinline__ void rows_dot(
     const SharedFixed<BITS>* split = nullptr, int row_dim = 0) {
   static_assert(A == 1 || (A == M && FIXED_POINT<T>), "one activation row, or one a matrix in fixed point");
   static_assert(!SHARED_SPLIT || (A == 1 && FIXED_POINT<T>), "a shared split of one row, in fixed point");
+  constexpr bool CODES = MXFP4_EXPERTS<S>;
+  static_assert(!CODES || (FIXED_POINT<T> && BITS == 4), "mxfp4 experts in fixed point");
   constexpr int N = VALUES<BITS>;
   constexpr int LOADS_AHEAD = 8;
   constexpr int UNROLL = M * RPW >= LOADS_AHEAD ? 1 : LOADS_AHEAD / (M * RPW);
@@ -349,7 +396,7 @@ __device__ __forceinline__ void rows_dot(
           const unsigned group_index = (unsigned)rows[r] * (unsigned)groups + (unsigned)group;
           packed[u][j * RPW + r] = load_streamed(opaque(m[j].w) + word);
           scale[u][j * RPW + r] = __ldg(opaque(m[j].s) + group_index);
-          bias[u][j * RPW + r] = __ldg(opaque(m[j].b) + group_index);
+          if constexpr (!CODES) bias[u][j * RPW + r] = __ldg(opaque(m[j].b) + group_index);
         }
       }
     }
@@ -364,10 +411,14 @@ __device__ __forceinline__ void rows_dot(
           if constexpr (SHARED_SPLIT) {
             if (i == 0) f = split[v].f;
           } else if (i % (M * RPW / A) == 0) {
-            load_fixed_vector(f, activations[i / (M * RPW / A)], v);  // one split live at a time
+            load_fixed_vector<BITS, CODES>(f, activations[i / (M * RPW / A)], v);  // one split live at a time
           }
-          const float dot = static_cast<float>(dot_fixed(packed[u][i], f)) * f.unscale;
-          acc[i] += static_cast<float>(scale[u][i]) * dot + static_cast<float>(bias[u][i]) * f.sum;
+          const float dot = static_cast<float>(dot_fixed<BITS, CODES>(packed[u][i], f)) * f.unscale;
+          if constexpr (CODES) {
+            acc[i] += e8m0_half(scale[u][i]) * dot;
+          } else {
+            acc[i] += static_cast<float>(scale[u][i]) * dot + static_cast<float>(bias[u][i]) * f.sum;
+          }
         }
       } else {
         float x[N];
@@ -401,7 +452,8 @@ __device__ __forceinline__ void gate_up_rows(
     T* hidden, int pair, size_t expert, int first_row, const T* activations, const SharedFixed<BITS>* split,
     QuantizedRows<S> gate_matrices, QuantizedRows<S> up_matrices, const GB* gate_bias, const UB* up_bias, const SC* gate_scale,
     const Dims& d, const float* params, const T* hidden_scale = nullptr) {
-  static_assert(bias_signature_matches<HAS_BIAS, S, const GB*> && bias_signature_matches<HAS_BIAS, S, const UB*>,
+  static_assert(bias_signature_matches<HAS_BIAS, AdditiveBias<S, T>, const GB*> &&
+                bias_signature_matches<HAS_BIAS, AdditiveBias<S, T>, const UB*>,
                 "HAS_BIAS disagrees with the bias inputs");
   const int lane = threadIdx.x % 32;
   // This warp's RPW rows of the expert's matrices, up then gate (rows past OUT_DIM read the last
@@ -445,7 +497,7 @@ template <int BITS, int GROUP, int WARPS, int RPW, bool INPUT_PER_PAIR, bool COM
 __device__ __forceinline__ void down_rows(
     T* out, const T* hidden, const uint32_t* indices, const WT* weights, QuantizedRows<S> matrices_of_all,
     const B* bias, const SC* out_scale, const Dims& d, const R* residual, QuantizedRows<S> shared = {}) {
-  static_assert(bias_signature_matches<HAS_BIAS, S, const B*>, "HAS_BIAS disagrees with the bias input");
+  static_assert(bias_signature_matches<HAS_BIAS, AdditiveBias<S, T>, const B*>, "HAS_BIAS disagrees with the bias input");
   static_assert(SHARED == 0 || (COMBINE && INPUT_PER_PAIR && !RESIDUAL), "shared experts in a combining down of per-pair rows");
   __shared__ float partial[WARPS * RPW];  // COMBINE: each warp's sums, [WARPS][RPW]
   __shared__ float shared_partial[SHARED ? WARPS * RPW : 1];
@@ -461,8 +513,9 @@ __device__ __forceinline__ void down_rows(
   const bool active = row_slot < row_slots && first_row < d.out_dim;
   // Two pairs at once where the fixed-point GEMV takes an activation row a matrix: their weights
   // are then in flight together, where one pair after the other cost a round trip to memory each
-  // (at 4 rows a warp and top-k 8 a warp has two of its token's eight pairs).
-  constexpr int PAIRS_AT_ONCE = FIXED_POINT<T> && BITS == 4 && RPW <= 4 ? 2 : 1;  // more: two spill at the bound
+  // (at 4 rows a warp and top-k 8 a warp has two of its token's eight pairs). More than two
+  // spill at the bound, and so do two of mxfp4 codes (12 bytes at 128 registers).
+  constexpr int PAIRS_AT_ONCE = FIXED_POINT<T> && BITS == 4 && RPW <= 4 && !MXFP4_EXPERTS<S> ? 2 : 1;
   // The rows whose sums a lane keeps after the GEMV (rows_dot's KEPT): its own, so that the
   // warp's lanes run the rows' epilogues side by side, or at two pairs at once every row (where
   // keeping one spilled at the bound): lanes own_first + k, for k < KEPT_ROWS.
@@ -616,7 +669,7 @@ __device__ __forceinline__ void shared_gate_up_rows(
   const Dims d(dims);
   const int pair = blockIdx.y;
   const T* activations = x + (size_t)(pair / d.top_k) * d.in_dim;
-  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT>(activations, d.in_dim);
+  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT, MXFP4_EXPERTS<S>>(activations, d.in_dim);
   if (SHARED_SPLIT) __syncthreads();
   const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
   if (first_row >= d.out_dim) return;
@@ -672,7 +725,7 @@ __device__ __forceinline__ void shared_gate_up_rows(
   const int slots = d.top_k + SHARED;
   const int pair = blockIdx.y, token = pair / slots, slot = pair % slots;
   const T* activations = x + (size_t)token * d.in_dim;
-  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT>(activations, d.in_dim);
+  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT, MXFP4_EXPERTS<S>>(activations, d.in_dim);
   if (SHARED_SPLIT) __syncthreads();
   const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
   if (first_row >= d.out_dim) return;
