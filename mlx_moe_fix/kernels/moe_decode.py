@@ -4,6 +4,7 @@ Reference: each token's row paired with its k experts directly (one GEMV per pai
 CUDA kernel (`cuda/moe_decode.cu`): two launches per layer: gate+up GEMV with the activation
 (clamp stage and per-expert gate scale included), then down GEMV with the per-expert output scale
 and the weighted top-k combine, so the [tokens, k, hidden] intermediate is never written.
+Affine 4- / 8-bit experts, and on CUDA mxfp4 ones against bf16 / fp16 activations.
 Metal kernel (`metal/moe_decode.metal`): the same two launches, one simdgroup where CUDA has one
 warp, the same launchers; not yet run on Apple hardware, so off unless MLX_MOE_FIX_METAL_DECODE=1.
 """

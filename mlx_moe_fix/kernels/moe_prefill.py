@@ -12,7 +12,8 @@ GEMM: gate+up with the activation in the epilogue into expert-sorted padded rows
 written back per (token, expert) pair; then, given routing weights, one launch of their
 weighted sum over each token's pairs.
 
-The GEMM dequantises the weights in registers (no dequantised copy anywhere); its tile height
+The GEMM dequantises the weights in registers (no dequantised copy anywhere): affine 4- / 8-bit,
+or mxfp4 against bf16 activations; its tile height
 follows the mean rows per expert (`tile_height`). It is mma.sync's (`grouped`), but for the gate+up
 launch of 4-bit experts at 64-row tiles, which takes Hopper's warpgroup MMA (`grouped_wgmma`,
 `gemm_kernel`).

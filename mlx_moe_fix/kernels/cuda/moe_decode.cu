@@ -1,5 +1,5 @@
 // Fused decode MoE for mx.fast.cuda_kernel: one warp per (pair or token, output row), 16-byte
-// loads of packed affine-quantized weights, dot products in registers (against 16-bit
+// loads of packed affine-quantized (or mxfp4) weights, dot products in registers (against 16-bit
 // activations in fixed point with dp4a, against fp32 ones dequantised to fp32), fp32 sums.
 //
 // Sections are split on "//// <name>" lines: `header` goes into cuda_kernel's header, the others
