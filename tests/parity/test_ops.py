@@ -429,13 +429,11 @@ def test_cuda_prefill_kernel_matches_ref_on_mxfp4_experts(cuda_device, switch, m
     check(moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
-def test_cuda_prefill_kernel_dequantises_every_mxfp4_code_and_scale_exactly(cuda_device):
-    # One-hot activation rows read the dequantised weights out of the GEMM unrounded: every
-    # e2m1 code (code 1, 0.5, passes through a bf16 subnormal) at scales 2^-27 .. 2^13 (past the
-    # 2^(e - 1) that one product would need, which overflows bf16 from e = 129), each output
-    # exactly MLX's own dequantisation of its weight.
-    from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel
-
+def every_mxfp4_code():
+    """(experts, expected, in_dim): one-projection mxfp4 experts (2 of 64 x 128) whose expert 1
+    holds every e2m1 code in each row's first 16 values and scale bytes 100-140 (127, 128, 129
+    and 140 among them: scales 2^-27 .. 2^13), and expert 1's weights as MLX dequantises them,
+    transposed: what one-hot activation rows routed to it read out of a kernel."""
     experts, out_dim, in_dim = 2, 64, 128
     codes = mx.random.randint(0, 16, (experts, out_dim, in_dim))
     codes[1, :, :16] = mx.arange(16)
@@ -443,33 +441,21 @@ def test_cuda_prefill_kernel_dequantises_every_mxfp4_code_and_scale_exactly(cuda
     words = (codes.reshape(experts, out_dim, in_dim // 8, 8).astype(mx.uint32) << shifts).sum(axis=-1).astype(mx.uint32)
     scales = mx.random.randint(100, 141, (experts, out_dim, in_dim // 32)).astype(mx.uint8)
     scales[1, :4, 0] = mx.array([127, 128, 129, 140], dtype=mx.uint8)
-    linear = ExpertLinear(words, scales, None, group_size=32, bits=4, mode="mxfp4")
-    moe = MoEExperts((linear,))
-    assert cuda_unsupported_reason(moe, mx.bfloat16) is None
-    x = mx.eye(in_dim, dtype=mx.bfloat16)
-    indices = mx.ones((in_dim, 1), dtype=mx.uint32)  # every row to expert 1
-    out = moe_prefill_kernel(x, indices, moe)[:, 0, :]
-    expected = mx.dequantize(words[1], scales[1], group_size=32, bits=4, mode="mxfp4").astype(mx.bfloat16).T
-    assert mx.array_equal(out, expected).item(), mx.abs(out.astype(mx.float32) - expected.astype(mx.float32)).max()
-
-
-def test_cuda_decode_kernel_reads_every_mxfp4_code_and_scale_exactly(cuda_device):
-    # The decode GEMV sums mxfp4 codes as signed bytes of twice their values (PRMT lookups) in
-    # fixed point: one-hot activation rows read each weight out of it exactly, every e2m1 code at
-    # scale bytes 100-140, as MLX's own dequantisation gives it.
-    from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason, moe_decode_kernel
-
-    experts, out_dim, in_dim = 2, 64, 128
-    codes = mx.random.randint(0, 16, (experts, out_dim, in_dim))
-    codes[1, :, :16] = mx.arange(16)
-    shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
-    words = (codes.reshape(experts, out_dim, in_dim // 8, 8).astype(mx.uint32) << shifts).sum(axis=-1).astype(mx.uint32)
-    scales = mx.random.randint(100, 141, (experts, out_dim, in_dim // 32)).astype(mx.uint8)
     moe = MoEExperts((ExpertLinear(words, scales, None, group_size=32, bits=4, mode="mxfp4"),))
-    expected = mx.dequantize(words[1], scales[1], group_size=32, bits=4, mode="mxfp4").T
-    for dtype in (mx.bfloat16, mx.float16):
-        assert cuda_unsupported_reason(moe, dtype) is None
-        out = moe_decode_kernel(mx.eye(in_dim, dtype=dtype), mx.ones((in_dim, 1), dtype=mx.uint32), moe)[:, 0, :]
+    return moe, mx.dequantize(words[1], scales[1], group_size=32, bits=4, mode="mxfp4").T, in_dim
+
+
+@pytest.mark.parametrize("op, dtypes", [("moe_prefill", (mx.bfloat16,)), ("moe_decode", (mx.bfloat16, mx.float16))])
+def test_cuda_kernels_read_every_mxfp4_code_and_scale_exactly(cuda_device, op, dtypes):
+    # One-hot activation rows read each weight out of a kernel unrounded. The prefill GEMM
+    # dequantises to bf16 (code 1, 0.5, passes through a bf16 subnormal; scales past the
+    # 2^(e - 1) that one product would need, which overflows bf16 from e = 129); the decode GEMV
+    # sums codes as signed bytes of twice their values (PRMT lookups) in fixed point.
+    module = sys.modules[f"mlx_moe_fix.kernels.{op}"]  # the package's names are the dispatchers'
+    moe, expected, in_dim = every_mxfp4_code()
+    for dtype in dtypes:
+        assert module.cuda_unsupported_reason(moe, dtype) is None
+        out = getattr(module, f"{op}_kernel")(mx.eye(in_dim, dtype=dtype), mx.ones((in_dim, 1), dtype=mx.uint32), moe)[:, 0, :]
         assert mx.array_equal(out, expected.astype(dtype)).item(), (dtype, mx.abs(out.astype(mx.float32) - expected).max())
 
 
