@@ -267,6 +267,20 @@ def test_unsupported_layers_fall_through_to_stock_and_say_why(make_layer, reason
     assert stock and reason_part in stock[0].reason, mlx_moe_fix.path_counts()
 
 
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_a_layer_quantized_with_mlx_defaults_takes_the_ops(mode):
+    # nn.quantize without a group size or bits leaves them None on mlx-lm's QuantizedSwitchLinear
+    # (MLX's matmuls then take the mode's defaults): the description must resolve them alike.
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    layer = SwitchGLU(64, 64, 4)
+    nn.quantize(layer, mode=mode)
+    assert (layer.up_proj.group_size, layer.up_proj.bits) == (None, None)
+    assert_patched_output_is_stock(layer)
+    records = mlx_moe_fix.path_counts()
+    assert [(r.layer, r.path) for r in records] == [("SwitchGLU", "reference")], records
+
+
 def test_supported_layer_takes_the_ops_not_stock():
     assert_patched_output_is_stock(quantized_glu())
     records = mlx_moe_fix.path_counts()

@@ -19,6 +19,9 @@ SUPPORTED_GROUP_SIZES = (32, 64, 128)
 # MLX's microscaling 4-bit floats (gpt-oss's checkpoints ship their experts so): e2m1 values in
 # groups of 32 with one e8m0 scale (a power of two) each, no biases.
 MXFP4 = "mxfp4"
+# (group size, bits) of a quantization mode where a layer leaves them None: mlx.nn.quantize's
+# defaults, which mlx-lm's QuantizedSwitchLinear keeps as None and MLX's matmuls resolve so.
+MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 SUPPORTED_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
@@ -63,14 +66,16 @@ class ExpertLinear:
         bias = module["bias"] if "bias" in module else None
         if "scales" not in module:
             return cls(module["weight"], bias=bias)
+        mode = getattr(module, "mode", "affine")
+        default_group_size, default_bits = MODE_DEFAULTS.get(mode, (None, None))
         return cls(
             module["weight"],
             module["scales"],
             module.get("biases"),
             bias,
-            group_size=module.group_size,
-            bits=module.bits,
-            mode=getattr(module, "mode", "affine"),
+            group_size=module.group_size or default_group_size,
+            bits=module.bits or default_bits,
+            mode=mode,
             global_scale=getattr(module, "global_scale", None),
         )
 
