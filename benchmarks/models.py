@@ -69,6 +69,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import quantize_model
 
 import mlx_moe_fix
+from mlx_moe_fix.zoo import EXPERT_MODES
 
 from .summary import models_report
 from .timing import environment, environment_line, log, take_path_counts, write_json
@@ -76,8 +77,7 @@ from .timing import environment, environment_line, log, take_path_counts, write_
 GROUP_SIZE = 64
 BITS = 4
 # --experts-mode: the routed experts' quantization (every other linear stays 4-bit affine g64).
-EXPERT_QUANTIZATIONS = {"affine": {"group_size": GROUP_SIZE, "bits": BITS, "mode": "affine"},
-                        "mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}
+EXPERT_QUANTIZATIONS = {"affine": {"group_size": GROUP_SIZE, "bits": BITS, "mode": "affine"}, **EXPERT_MODES}
 
 
 @dataclass

@@ -7,6 +7,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from mlx_moe_fix import kernels as this_tree
 from mlx_moe_fix.kernels import MoEExperts
+from mlx_moe_fix.zoo import EXPERT_MODES
 
 
 def add_shape_arguments(parser) -> None:
@@ -22,7 +23,7 @@ def quantized_switch_glu(args) -> SwitchGLU:
     64, or mxfp4 (group 32) where `args.mode` says so."""
     layer = SwitchGLU(args.hidden, args.ffn, args.experts)
     if getattr(args, "mode", "affine") == "mxfp4":
-        nn.quantize(layer, group_size=32, bits=4, mode="mxfp4")
+        nn.quantize(layer, **EXPERT_MODES["mxfp4"])
     else:
         nn.quantize(layer, group_size=64, bits=getattr(args, "bits", 4))
     layer.set_dtype(mx.bfloat16)
