@@ -323,8 +323,8 @@ def _reinit(model: nn.Module, family: str) -> None:
 
 
 # build(experts_mode=...): how the routed experts' switch linears are quantized, where not as the
-# rest of the model (gpt-oss's checkpoints ship mxfp4 experts).
-EXPERT_MODES = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}
+# rest of the model (gpt-oss's and DeepSeek-V4's checkpoints ship mxfp4 experts, Inkling's nvfp4).
+EXPERT_MODES = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"}, "nvfp4": {"group_size": 16, "bits": 4, "mode": "nvfp4"}}
 
 
 def _quantize(model: nn.Module, family: str, group_size: int, bits: int, experts_mode: str = "affine") -> None:

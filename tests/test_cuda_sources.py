@@ -34,8 +34,8 @@ FLOAT_INPUTS = {"params", "gate_scale", "out_scale", "scale", "correction", "glo
 BIAS_INPUTS = {"bias0", "bias1", "gate_bias", "up_bias", "bias"}  # S, or the float32 placeholder
 
 
-# mxfp4 experts' kernels (S = uint8_t: the prefill's MXFP4, the decode's S "uint8_t"): e8m0 scale
-# bytes, the absent quantization biases' float32 placeholder.
+# mxfp4 / nvfp4 experts' kernels (S = uint8_t: the prefill's FP4, the decode's S "uint8_t"): e8m0 /
+# e4m3 scale bytes, the absent quantization biases' float32 placeholder.
 MXFP4_INPUTS = {**dict.fromkeys(("s0", "s1", "s", "gate_s", "up_s"), "uint8_t"), **dict.fromkeys(("b0", "b1", "b", "gate_b", "up_b"), "float")}
 
 
@@ -65,8 +65,8 @@ def translation_unit(module, filename, variants, source_constants=()):
     body = "".join(constant.declaration() for constant in source_constants) + body
     text = "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n" + header
     for i, (_, t, constants) in enumerate(variants):
-        # S: the scales' type, a template type of the variant (not a constant); "uint8_t", mxfp4
-        s_type = constants.get("S", "uint8_t" if constants.get("MXFP4") else t)
+        # S: the scales' type, a template type of the variant (not a constant); "uint8_t": FP4
+        s_type = constants.get("S", "uint8_t" if constants.get("FP4") else t)
         mxfp4 = s_type == "uint8_t"
         lines = [f"  using T = {t}; using S = {s_type}; using SC = float; using WT = {t};"]
         lines += [f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};" for k, v in constants.items()
@@ -157,12 +157,12 @@ def test_a_kernel_compiles_with_its_header_included_from_its_file(tmp_path, monk
 @pytest.mark.parametrize("t", ["__nv_bfloat16", "__half"])
 def test_prefill_kernel_compiles(tmp_path, t):
     quantizations = ((4, 64, 64, False), (8, 32, 32, False), (4, 128, 16, False), (8, 64, 64, False))
-    if t == "__nv_bfloat16":  # mxfp4 against bf16 only (moe_prefill.cuda_unsupported_reason)
-        quantizations += ((4, 32, 64, True), (4, 32, 16, True))
+    if t == "__nv_bfloat16":  # mxfp4 (group 32) and nvfp4 (16) against bf16 only (moe_prefill.cuda_unsupported_reason)
+        quantizations += ((4, 32, 64, True), (4, 32, 16, True), (4, 16, 64, True))
     variants = [
-        (gemm, t, {"BITS": bits, "GROUP": group, "MXFP4": mxfp4, "BM": bm, "PAIRS_IN": pairs_in, "ACTIVATE": activate,
-                   "GATED": gated, "ACT": act, "LIMITED": act < 2, "HAS_BIAS": bits == 8 or (mxfp4 and act == 1)})
-        for bits, group, bm, mxfp4 in quantizations
+        (gemm, t, {"BITS": bits, "GROUP": group, "FP4": fp4, "BM": bm, "PAIRS_IN": pairs_in, "ACTIVATE": activate,
+                   "GATED": gated, "ACT": act, "LIMITED": act < 2, "HAS_BIAS": bits == 8 or (fp4 and act == 1)})
+        for bits, group, bm, fp4 in quantizations
         for pairs_in, activate, gated, act in ((True, True, True, 0), (True, True, True, 1), (True, True, False, 3),
                                                (False, False, False, 0), (True, False, False, 0))
         for gemm in PREFILL.GEMMS if gemm == "grouped" or (activate and gated and bits == 4)  # wgmma: 4-bit gate+up
@@ -320,7 +320,7 @@ def test_one_matrix_prefill_gemm_fits_its_launch_bounds_without_spilling(tmp_pat
     # threads per SM (<= 170 registers); the cap must not make the 4-bit variant spill.
     assert PREFILL.launch_bounds_for(64, gated=False) == (128, PREFILL.ONE_MATRIX_MIN_BLOCKS)
     assert PREFILL.launch_bounds_for(64, gated=True) == () and PREFILL.launch_bounds_for(32, gated=False) == ()
-    constants = {"BITS": 4, "GROUP": 64, "MXFP4": False, "BM": 64, "PAIRS_IN": False, "ACTIVATE": False, "GATED": False, "ACT": 0,
+    constants = {"BITS": 4, "GROUP": 64, "FP4": False, "BM": 64, "PAIRS_IN": False, "ACTIVATE": False, "GATED": False, "ACT": 0,
                  "LIMITED": False, "HAS_BIAS": False, "OUT_BITS": 0}
     text = translation_unit(PREFILL, "moe_prefill.cu", [("grouped", "__nv_bfloat16", constants)])
     usage = resource_usage(tmp_path, with_launch_bounds(text, "moe_prefill.cu", "grouped", PREFILL.launch_bounds_for(64, gated=False)))

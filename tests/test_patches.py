@@ -443,9 +443,10 @@ def test_a_call_no_kernel_takes_runs_upstreams_code_unless_the_references_are_as
             assert ("upstream's code runs" in chosen.reason) == (path == "stock")
 
 
-def test_mxfp4_experts_take_the_cuda_kernels_against_the_activations_each_reads_them_with(monkeypatch):
-    # gpt-oss ships mxfp4 experts: the grouped prefill GEMM dequantises them against bf16, the
-    # decode GEMV reads them against bf16 / fp16; other calls plan as upstream's code, saying why.
+def test_fp4_experts_take_the_cuda_kernels_against_the_activations_each_reads_them_with(monkeypatch):
+    # gpt-oss and DeepSeek-V4 ship mxfp4 experts, Inkling nvfp4 ones: the grouped prefill GEMM
+    # dequantises both against bf16, the decode GEMV reads mxfp4 against bf16 / fp16; other calls
+    # plan as upstream's code, saying why.
     import mlx_moe_fix.kernels as kernels
     from mlx_moe_fix import env
     from mlx_moe_fix.kernels import backend
@@ -455,14 +456,19 @@ def test_mxfp4_experts_take_the_cuda_kernels_against_the_activations_each_reads_
 
     for module in (backend, sys.modules["mlx_moe_fix.kernels.moe_decode"]):
         monkeypatch.setattr(module, "current_backend", lambda: "cuda")
-    for dtype, tokens, phase, kernel in ((mx.bfloat16, 1, "decode", moe_decode_kernel), (mx.bfloat16, 40, "prefill", moe_prefill_kernel),
-                                         (mx.float16, 1, "decode", moe_decode_kernel), (mx.float16, 40, "prefill", None),
-                                         (mx.float32, 1, "decode", None)):
-        case = make_case(dtype, (4, 32, "mxfp4"), True, "swiglu_oai", 7.0, False, 64, 64, 8, 2, 1, tokens, bias=True)
+    for mode, dtype, tokens, phase, kernel, reason in (
+            ("mxfp4", mx.bfloat16, 1, "decode", moe_decode_kernel, None), ("mxfp4", mx.bfloat16, 40, "prefill", moe_prefill_kernel, None),
+            ("mxfp4", mx.float16, 1, "decode", moe_decode_kernel, None),
+            ("mxfp4", mx.float16, 40, "prefill", None, "mxfp4 experts against mlx.core.float16 activations"),
+            ("mxfp4", mx.float32, 1, "decode", None, "mxfp4 experts against mlx.core.float32 activations"),
+            ("nvfp4", mx.bfloat16, 40, "prefill", moe_prefill_kernel, None),
+            ("nvfp4", mx.bfloat16, 1, "decode", None, "nvfp4-quantized experts")):
+        case = make_case(dtype, (4, 32 if mode == "mxfp4" else 16, mode), True, "swiglu_oai", 7.0, False, 64, 64, 8, 2, 1, tokens,
+                         bias=True)
         with env.switched("MLX_MOE_FIX_REFERENCES", "0"):
             chosen = kernels.plan(case.x, case.indices, case.experts)
-        assert (chosen.phase, chosen.path, chosen.function) == (phase, "kernel" if kernel else "stock", kernel), (dtype, chosen)
-        assert kernel or f"mxfp4 experts against {dtype} activations" in chosen.reason, chosen
+        assert (chosen.phase, chosen.path, chosen.function) == (phase, "kernel" if kernel else "stock", kernel), (mode, dtype, chosen)
+        assert kernel or reason in chosen.reason, chosen
 
 
 def test_routed_plan_fuses_decode_sized_calls_only(monkeypatch):

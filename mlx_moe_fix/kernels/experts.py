@@ -16,9 +16,12 @@ import mlx.nn as nn
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-# MLX's microscaling 4-bit floats (gpt-oss's checkpoints ship their experts so): e2m1 values in
-# groups of 32 with one e8m0 scale (a power of two) each, no biases.
-MXFP4 = "mxfp4"
+# MLX's 4-bit float modes: e2m1 codes (sign, two exponent bits, one mantissa bit) packed as
+# 4-bit values, no biases, one 8-bit scale a group: mxfp4 an e8m0 power of two a 32 values
+# (gpt-oss's and DeepSeek-V4's experts as their checkpoints ship), nvfp4 an e4m3 float a 16
+# (Inkling's, its per-expert second scale in gate_scale / out_scale). Their group sizes:
+MXFP4, NVFP4 = "mxfp4", "nvfp4"
+FP4_GROUP_SIZES = {MXFP4: 32, NVFP4: 16}
 # (group size, bits) of a quantization mode where a layer leaves them None: mlx.nn.quantize's
 # defaults, which mlx-lm's QuantizedSwitchLinear keeps as None and MLX's matmuls resolve so.
 MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
@@ -82,12 +85,15 @@ class ExpertLinear:
     def unsupported_reason(self) -> Optional[str]:
         if not self.quantized:
             return None
-        if self.mode == MXFP4:
-            if (self.bits, self.group_size) != (4, 32) or self.biases is not None or self.global_scale is not None:
-                return f"an mxfp4 projection of {self.bits} bits in groups of {self.group_size} (4 in groups of 32 only)"
+        if self.mode in FP4_GROUP_SIZES:
+            group = FP4_GROUP_SIZES[self.mode]
+            if (self.bits, self.group_size) != (4, group) or self.biases is not None:
+                return f"an {self.mode} projection of {self.bits} bits in groups of {self.group_size} (4 in groups of {group} only)"
+            if self.global_scale is not None:
+                return f"an {self.mode} projection with a global scale"
             return None
         if self.mode != "affine" or self.biases is None or self.global_scale is not None:
-            return f"quantization mode {self.mode!r} is not supported yet (affine and mxfp4 only)"
+            return f"quantization mode {self.mode!r} is not supported yet (affine, mxfp4 and nvfp4 only)"
         if self.bits not in SUPPORTED_BITS:
             return f"{self.bits}-bit experts are not supported (supported: {SUPPORTED_BITS})"
         if self.group_size not in SUPPORTED_GROUP_SIZES:

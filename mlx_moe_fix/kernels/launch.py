@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from ..env import flag
 from . import kernel_cache
-from .experts import MXFP4, MoEExperts
+from .experts import FP4_GROUP_SIZES, MoEExperts
 from .sources import cuda_header_directive, cuda_kernel_source, sections
 
 # Activation kinds as the kernels' run-time `dims[3]` (see cuda/*.cu).
@@ -244,13 +244,14 @@ def quantized_experts_reason(experts: MoEExperts, modes: tuple = ("affine",)):
     return None
 
 
-def mxfp4_activations_reason(experts: MoEExperts, dtype, dtypes: tuple) -> Optional[str]:
-    """Why a kernel that reads mxfp4 experts against activations of `dtypes` cannot take these
-    experts against `dtype`, or None (also for experts without mxfp4 projections): their additive
-    biases must be of the activations' dtype (the kernels read them as such)."""
-    mxfp4 = [p for p in experts.projections if p.mode == MXFP4]
-    if mxfp4 and dtype not in dtypes:
-        return f"mxfp4 experts against {dtype} activations (this kernel reads mxfp4 against {' / '.join(map(str, dtypes))} only)"
-    if any(p.bias is not None and p.bias.dtype != dtype for p in mxfp4):
-        return "an mxfp4 projection whose additive bias is not of the activations' dtype"
+def fp4_activations_reason(experts: MoEExperts, dtype, dtypes: tuple) -> Optional[str]:
+    """Why a kernel that reads mxfp4 / nvfp4 experts against activations of `dtypes` cannot take
+    these experts against `dtype`, or None (also for experts without such projections): their
+    additive biases must be of the activations' dtype (the kernels read them as such)."""
+    fp4 = [p for p in experts.projections if p.mode in FP4_GROUP_SIZES]
+    if fp4 and dtype not in dtypes:
+        return (f"{fp4[0].mode} experts against {dtype} activations (this kernel reads them against "
+                f"{' / '.join(map(str, dtypes))} only)")
+    if any(p.bias is not None and p.bias.dtype != dtype for p in fp4):
+        return f"an {fp4[0].mode} projection whose additive bias is not of the activations' dtype"
     return None

@@ -18,7 +18,7 @@ import mlx.core as mx
 from .backend import Implementation, choose, current_backend
 from .experts import MXFP4, ExpertLinear, MoEExperts, SharedExperts
 from .launch import (Launch, absent, bias_template, cuda_kernel_object, fixed_or_absent, kernel_dims, kernel_params,
-                     metal_kernel_object, mxfp4_activations_reason, per_pair, quantized_experts_reason, source_constants)
+                     metal_kernel_object, fp4_activations_reason, per_pair, quantized_experts_reason, source_constants)
 from .reference import combine, expert_chain
 
 
@@ -123,10 +123,11 @@ MAX_EXPERT_WORDS = 2**32
 def cuda_unsupported_reason(experts: MoEExperts, dtype, backend: Optional[str] = None) -> Optional[str]:
     """Why the GPU decode kernel of `backend` (default: the current one; Metal's too) cannot take
     these experts against activations of `dtype`, or None. mxfp4 experts on CUDA only, against
-    16-bit activations (the fixed-point GEMV reads their codes: cuda/moe_decode.cu, e2m1_bytes)."""
+    16-bit activations (the fixed-point GEMV reads their codes: cuda/moe_decode.cu, e2m1_bytes);
+    not nvfp4's, whose groups of 16 split the GEMV's 32-value vectors."""
     cuda = (backend or current_backend()) == "cuda"
     reason = quantized_experts_reason(experts, ("affine", MXFP4) if cuda else ("affine",))
-    reason = reason or mxfp4_activations_reason(experts, dtype, (mx.bfloat16, mx.float16))
+    reason = reason or fp4_activations_reason(experts, dtype, (mx.bfloat16, mx.float16))
     if reason is None and any(p.output_dims * p.weight.shape[-1] >= MAX_EXPERT_WORDS for p in experts.projections):
         return "an expert matrix of 2^32 packed words or more: the CUDA decode GEMV addresses one with 32-bit offsets"
     return reason

@@ -13,7 +13,7 @@ written back per (token, expert) pair; then, given routing weights, one launch o
 weighted sum over each token's pairs.
 
 The GEMM dequantises the weights in registers (no dequantised copy anywhere): affine 4- / 8-bit,
-or mxfp4 against bf16 activations; its tile height
+or mxfp4 / nvfp4 against bf16 activations; its tile height
 follows the mean rows per expert (`tile_height`). It is mma.sync's (`grouped`), but for the gate+up
 launch of 4-bit experts at 64-row tiles, which takes Hopper's warpgroup MMA (`grouped_wgmma`,
 `gemm_kernel`).
@@ -27,9 +27,9 @@ import mlx.core as mx
 
 from ..env import flag
 from .backend import Implementation, choose, compute_capability
-from .experts import MXFP4, MoEExperts
+from .experts import FP4_GROUP_SIZES, MoEExperts
 from .launch import (ACTIVATION_CODES, Launch, absent, bias_template, cuda_kernel_object, int_array, kernel_dims,
-                     kernel_params, mxfp4_activations_reason, per_pair, quantized_experts_reason)
+                     kernel_params, fp4_activations_reason, per_pair, quantized_experts_reason)
 from .reference import combine, expert_chain
 
 # Tile heights (BM in cuda/moe_prefill.cu) and the mean rows per expert from which each pays
@@ -61,7 +61,7 @@ ROUTE_MAX_EXPERTS = 1024  # the route kernel's shared arrays
 ROUTE_THREADS = 1024
 MAX_GRID_TILES = 65535  # the grouped GEMM's grid has one y index per tile
 MAX_OFFSET = 2**32  # the grouped GEMM addresses its activation rows with 32-bit offsets
-QUANTIZATION_MODES = ("affine", MXFP4)
+QUANTIZATION_MODES = ("affine", *FP4_GROUP_SIZES)
 
 
 def moe_prefill_reference(
@@ -240,8 +240,8 @@ def combine_kernel(rows: mx.array, weights: mx.array) -> mx.array:
 def cuda_unsupported_reason(experts: MoEExperts, dtype) -> Optional[str]:
     if dtype not in (mx.bfloat16, mx.float16):
         return f"the grouped prefill kernel takes bfloat16 / float16 activations, not {dtype}"
-    # the GEMM dequantises mxfp4 to bf16 (cuda/moe_prefill.cu, dequant_pair)
-    reason = quantized_experts_reason(experts, QUANTIZATION_MODES) or mxfp4_activations_reason(experts, dtype, (mx.bfloat16,))
+    # the GEMM dequantises mxfp4 / nvfp4 to bf16 (cuda/moe_prefill.cu, dequant_pair)
+    reason = quantized_experts_reason(experts, QUANTIZATION_MODES) or fp4_activations_reason(experts, dtype, (mx.bfloat16,))
     if reason is None and any(p.input_dims % BLOCK_K or p.output_dims % 32 for p in experts.projections):
         reason = f"expert input widths that are not multiples of {BLOCK_K} or output widths not of 32"
     return reason
@@ -277,7 +277,7 @@ def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtyp
          kernel_dims(first.input_dims, first.output_dims, top_k, activation, first.bias is not None, scale is not None),
          kernel_params(activation)],
         [("T", dtype), ("S", first.scales.dtype), ("SC", scale.dtype if scale is not None else mx.float32),
-         ("BITS", first.bits), ("GROUP", first.group_size), ("MXFP4", first.mode == MXFP4), ("BM", tile),
+         ("BITS", first.bits), ("GROUP", first.group_size), ("FP4", first.mode in FP4_GROUP_SIZES), ("BM", tile),
          ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated),
          ("ACT", ACTIVATION_CODES[activation.kind] if activation is not None else 0),
          ("LIMITED", activation is not None and activation.limit is not None), bias_template(first)],

@@ -17,7 +17,7 @@ from mlx_moe_fix.patches.activations import recognise
 PRIMES = (3, 5, 7, 11, 13, 37)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # (bits, group size[, mode]): affine unless a mode is given.
-QUANTIZATIONS = (None, (4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128), (4, 32, "mxfp4"))
+QUANTIZATIONS = (None, (4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128), (4, 32, "mxfp4"), (4, 16, "nvfp4"))
 
 # Hypothesis settings of the op tests. MLX_MOE_FIX_EXAMPLES trims the GPU runs, where each new
 # kernel variant costs an NVRTC compile.
@@ -89,7 +89,7 @@ def describe(layer, glu: bool, scaled: bool) -> MoEExperts:
 # On a GPU, MLX JIT-compiles many of stock's kernels per shape (about a second each) and each new
 # kernel variant of ours is an NVRTC compile: there the cases keep to a few shapes (top-3: a k
 # that does not divide the combining decode launch's 8 warps).
-GPU_SHAPES = {"quantizations": ((4, 64), (8, 64), (4, 32, "mxfp4")), "dims": (128,), "experts": (8,), "top_k": (2, 3, 8), "tokens": (1, 2, 40)}
+GPU_SHAPES = {"quantizations": ((4, 64), (8, 64), (4, 32, "mxfp4"), (4, 16, "nvfp4")), "dims": (128,), "experts": (8,), "top_k": (2, 3, 8), "tokens": (1, 2, 40)}
 
 
 @st.composite

@@ -109,16 +109,17 @@ def test_limit_binds_and_changes_the_output():
     assert clamped[2].item() == pytest.approx(1.0 * (1 / (1 + 2.718281828**-1.0)), rel=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
-def test_unsupported_quantization_is_reported(mode):
+@pytest.mark.parametrize("mode, reason_part", [("mxfp8", "mxfp8"), ("nvfp4 with a global scale", "global scale")])
+def test_unsupported_quantization_is_reported(mode, reason_part):
     w = mx.random.normal((2, 64, 64))
-    q, scales = mx.quantize(w, mode=mode)
-    linear = ExpertLinear(q, scales, None, group_size=32 if mode == "mxfp8" else 16, bits=8 if mode == "mxfp8" else 4, mode=mode)
+    q, scales = mx.quantize(w, mode=mode.split()[0])
+    linear = ExpertLinear(q, scales, None, group_size=32 if mode == "mxfp8" else 16, bits=8 if mode == "mxfp8" else 4,
+                          mode=mode.split()[0], global_scale=mx.ones((2,)) if "global" in mode else None)
     reason = MoEExperts((linear,)).unsupported_reason(mx.zeros((1, 64)), mx.zeros((1, 1), mx.uint32))
-    assert mode in reason
+    assert reason_part in reason
 
 
-def test_mxfp4_experts_are_supported_by_the_references_and_the_cuda_kernels_that_read_them():
+def test_fp4_experts_are_supported_by_the_references_and_the_cuda_kernels_that_read_them():
     # The ops' references run MLX's own mxfp4 matmuls. On CUDA the grouped prefill GEMM
     # dequantises mxfp4 to bf16 and the decode GEMV reads it in fixed point (bf16 / fp16); the
     # Metal decode kernel reads affine weights only.
@@ -136,6 +137,11 @@ def test_mxfp4_experts_are_supported_by_the_references_and_the_cuda_kernels_that
     linear = case.experts.projections[0]
     grouped_64 = dataclasses.replace(linear, group_size=64)
     assert "groups of 32 only" in grouped_64.unsupported_reason()
+    # nvfp4 (Inkling's): the prefill GEMM only; its groups of 16 split the decode GEMV's vectors
+    case = make_case(mx.bfloat16, (4, 16, "nvfp4"), True, "swiglu", 7.0, True, 128, 64, 8, 2, 1, 40)
+    assert case.experts.unsupported_reason(case.x, case.indices) is None and case.experts.gate_scale is not None
+    assert prefill_reason(case.experts, mx.bfloat16) is None
+    assert "nvfp4-quantized experts" in decode_reason(case.experts, mx.bfloat16, "cuda")
 
 
 def test_gate_and_up_quantized_differently_are_left_to_stock():
@@ -406,53 +412,66 @@ def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, switch, mon
     check(moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
-# mxfp4 experts (gpt-oss's) against bf16: (glu, kind, tokens, routing, bias, tile height).
-MXFP4_PREFILL_CASES = {
-    "64-row-tiles-gpt-oss-biased": (True, "swiglu_oai", 1100, "random", True, 64),
-    "32-row-tiles-empty-experts": (False, "gelu_approx", 100, "few_experts", False, 32),
-    "16-row-tiles": (True, "swiglu", 20, "random", False, 16),
+# FP4 experts against bf16: mxfp4 (gpt-oss's, DeepSeek-V4's), nvfp4 (Inkling's, its per-expert
+# scales too): (mode, glu, kind, tokens, routing, bias, scaled, tile height).
+FP4_PREFILL_CASES = {
+    "mxfp4-64-row-tiles-gpt-oss-biased": ("mxfp4", True, "swiglu_oai", 1100, "random", True, False, 64),
+    "mxfp4-32-row-tiles-empty-experts": ("mxfp4", False, "gelu_approx", 100, "few_experts", False, False, 32),
+    "mxfp4-16-row-tiles": ("mxfp4", True, "swiglu", 20, "random", False, False, 16),
+    "nvfp4-64-row-tiles-inkling-scaled": ("nvfp4", True, "swiglu", 1100, "random", False, True, 64),
+    "nvfp4-16-row-tiles-biased": ("nvfp4", True, "swiglu_oai", 20, "random", True, False, 16),
 }
 
 
 @PREFILL_GEMMS
-@pytest.mark.parametrize("name", MXFP4_PREFILL_CASES)
-def test_cuda_prefill_kernel_matches_ref_on_mxfp4_experts(cuda_device, switch, monkeypatch, wgmma, name):
+@pytest.mark.parametrize("name", FP4_PREFILL_CASES)
+def test_cuda_prefill_kernel_matches_ref_on_fp4_experts(cuda_device, switch, monkeypatch, wgmma, name):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel, tile_height
 
     prefill_gemm(switch, monkeypatch, wgmma)
-    glu, kind, tokens, routing, bias, tile = MXFP4_PREFILL_CASES[name]
-    case = make_case(mx.bfloat16, (4, 32, "mxfp4"), glu, kind, 7.0, False, 256, 256, 8, 2, 1, tokens,
+    mode, glu, kind, tokens, routing, bias, scaled, tile = FP4_PREFILL_CASES[name]
+    group = 32 if mode == "mxfp4" else 16
+    case = make_case(mx.bfloat16, (4, group, mode), glu, kind, 7.0, scaled, 256, 256, 8, 2, 1, tokens,
                      routing=routing, with_weights=True, bias=bias)
-    assert all(p.mode == "mxfp4" and (p.bias is not None) == bias for p in case.experts.projections)
+    assert all(p.mode == mode and (p.bias is not None) == bias for p in case.experts.projections)
     assert cuda_unsupported_reason(case.experts, mx.bfloat16) is None
     assert tile_height(case.indices.size, 8) == tile
     check(moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
-def every_mxfp4_code():
-    """(experts, expected, in_dim): one-projection mxfp4 experts (2 of 64 x 128) whose expert 1
-    holds every e2m1 code in each row's first 16 values and scale bytes 100-140 (127, 128, 129
-    and 140 among them: scales 2^-27 .. 2^13), and expert 1's weights as MLX dequantises them,
-    transposed: what one-hot activation rows routed to it read out of a kernel."""
+def every_fp4_code(mode):
+    """(experts, expected, in_dim): one-projection `mode` experts (2 of 64 x 128) whose expert 1
+    holds every e2m1 code in each row's first 16 values, and expert 1's weights as MLX dequantises
+    them, transposed: what one-hot activation rows routed to it read out of a kernel. Scale bytes:
+    mxfp4's e8m0 100-140 (127, 128, 129 and 140 among them: 2^-27 .. 2^13); nvfp4's every e4m3
+    byte but its two NaNs, subnormals and negative scales among them."""
     experts, out_dim, in_dim = 2, 64, 128
+    group = 32 if mode == "mxfp4" else 16
     codes = mx.random.randint(0, 16, (experts, out_dim, in_dim))
     codes[1, :, :16] = mx.arange(16)
     shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
     words = (codes.reshape(experts, out_dim, in_dim // 8, 8).astype(mx.uint32) << shifts).sum(axis=-1).astype(mx.uint32)
-    scales = mx.random.randint(100, 141, (experts, out_dim, in_dim // 32)).astype(mx.uint8)
-    scales[1, :4, 0] = mx.array([127, 128, 129, 140], dtype=mx.uint8)
-    moe = MoEExperts((ExpertLinear(words, scales, None, group_size=32, bits=4, mode="mxfp4"),))
-    return moe, mx.dequantize(words[1], scales[1], group_size=32, bits=4, mode="mxfp4").T, in_dim
+    if mode == "mxfp4":
+        scales = mx.random.randint(100, 141, (experts, out_dim, in_dim // group)).astype(mx.uint8)
+        scales[1, :4, 0] = mx.array([127, 128, 129, 140], dtype=mx.uint8)
+    else:
+        finite = mx.array([b for b in range(256) if b & 0x7F != 0x7F], dtype=mx.uint8)
+        scales = finite[mx.random.randint(0, finite.size, (experts, out_dim, in_dim // group))]
+        scales[1, :, :2] = finite.reshape(-1, 2)[:out_dim]
+    moe = MoEExperts((ExpertLinear(words, scales, None, group_size=group, bits=4, mode=mode),))
+    return moe, mx.dequantize(words[1], scales[1], group_size=group, bits=4, mode=mode).T, in_dim
 
 
-@pytest.mark.parametrize("op, dtypes", [("moe_prefill", (mx.bfloat16,)), ("moe_decode", (mx.bfloat16, mx.float16))])
-def test_cuda_kernels_read_every_mxfp4_code_and_scale_exactly(cuda_device, op, dtypes):
+@pytest.mark.parametrize("op, mode, dtypes", [("moe_prefill", "mxfp4", (mx.bfloat16,)), ("moe_prefill", "nvfp4", (mx.bfloat16,)),
+                                              ("moe_decode", "mxfp4", (mx.bfloat16, mx.float16))])
+def test_cuda_kernels_read_every_fp4_code_and_scale_exactly(cuda_device, op, mode, dtypes):
     # One-hot activation rows read each weight out of a kernel unrounded. The prefill GEMM
-    # dequantises to bf16 (code 1, 0.5, passes through a bf16 subnormal; scales past the
-    # 2^(e - 1) that one product would need, which overflows bf16 from e = 129); the decode GEMV
-    # sums codes as signed bytes of twice their values (PRMT lookups) in fixed point.
+    # dequantises to bf16 (code 1, 0.5, passes through a bf16 subnormal; mxfp4 scales past the
+    # 2^(e - 1) that one product would need, which overflows bf16 from e = 129; nvfp4's e4m3 scales
+    # through fp16's bits); the decode GEMV sums codes as signed bytes of twice their values (PRMT
+    # lookups) in fixed point.
     module = sys.modules[f"mlx_moe_fix.kernels.{op}"]  # the package's names are the dispatchers'
-    moe, expected, in_dim = every_mxfp4_code()
+    moe, expected, in_dim = every_fp4_code(mode)
     for dtype in dtypes:
         assert module.cuda_unsupported_reason(moe, dtype) is None
         out = getattr(module, f"{op}_kernel")(mx.eye(in_dim, dtype=dtype), mx.ones((in_dim, 1), dtype=mx.uint32), moe)[:, 0, :]

@@ -8,8 +8,9 @@
 //   T (bf16 or fp16), S (scales, biases and additive bias type), SC (per-expert scale type),
 //   WT (routing weight type; `combine` only),
 //   BITS 4 or 8, GROUP 32/64/128, BM 16/32/64 (tile height),
-//   MXFP4:     the weights are MLX's mxfp4 (BITS 4, GROUP 32): e2m1 codes, S = uint8_t e8m0 scales
-//              (powers of two), no quantization biases (b0 / b1 absent), additive biases of type T
+//   FP4:       the weights are MLX's mxfp4 (GROUP 32: S = uint8_t e8m0 scales, powers of two) or
+//              nvfp4 (GROUP 16: e4m3 scales): BITS 4 e2m1 codes, no quantization biases (b0 / b1
+//              absent), additive biases of type T
 //   PAIRS_IN:  A rows are x rows gathered per pair (pair / top_k); else the padded rows of `a`
 //   ACTIVATE:  epilogue applies the activation and writes padded rows; else it writes the
 //              projection per pair (rows of `out` in pair order)
@@ -98,13 +99,22 @@ __device__ __forceinline__ __nv_bfloat16 e8m0_scale(unsigned char e) {
   return __ushort_as_bfloat16(static_cast<unsigned short>(e ? e << 7 : 0x0040));
 }
 
-// The type a thread keeps a group's scale in: the bf16 power of two of an mxfp4 group's byte.
-template <typename T, typename S, bool MXFP4>
-using GroupScale = cuda::std::conditional_t<MXFP4, T, S>;
+// An e4m3 byte (nvfp4's group scales: sign, 4 exponent bits of bias 7, 3 mantissa bits,
+// subnormals below 2^-6) as fp32, times 2^-8: its bits under fp16's (bias 15) give that value
+// exactly, subnormals included, and fp16 widens exactly.
+__device__ __forceinline__ float e4m3_over_256(unsigned char b) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>((b & 0x80u) << 8 | (b & 0x7Fu) << 7)));
+}
 
-template <typename T, bool MXFP4, typename S>
-__device__ __forceinline__ GroupScale<T, S, MXFP4> group_scale_of(S scale) {
-  if constexpr (MXFP4) return e8m0_scale(scale);
+// The type a thread keeps a group's scale in: bf16, exactly the value of an FP4 group's byte
+// (e8m0 at GROUP 32, e4m3 at GROUP 16: at most 4 significant bits).
+template <typename T, typename S, bool FP4>
+using GroupScale = cuda::std::conditional_t<FP4, T, S>;
+
+template <typename T, bool FP4, int GROUP, typename S>
+__device__ __forceinline__ GroupScale<T, S, FP4> group_scale_of(S scale) {
+  if constexpr (FP4 && GROUP == 16) return __float2bfloat16_rn(e4m3_over_256(scale) * 256.f);
+  else if constexpr (FP4) return e8m0_scale(scale);
   else return scale;
 }
 
@@ -112,16 +122,16 @@ __device__ __forceinline__ GroupScale<T, S, MXFP4> group_scale_of(S scale) {
 // Affine: small unsigned integers, q * scale + bias; in T's two-lane arithmetic where MAGIC + q is
 // exact in T (4-bit in bf16, 4/8-bit in fp16, scales of type T): the integers under MAGIC's
 // exponent, one subtraction, one fused multiply-add; else in fp32, rounded once.
-// MXFP4 (bf16 only): e2m1 codes (sign, 2 exponent bits, 1 mantissa bit) times `scale`: the sign
+// FP4 (bf16 only): e2m1 codes (sign, 2 exponent bits, 1 mantissa bit) times `scale`: the sign
 // to bf16's, the other three bits to the bottom of its exponent field and the top of its
 // mantissa make each code's value times 2^-126 (code 1, 0.5, a bf16 subnormal), then two exact
-// products, by 2^126 and by the group's power of two (one product by 2^(e - 1) would overflow
-// for e > 128).
-template <typename T, typename S, int BITS, bool MXFP4 = false>
-__device__ __forceinline__ unsigned dequant_pair(unsigned q, GroupScale<T, S, MXFP4> scale, S bias) {
+// products, by 2^126 and by the group's scale (2 and 4 significant bits: one product by the scale
+// times 2^126 would overflow for mxfp4's e > 128).
+template <typename T, typename S, int BITS, bool FP4 = false>
+__device__ __forceinline__ unsigned dequant_pair(unsigned q, GroupScale<T, S, FP4> scale, S bias) {
   using T2 = cuda::std::conditional_t<cuda::std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
-  if constexpr (MXFP4) {
-    static_assert(cuda::std::is_same_v<T, __nv_bfloat16> && BITS == 4, "mxfp4: 4-bit codes against bf16");
+  if constexpr (FP4) {
+    static_assert(cuda::std::is_same_v<T, __nv_bfloat16> && BITS == 4, "fp4: 4-bit codes against bf16");
     const unsigned x = (q & 0x00080008u) << 12 | (q & 0x00070007u) << 6, two_126 = 0x7E807E80u;
     T2 v = __hmul2(*reinterpret_cast<const T2*>(&x), *reinterpret_cast<const T2*>(&two_126));
     v = __hmul2(v, T2(scale, scale));
@@ -274,10 +284,10 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   constexpr unsigned PAIR_MASK = BITS == 4 ? 0x000F000Fu : 0x00FF00FFu;
   static_assert(BM * BK / 8 % THREADS == 0 && W_STAGE_BYTES / 16 % THREADS == 0, "copies split evenly");
   static_assert(GROUP % 16 == 0, "a thread's 16 values of a k-step share one group");
-  using Bias = cuda::std::conditional_t<MXFP4, T, S>;
+  using Bias = cuda::std::conditional_t<FP4, T, S>;
   static_assert(bias_signature_matches<HAS_BIAS, Bias, decltype(bias0)> &&
                 bias_signature_matches<HAS_BIAS, Bias, decltype(bias1)>, "HAS_BIAS disagrees with the bias inputs");
-  static_assert(!MXFP4 || (BITS == 4 && GROUP == 32), "mxfp4: 4-bit codes in groups of 32");
+  static_assert(!FP4 || (BITS == 4 && (GROUP == 32 || GROUP == 16)), "fp4: 4-bit codes in groups of 32 (mxfp4) or 16 (nvfp4)");
 
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* sa = reinterpret_cast<T*>(shared_bytes);                                      // [STAGES][BM * LDS]
@@ -325,7 +335,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   // Scales and biases of this thread's rows (n8 block j: column n0 + wn * 32 + 8 j + g) for one
   // k-step. Loaded before the step's barrier, which hides their latency; loading them a step
   // ahead instead held 16 more registers through the mmas and made the gated variants spill.
-  GroupScale<T, S, MXFP4> group_scale[MATRICES][WN / 8];
+  GroupScale<T, S, FP4> group_scale[MATRICES][WN / 8];
   S group_bias[MATRICES][WN / 8];
   auto load_scales = [&](int k0) {
 #pragma unroll
@@ -334,8 +344,8 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
       for (int j = 0; j < WN / 8; ++j) {
         const int n = n0 + wn * WN + 8 * j + g;
         const size_t at = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * groups_per_row + (k0 + 16 * t) / GROUP;
-        group_scale[m][j] = group_scale_of<T, MXFP4>((m == 0 ? s0 : s1)[at]);
-        if constexpr (!MXFP4) group_bias[m][j] = (m == 0 ? b0 : b1)[at];
+        group_scale[m][j] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
+        if constexpr (!FP4) group_bias[m][j] = (m == 0 ? b0 : b1)[at];
       }
     }
   };
@@ -409,8 +419,8 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
             // 2 half + s, byte pairs (0, 2) and (1, 3)
             const unsigned word = BITS == 4 ? words[0] : words[s % (WORDS / 2)];
             const int shift = BITS == 4 ? 8 * s : 0;
-            const unsigned b_lo = dequant_pair<T, S, BITS, MXFP4>(word >> shift & PAIR_MASK, group_scale[m][j], group_bias[m][j]);
-            const unsigned b_hi = dequant_pair<T, S, BITS, MXFP4>(word >> (shift + BITS) & PAIR_MASK, group_scale[m][j], group_bias[m][j]);
+            const unsigned b_lo = dequant_pair<T, S, BITS, FP4>(word >> shift & PAIR_MASK, group_scale[m][j], group_bias[m][j]);
+            const unsigned b_hi = dequant_pair<T, S, BITS, FP4>(word >> (shift + BITS) & PAIR_MASK, group_scale[m][j], group_bias[m][j]);
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) mma<T>(acc[m][mi][j], af[mi][s], b_lo, b_hi);
           }
@@ -474,10 +484,10 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   static_assert(GATED && ACTIVATE && PAIRS_IN && BITS == 4, "the gate+up launch of 4-bit experts");
   static_assert(W_STAGE_BYTES / 16 % THREADS == 0, "weight copies split evenly");
   static_assert(GROUP % 16 == 0, "a thread's 16 values of a k-step share one group");
-  using Bias = cuda::std::conditional_t<MXFP4, T, S>;
+  using Bias = cuda::std::conditional_t<FP4, T, S>;
   static_assert(bias_signature_matches<HAS_BIAS, Bias, decltype(bias0)> &&
                 bias_signature_matches<HAS_BIAS, Bias, decltype(bias1)>, "HAS_BIAS disagrees with the bias inputs");
-  static_assert(!MXFP4 || (BITS == 4 && GROUP == 32), "mxfp4: 4-bit codes in groups of 32");
+  static_assert(!FP4 || (BITS == 4 && (GROUP == 32 || GROUP == 16)), "fp4: 4-bit codes in groups of 32 (mxfp4) or 16 (nvfp4)");
 
   extern __shared__ __align__(128) unsigned char shared_bytes[];
   unsigned char* sb = shared_bytes;                                  // [WGMMA_STAGES][B_STAGE_BYTES]
@@ -525,7 +535,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 
   // Scales and biases of this thread's two rows for the next k-step: loaded as soon as the last
   // k16 step has dequantised with the current ones, so that their latency overlaps the step's end.
-  GroupScale<T, S, MXFP4> group_scale[MATRICES][2];
+  GroupScale<T, S, FP4> group_scale[MATRICES][2];
   S group_bias[MATRICES][2];
   auto load_scales = [&](int k0) {
 #pragma unroll
@@ -534,8 +544,8 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
       for (int h8 = 0; h8 < 2; ++h8) {
         const int n = n0 + row + 8 * h8;
         const size_t at = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * groups_per_row + (k0 + 16 * t) / GROUP;
-        group_scale[m][h8] = group_scale_of<T, MXFP4>((m == 0 ? s0 : s1)[at]);
-        if constexpr (!MXFP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];
+        group_scale[m][h8] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
+        if constexpr (!FP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];
       }
     }
   };
@@ -587,7 +597,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
             for (int h8 = 0; h8 < 2; ++h8) {
               // the pair (e = 0, 1) at physical k 16t + 8 half + 4e + 2s + h: nibbles 2s + h and
               // 2s + h + 4 of the half's word
-              af[m][2 * h + h8] = dequant_pair<T, S, BITS, MXFP4>(words[m][h8] >> (8 * s + 4 * h) & 0x000F000Fu,
+              af[m][2 * h + h8] = dequant_pair<T, S, BITS, FP4>(words[m][h8] >> (8 * s + 4 * h) & 0x000F000Fu,
                                                                   group_scale[m][h8], group_bias[m][h8]);
             }
           }
