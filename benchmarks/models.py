@@ -849,8 +849,8 @@ def parse_args(argv=None):
         "4-bit experts each)",
     )
     p.add_argument("--experts-mode", choices=list(EXPERT_QUANTIZATIONS), default="affine",
-                   help="the routed experts' quantization: affine (4-bit, group 64, as every other linear) or mxfp4 "
-                   "(group 32, as gpt-oss's checkpoints ship them)")
+                   help="the routed experts' quantization: affine (4-bit, group 64, as every other linear), mxfp4 "
+                   "(group 32, as gpt-oss's and DeepSeek-V4's checkpoints ship them) or nvfp4 (group 16, Inkling's)")
     p.add_argument("--seed", type=int, default=0, help="seeds weights and prompts")
     p.add_argument("--json", help="write all numbers here")
     p.add_argument(
