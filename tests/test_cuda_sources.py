@@ -36,13 +36,13 @@ BIAS_INPUTS = {"bias0", "bias1", "gate_bias", "up_bias", "bias"}  # S, or the fl
 
 # mxfp4 / nvfp4 experts' kernels (S = uint8_t: the prefill's FP4, the decode's S "uint8_t"): e8m0 /
 # e4m3 scale bytes, the absent quantization biases' float32 placeholder.
-MXFP4_INPUTS = {**dict.fromkeys(("s0", "s1", "s", "gate_s", "up_s"), "uint8_t"), **dict.fromkeys(("b0", "b1", "b", "gate_b", "up_b"), "float")}
+FP4_INPUTS = {**dict.fromkeys(("s0", "s1", "s", "gate_s", "up_s"), "uint8_t"), **dict.fromkeys(("b0", "b1", "b", "gate_b", "up_b"), "float")}
 
 
 def signature(name, inputs, outputs, t, has_bias, mxfp4=False):
     def ctype(n):
-        if mxfp4 and n in MXFP4_INPUTS:
-            return MXFP4_INPUTS[n]
+        if mxfp4 and n in FP4_INPUTS:
+            return FP4_INPUTS[n]
         if n in INT_INPUTS:
             return INT_INPUTS[n]
         if n in WEIGHT_INPUTS:

@@ -154,7 +154,7 @@ def source_constants(fixed: dict) -> tuple:
 
 def fixed_or_absent(fixed: dict) -> list:
     """A launch's fixed inputs as arrays, an absent one as the absent() placeholder (Metal)."""
-    return [absent() if array is None else array for array in fixed.values()]
+    return [or_absent(array) for array in fixed.values()]
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,6 +180,11 @@ def absent() -> mx.array:
     lazy mx.zeros: a compiled decode step (patches/compiled.py) may create it while tracing, and
     the steps outside that trace use it too."""
     return mx.array([0.0], dtype=mx.float32)
+
+
+def or_absent(array: Optional[mx.array]) -> mx.array:
+    """An optional input of a launch, or the placeholder of an absent one."""
+    return absent() if array is None else array
 
 
 @functools.lru_cache(maxsize=4096)

@@ -28,8 +28,8 @@ import mlx.core as mx
 from ..env import flag
 from .backend import Implementation, choose, compute_capability
 from .experts import FP4_GROUP_SIZES, MoEExperts
-from .launch import (ACTIVATION_CODES, Launch, absent, bias_template, cuda_kernel_object, int_array, kernel_dims,
-                     kernel_params, fp4_activations_reason, per_pair, quantized_experts_reason)
+from .launch import (ACTIVATION_CODES, Launch, bias_template, cuda_kernel_object, fp4_activations_reason, int_array, kernel_dims,
+                     kernel_params, or_absent, per_pair, quantized_experts_reason)
 from .reference import combine, expert_chain
 
 # Tile heights (BM in cuda/moe_prefill.cu) and the mean rows per expert from which each pays
@@ -253,11 +253,6 @@ def cuda_unsupported_reason(experts: MoEExperts, dtype) -> Optional[str]:
 GROUPED_STAGES = ("first", "last", "only")
 
 
-def optional(array: Optional[mx.array]) -> mx.array:
-    """An optional input of the GEMM, or the placeholder of an absent one."""
-    return array if array is not None else absent()
-
-
 def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtype, gemm: str) -> Launch:
     """The launch of `stage` as for one tile: a call gives the grid's tile count and the output's rows."""
     projections = experts.projections
@@ -272,8 +267,8 @@ def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtyp
     gated = len(matrices) == 2
     return Launch(
         cuda_kernel(gemm, shared_bytes(tile, gated, first.bits, gemm), launch_bounds_for(tile, gated, gemm)),
-        [first.weight, first.scales, optional(first.biases), second.weight, second.scales, optional(second.biases),
-         optional(first.bias), optional(second.bias), optional(scale),
+        [first.weight, first.scales, or_absent(first.biases), second.weight, second.scales, or_absent(second.biases),
+         or_absent(first.bias), or_absent(second.bias), or_absent(scale),
          kernel_dims(first.input_dims, first.output_dims, top_k, activation, first.bias is not None, scale is not None),
          kernel_params(activation)],
         [("T", dtype), ("S", first.scales.dtype), ("SC", scale.dtype if scale is not None else mx.float32),
