@@ -127,11 +127,13 @@ def test_decode_kernels_compile(tmp_path, t):
         variants += [("shared_gate_up", t, {**base, "GATED": True, "SHARED_SPLIT": split, "SHARED": 2, "SHARED_WEIGHTS": weighted})
                      for split in (False, t != "float") for weighted in (False, True)]
         variants += [(stage, t, {**base, "SHARED": shared}) for stage in ("shared_down", "routed_shared_down") for shared in (1, 2)]
-    if t != "float":  # mxfp4 experts against 16-bit activations (moe_decode.cuda_unsupported_reason), with gpt-oss's biases
-        mxfp4 = {"S": "uint8_t", "BITS": 4, "GROUP": 32, "WARPS": 8, "RPW": 4, "HAS_BIAS": True}
-        variants += [("gate_up", t, {**mxfp4, "GATED": gated, "SHARED_SPLIT": split}) for gated in (True, False) for split in (False, True)]
-        variants += [("down", t, {**mxfp4, "INPUT_PER_PAIR": True, "COMBINE": c}) for c in (True, False)]
-        variants += [("routed_down", t, {**mxfp4, "RESIDUAL": residual}) for residual in (False, True)]
+    for group in (32, 16) if t != "float" else ():
+        # mxfp4 (group 32) and nvfp4 (16) experts against 16-bit activations (moe_decode.cuda_unsupported_reason), with
+        # gpt-oss's biases
+        fp4 = {"S": "uint8_t", "BITS": 4, "GROUP": group, "WARPS": 8, "RPW": 4, "HAS_BIAS": True}
+        variants += [("gate_up", t, {**fp4, "GATED": gated, "SHARED_SPLIT": split}) for gated in (True, False) for split in (False, True)]
+        variants += [("down", t, {**fp4, "INPUT_PER_PAIR": True, "COMBINE": c}) for c in (True, False)]
+        variants += [("routed_down", t, {**fp4, "RESIDUAL": residual}) for residual in (False, True)]
     compile_all(tmp_path, translation_units(DECODE, "moe_decode.cu", variants))
 
 
@@ -252,14 +254,15 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
                       *shaped(DECODE.GATE_UP_BLOCK, [{**base, **split, "GATED": True, "SOFTMAX_FIRST": True, "NORMALIZE": True,
                                                       "LAST_K": True, "ROUTER_BITS": router_bits, "ROUTER_GROUP": 64}
                                                      for router_bits in (4, 8)])))
-    if t != "float" and bits == 4:  # mxfp4 experts (S = uint8_t, e8m0 scales)
-        mxfp4 = {**base, "S": "uint8_t", "GROUP": 32}
+    for group in (32, 16) if t != "float" and bits == 4 else ():  # mxfp4 and nvfp4 experts (S = uint8_t)
+        fp4 = {**base, "S": "uint8_t", "GROUP": group}
         units += [
-            (DECODE, "moe_decode.cu", "gate_up", *shaped(DECODE.GATE_UP_BLOCK, [{**mxfp4, **split, "GATED": True}])),
-            (DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.DOWN_BLOCK, [{**mxfp4, "RESIDUAL": True}])),
-            (DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [{**mxfp4, "RESIDUAL": True}])),
+            (DECODE, "moe_decode.cu", "gate_up", *shaped(DECODE.GATE_UP_BLOCK, [{**fp4, **split, "GATED": True}])),
+            (DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.DOWN_BLOCK, [{**fp4, "RESIDUAL": True}])),
+            (DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [{**fp4, "RESIDUAL": True}])),
+            (DECODE, "moe_decode.cu", "down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [{**fp4, "INPUT_PER_PAIR": True, "COMBINE": True}])),
             (ROUTED, "moe_routed_decode.cu", "routed_gate_up",
-             *shaped(DECODE.GATE_UP_BLOCK, [{**mxfp4, **split, "GATED": True, "SOFTMAX_FIRST": False, "NORMALIZE": False,
+             *shaped(DECODE.GATE_UP_BLOCK, [{**fp4, **split, "GATED": True, "SOFTMAX_FIRST": False, "NORMALIZE": False,
                                              "LAST_K": False}])),
         ]
     if t != "float" and bits == 4:  # the combining down of one pair a warp (moe_decode.down_block_shape), its own bounds

@@ -445,7 +445,7 @@ def test_a_call_no_kernel_takes_runs_upstreams_code_unless_the_references_are_as
 
 def test_fp4_experts_take_the_cuda_kernels_against_the_activations_each_reads_them_with(monkeypatch):
     # gpt-oss and DeepSeek-V4 ship mxfp4 experts, Inkling nvfp4 ones: the grouped prefill GEMM
-    # dequantises both against bf16, the decode GEMV reads mxfp4 against bf16 / fp16; other calls
+    # dequantises both against bf16, the decode GEMV reads both against bf16 / fp16; other calls
     # plan as upstream's code, saying why.
     import mlx_moe_fix.kernels as kernels
     from mlx_moe_fix import env
@@ -462,7 +462,9 @@ def test_fp4_experts_take_the_cuda_kernels_against_the_activations_each_reads_th
             ("mxfp4", mx.float16, 40, "prefill", None, "mxfp4 experts against mlx.core.float16 activations"),
             ("mxfp4", mx.float32, 1, "decode", None, "mxfp4 experts against mlx.core.float32 activations"),
             ("nvfp4", mx.bfloat16, 40, "prefill", moe_prefill_kernel, None),
-            ("nvfp4", mx.bfloat16, 1, "decode", None, "nvfp4-quantized experts")):
+            ("nvfp4", mx.bfloat16, 1, "decode", moe_decode_kernel, None),
+            ("nvfp4", mx.float16, 1, "decode", moe_decode_kernel, None),
+            ("nvfp4", mx.float32, 1, "decode", None, "nvfp4 experts against mlx.core.float32 activations")):
         case = make_case(dtype, (4, 32 if mode == "mxfp4" else 16, mode), True, "swiglu_oai", 7.0, False, 64, 64, 8, 2, 1, tokens,
                          bias=True)
         with env.switched("MLX_MOE_FIX_REFERENCES", "0"):

@@ -4,7 +4,7 @@ Reference: each token's row paired with its k experts directly (one GEMV per pai
 CUDA kernel (`cuda/moe_decode.cu`): two launches per layer: gate+up GEMV with the activation
 (clamp stage and per-expert gate scale included), then down GEMV with the per-expert output scale
 and the weighted top-k combine, so the [tokens, k, hidden] intermediate is never written.
-Affine 4- / 8-bit experts, and on CUDA mxfp4 ones against bf16 / fp16 activations.
+Affine 4- / 8-bit experts, and on CUDA mxfp4 / nvfp4 ones against bf16 / fp16 activations.
 Metal kernel (`metal/moe_decode.metal`): the same two launches, one simdgroup where CUDA has one
 warp, the same launchers; not yet run on Apple hardware, so off unless MLX_MOE_FIX_METAL_DECODE=1.
 """
@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 
 from .backend import Implementation, choose, current_backend
-from .experts import MXFP4, ExpertLinear, MoEExperts, SharedExperts
+from .experts import MXFP4, NVFP4, ExpertLinear, MoEExperts, SharedExperts
 from .launch import (Launch, absent, bias_template, cuda_kernel_object, fixed_or_absent, kernel_dims, kernel_params,
                      metal_kernel_object, fp4_activations_reason, per_pair, quantized_experts_reason, source_constants)
 from .reference import combine, expert_chain
@@ -122,11 +122,11 @@ MAX_EXPERT_WORDS = 2**32
 
 def cuda_unsupported_reason(experts: MoEExperts, dtype, backend: Optional[str] = None) -> Optional[str]:
     """Why the GPU decode kernel of `backend` (default: the current one; Metal's too) cannot take
-    these experts against activations of `dtype`, or None. mxfp4 experts on CUDA only, against
-    16-bit activations (the fixed-point GEMV reads their codes: cuda/moe_decode.cu, e2m1_bytes);
-    not nvfp4's, whose groups of 16 split the GEMV's 32-value vectors."""
+    these experts against activations of `dtype`, or None. mxfp4 and nvfp4 experts on CUDA only,
+    against 16-bit activations (the fixed-point GEMV reads their codes: cuda/moe_decode.cu,
+    e2m1_bytes)."""
     cuda = (backend or current_backend()) == "cuda"
-    reason = quantized_experts_reason(experts, ("affine", MXFP4) if cuda else ("affine",))
+    reason = quantized_experts_reason(experts, ("affine", MXFP4, NVFP4) if cuda else ("affine",))
     reason = reason or fp4_activations_reason(experts, dtype, (mx.bfloat16, mx.float16))
     if reason is None and any(p.output_dims * p.weight.shape[-1] >= MAX_EXPERT_WORDS for p in experts.projections):
         return "an expert matrix of 2^32 packed words or more: the CUDA decode GEMV addresses one with 32-bit offsets"

@@ -30,8 +30,6 @@ import pytest
 
 import mlx_moe_fix
 from mlx_moe_fix import zoo
-from mlx_moe_fix.env import flag
-from mlx_moe_fix.kernels.backend import REFERENCES_SWITCH
 
 from .tolerance import assert_matches, references_only, relative_error
 
@@ -111,17 +109,14 @@ def test_greedy_tokens_match_stock(device, family, bits):
 @pytest.mark.parametrize("family, mode", [("gpt_oss", "mxfp4"), ("inkling", "nvfp4")])
 def test_greedy_tokens_match_stock_with_fp4_experts(device, family, mode):
     # gpt-oss's checkpoints ship mxfp4 experts, Inkling's nvfp4 ones (its per-expert second scale
-    # in gate_scale / out_scale): both ops take mxfp4 (on CUDA their kernels, in bf16), the
-    # prefill op nvfp4 (no decode kernel reads it: upstream's code, or the reference where asked).
+    # in gate_scale / out_scale): both ops take them (on CUDA their kernels, in bf16).
     dtype = run_dtype(device)
     model = zoo.build(family, 4, dtype=dtype, experts_mode=mode)
     assert {m.mode for _, layer in zoo.moe_layers(model) for m in (layer.gate_proj, layer.up_proj, layer.down_proj)} == {mode}
     assert_greedy_tokens_match_stock(model, family, dtype)
     ops = mlx_moe_fix.status()["ops"]
-    decode = ops["moe_decode"]["path"]
-    if mode == "nvfp4" and decode == "kernel":
-        decode = "reference" if flag(REFERENCES_SWITCH) else "stock"
-    assert moe_layer_paths(family) == {("prefill", ops["moe_prefill"]["path"]), ("decode", decode)}, mlx_moe_fix.path_counts()
+    assert moe_layer_paths(family) == {("prefill", ops["moe_prefill"]["path"]), ("decode", ops["moe_decode"]["path"])}, (
+        mlx_moe_fix.path_counts())
 
 
 def run_dtype(device):

@@ -137,11 +137,12 @@ def test_fp4_experts_are_supported_by_the_references_and_the_cuda_kernels_that_r
     linear = case.experts.projections[0]
     grouped_64 = dataclasses.replace(linear, group_size=64)
     assert "groups of 32 only" in grouped_64.unsupported_reason()
-    # nvfp4 (Inkling's): the prefill GEMM only; its groups of 16 split the decode GEMV's vectors
+    # nvfp4 (Inkling's): the decode GEMV's 32-value vectors span two of its groups
     case = make_case(mx.bfloat16, (4, 16, "nvfp4"), True, "swiglu", 7.0, True, 128, 64, 8, 2, 1, 40)
     assert case.experts.unsupported_reason(case.x, case.indices) is None and case.experts.gate_scale is not None
     assert prefill_reason(case.experts, mx.bfloat16) is None
-    assert "nvfp4-quantized experts" in decode_reason(case.experts, mx.bfloat16, "cuda")
+    assert decode_reason(case.experts, mx.bfloat16, "cuda") is None
+    assert "nvfp4-quantized experts" in decode_reason(case.experts, mx.bfloat16, "metal")
 
 
 def test_gate_and_up_quantized_differently_are_left_to_stock():
@@ -463,13 +464,14 @@ def every_fp4_code(mode):
 
 
 @pytest.mark.parametrize("op, mode, dtypes", [("moe_prefill", "mxfp4", (mx.bfloat16,)), ("moe_prefill", "nvfp4", (mx.bfloat16,)),
-                                              ("moe_decode", "mxfp4", (mx.bfloat16, mx.float16))])
+                                              ("moe_decode", "mxfp4", (mx.bfloat16, mx.float16)),
+                                              ("moe_decode", "nvfp4", (mx.bfloat16, mx.float16))])
 def test_cuda_kernels_read_every_fp4_code_and_scale_exactly(cuda_device, op, mode, dtypes):
     # One-hot activation rows read each weight out of a kernel unrounded. The prefill GEMM
     # dequantises to bf16 (code 1, 0.5, passes through a bf16 subnormal; mxfp4 scales past the
     # 2^(e - 1) that one product would need, which overflows bf16 from e = 129; nvfp4's e4m3 scales
     # through fp16's bits); the decode GEMV sums codes as signed bytes of twice their values (PRMT
-    # lookups) in fixed point.
+    # lookups) in fixed point, nvfp4's two groups a vector apart.
     module = sys.modules[f"mlx_moe_fix.kernels.{op}"]  # the package's names are the dispatchers'
     moe, expected, in_dim = every_fp4_code(mode)
     for dtype in dtypes:

@@ -38,6 +38,13 @@ __device__ __forceinline__ float small_uint_to_float(unsigned q) {
   return __uint_as_float(0x4B000000u | q) - 8388608.f;
 }
 
+// An e4m3 byte (nvfp4's group scales: sign, 4 exponent bits of bias 7, 3 mantissa bits,
+// subnormals below 2^-6) as fp32, times 2^-8: its bits under fp16's (bias 15) give that value
+// exactly, subnormals included, and fp16 widens exactly.
+__device__ __forceinline__ float e4m3_over_256(unsigned char b) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>((b & 0x80u) << 8 | (b & 0x7Fu) << 7)));
+}
+
 __device__ __forceinline__ float sigmoid(float v) {
   return 1.f / (1.f + expf(-v));
 }

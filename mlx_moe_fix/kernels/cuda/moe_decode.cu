@@ -1,14 +1,15 @@
 // Fused decode MoE for mx.fast.cuda_kernel: one warp per (pair or token, output row), 16-byte
-// loads of packed affine-quantized (or mxfp4) weights, dot products in registers (against 16-bit
+// loads of packed affine-quantized (or mxfp4 / nvfp4) weights, dot products in registers (against 16-bit
 // activations in fixed point with dp4a, against fp32 ones dequantised to fp32), fp32 sums.
 //
 // Sections are split on "//// <name>" lines: `header` goes into cuda_kernel's header, the others
 // are kernel bodies. Template constants and types (set from Python; few, since each distinct
 // set is one NVRTC compile):
 //   T   activation / output type        S   scales, affine biases and additive bias type; uint8_t:
-//       mxfp4 experts (MXFP4_EXPERTS: e8m0 scales, e2m1 codes, no affine biases, additive biases of T)
+//       FP4 experts (FP4_EXPERTS: e2m1 codes, no affine biases, additive biases of T): mxfp4 at
+//       GROUP 32 (e8m0 scales), nvfp4 at GROUP 16 (e4m3 scales)
 //   SC  per-expert scale type           WT  routing weight type
-//   BITS 4 or 8, GROUP 32/64/128, WARPS (warps per block), RPW (output rows per warp: the
+//   BITS 4 or 8, GROUP 16 (nvfp4)/32/64/128, WARPS (warps per block), RPW (output rows per warp: the
 //   warp reads each activation vector once for all of them), HAS_BIAS (the bias inputs' signature:
 //   S, or the float32 placeholder; see moe_common::bias_signature_matches)
 //   gate_up: GATED;  down: INPUT_PER_PAIR, COMBINE;  routed_down: RESIDUAL
@@ -122,15 +123,16 @@ __device__ __forceinline__ float dot_vector(const uint4& packed, const float* pr
 template <typename T>
 constexpr bool FIXED_POINT = sizeof(T) == 2;
 
-// MLX's mxfp4 experts, told by their scales: e8m0 bytes (2^(e - 127)), the one supported
-// quantization with 8-bit scales. Their 4-bit values are e2m1 codes (sign, two exponent bits, one
-// mantissa bit), with no affine biases; their additive biases are of the activations' type. Only
-// the fixed-point path reads them: each code as a signed byte of twice its value (the magnitudes
-// 0, 1, 2, 3, 4, 6, 8, 12 looked up by PRMT), the group's scale halved.
+// MLX's mxfp4 and nvfp4 experts, told by their scales: bytes, e8m0 (2^(e - 127)) a group of 32
+// or e4m3 a group of 16, the supported quantizations with 8-bit scales. Their 4-bit values are
+// e2m1 codes (sign, two exponent bits, one mantissa bit), with no affine biases; their additive
+// biases are of the activations' type. Only the fixed-point path reads them: each code as a
+// signed byte of twice its value (the magnitudes 0, 1, 2, 3, 4, 6, 8, 12 looked up by PRMT), the
+// group's scale halved.
 template <typename S>
-constexpr bool MXFP4_EXPERTS = cuda::std::is_same_v<S, uint8_t>;
+constexpr bool FP4_EXPERTS = cuda::std::is_same_v<S, uint8_t>;
 template <typename S, typename T>
-using AdditiveBias = cuda::std::conditional_t<MXFP4_EXPERTS<S>, T, S>;
+using AdditiveBias = cuda::std::conditional_t<FP4_EXPERTS<S>, T, S>;
 
 // 2^(e - 128): an e8m0 scale byte's power of two, halved (e = 0 and 1 as fp32 subnormals).
 __device__ __forceinline__ float e8m0_half(uint8_t e) {
@@ -224,15 +226,16 @@ __device__ __forceinline__ unsigned e2m1_bytes(unsigned codes) {
   return ((positive | 0x80808080u) - (magnitude ^ positive)) ^ 0x80808080u;
 }
 
-// Sum over a vector's values of q X, exact in 32 bits (X_BITS); CODES: q twice the mxfp4 codes'
-// values, signed (|q| <= 12 where 4-bit values are below 16).
-template <int BITS, bool CODES>
+// Sum over a vector's values of q X, exact in 32 bits (X_BITS); CODES: q twice the FP4 codes'
+// values, signed (|q| <= 12 where 4-bit values are below 16). Entries FIRST to LAST only: for
+// CODES, entries 0-3 hold values 0-15 and entries 4-7 values 16-31, nvfp4's two groups.
+template <int BITS, bool CODES, int FIRST = 0, int LAST = FIXED_ENTRIES<BITS>>
 __device__ __forceinline__ int dot_fixed(const uint4& packed, const FixedVector<BITS>& f) {
-  static_assert(!CODES || BITS == 4, "mxfp4 codes are 4-bit");
+  static_assert(!CODES || BITS == 4, "FP4 codes are 4-bit");
   const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
   unsigned hi = 0, mid = 0, lo = 0;
 #pragma unroll
-  for (int e = 0; e < FIXED_ENTRIES<BITS>; ++e) {
+  for (int e = FIRST; e < LAST; ++e) {
     if constexpr (CODES) {
       const unsigned q = e2m1_bytes(e % 2 ? words[e / 2] >> 16 : words[e / 2]);
       asm("dp4a.s32.s32 %0, %1, %2, %0;" : "+r"(hi) : "r"(q), "r"(f.hi[e]));
@@ -349,7 +352,8 @@ __device__ __forceinline__ uint4 load_streamed(const uint32_t* p) {
 // row for every matrix; A = M: matrix m's is activations[m] (the fixed-point path only);
 // SHARED_SPLIT: the one row's vectors already split, in `split` (fixed point, A = 1). Each lane
 // takes whole 16-byte vectors; a vector never straddles a quantization group (GROUP >= 32
-// values >= one vector's values). Rows are addressed from the matrices' bases, so that the
+// values >= one vector's values), but for nvfp4's (GROUP 16): it spans two, whose adjacent scale
+// bytes come in one 16-bit load. Rows are addressed from the matrices' bases, so that the
 // warp keeps M bases and RPW row offsets live rather than 3 M RPW pointers; `row_dim` (default
 // in_dim) is the values from one row's start to the next's: a matrix of in_dim columns within a
 // wider one (a shared expert's columns of Inkling's concatenated down projection). A lane issues the
@@ -365,8 +369,11 @@ __device__ __forceinline__ void rows_dot(
     const SharedFixed<BITS>* split = nullptr, int row_dim = 0) {
   static_assert(A == 1 || (A == M && FIXED_POINT<T>), "one activation row, or one a matrix in fixed point");
   static_assert(!SHARED_SPLIT || (A == 1 && FIXED_POINT<T>), "a shared split of one row, in fixed point");
-  constexpr bool CODES = MXFP4_EXPERTS<S>;
-  static_assert(!CODES || (FIXED_POINT<T> && BITS == 4), "mxfp4 experts in fixed point");
+  constexpr bool CODES = FP4_EXPERTS<S>;
+  static_assert(!CODES || (FIXED_POINT<T> && BITS == 4), "FP4 experts in fixed point");
+  constexpr bool TWO_GROUPS = CODES && GROUP == 16;
+  static_assert(TWO_GROUPS || GROUP >= VALUES<BITS>, "a vector within one group, or nvfp4's two");
+  using VectorScale = cuda::std::conditional_t<TWO_GROUPS, uint16_t, S>;
   constexpr int N = VALUES<BITS>;
   constexpr int LOADS_AHEAD = 8;
   constexpr int UNROLL = M * RPW >= LOADS_AHEAD ? 1 : LOADS_AHEAD / (M * RPW);
@@ -380,7 +387,8 @@ __device__ __forceinline__ void rows_dot(
   for (int i = 0; i < M * RPW; ++i) acc[i] = 0.f;
   for (int first = lane; first < vectors; first += 32 * UNROLL) {
     uint4 packed[UNROLL][M * RPW];
-    S scale[UNROLL][M * RPW], bias[UNROLL][M * RPW];
+    VectorScale scale[UNROLL][M * RPW];
+    S bias[UNROLL][M * RPW];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int v = min(first + 32 * u, vectors - 1);  // a vector past the row is loaded, not used
@@ -395,7 +403,11 @@ __device__ __forceinline__ void rows_dot(
           const unsigned word = (unsigned)rows[r] * (unsigned)words + (unsigned)(v * WORDS_PER_VECTOR);
           const unsigned group_index = (unsigned)rows[r] * (unsigned)groups + (unsigned)group;
           packed[u][j * RPW + r] = load_streamed(opaque(m[j].w) + word);
-          scale[u][j * RPW + r] = __ldg(opaque(m[j].s) + group_index);
+          if constexpr (TWO_GROUPS) {
+            scale[u][j * RPW + r] = __ldg(reinterpret_cast<const uint16_t*>(opaque(m[j].s) + group_index));
+          } else {
+            scale[u][j * RPW + r] = __ldg(opaque(m[j].s) + group_index);
+          }
           if constexpr (!CODES) bias[u][j * RPW + r] = __ldg(opaque(m[j].b) + group_index);
         }
       }
@@ -412,6 +424,15 @@ __device__ __forceinline__ void rows_dot(
             if (i == 0) f = split[v].f;
           } else if (i % (M * RPW / A) == 0) {
             load_fixed_vector<BITS, CODES>(f, activations[i / (M * RPW / A)], v);  // one split live at a time
+          }
+          if constexpr (TWO_GROUPS) {
+            // e4m3_over_256's 2^-8 and the codes' doubling put back by 128
+            constexpr int HALF = FIXED_ENTRIES<BITS> / 2;
+            const float low = static_cast<float>(dot_fixed<BITS, true, 0, HALF>(packed[u][i], f));
+            const float high = static_cast<float>(dot_fixed<BITS, true, HALF>(packed[u][i], f));
+            const unsigned bytes = scale[u][i];
+            acc[i] += fmaf(e4m3_over_256(bytes & 0xFFu), low, e4m3_over_256(bytes >> 8) * high) * (f.unscale * 128.f);
+            continue;
           }
           const float dot = static_cast<float>(dot_fixed<BITS, CODES>(packed[u][i], f)) * f.unscale;
           if constexpr (CODES) {
@@ -515,7 +536,7 @@ __device__ __forceinline__ void down_rows(
   // are then in flight together, where one pair after the other cost a round trip to memory each
   // (at 4 rows a warp and top-k 8 a warp has two of its token's eight pairs). More than two
   // spill at the bound, and so do two of mxfp4 codes (12 bytes at 128 registers).
-  constexpr int PAIRS_AT_ONCE = FIXED_POINT<T> && BITS == 4 && RPW <= 4 && !MXFP4_EXPERTS<S> ? 2 : 1;
+  constexpr int PAIRS_AT_ONCE = FIXED_POINT<T> && BITS == 4 && RPW <= 4 && !FP4_EXPERTS<S> ? 2 : 1;
   // The rows whose sums a lane keeps after the GEMV (rows_dot's KEPT): its own, so that the
   // warp's lanes run the rows' epilogues side by side, or at two pairs at once every row (where
   // keeping one spilled at the bound): lanes own_first + k, for k < KEPT_ROWS.
@@ -669,7 +690,7 @@ __device__ __forceinline__ void shared_gate_up_rows(
   const Dims d(dims);
   const int pair = blockIdx.y;
   const T* activations = x + (size_t)(pair / d.top_k) * d.in_dim;
-  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT, MXFP4_EXPERTS<S>>(activations, d.in_dim);
+  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT, FP4_EXPERTS<S>>(activations, d.in_dim);
   if (SHARED_SPLIT) __syncthreads();
   const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
   if (first_row >= d.out_dim) return;
@@ -725,7 +746,7 @@ __device__ __forceinline__ void shared_gate_up_rows(
   const int slots = d.top_k + SHARED;
   const int pair = blockIdx.y, token = pair / slots, slot = pair % slots;
   const T* activations = x + (size_t)token * d.in_dim;
-  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT, MXFP4_EXPERTS<S>>(activations, d.in_dim);
+  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT, FP4_EXPERTS<S>>(activations, d.in_dim);
   if (SHARED_SPLIT) __syncthreads();
   const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
   if (first_row >= d.out_dim) return;

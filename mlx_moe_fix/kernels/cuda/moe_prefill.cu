@@ -99,13 +99,6 @@ __device__ __forceinline__ __nv_bfloat16 e8m0_scale(unsigned char e) {
   return __ushort_as_bfloat16(static_cast<unsigned short>(e ? e << 7 : 0x0040));
 }
 
-// An e4m3 byte (nvfp4's group scales: sign, 4 exponent bits of bias 7, 3 mantissa bits,
-// subnormals below 2^-6) as fp32, times 2^-8: its bits under fp16's (bias 15) give that value
-// exactly, subnormals included, and fp16 widens exactly.
-__device__ __forceinline__ float e4m3_over_256(unsigned char b) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>((b & 0x80u) << 8 | (b & 0x7Fu) << 7)));
-}
-
 // The type a thread keeps a group's scale in: bf16, exactly the value of an FP4 group's byte
 // (e8m0 at GROUP 32, e4m3 at GROUP 16: at most 4 significant bits).
 template <typename T, typename S, bool FP4>

@@ -189,7 +189,7 @@ __device__ __forceinline__ float mlx_qmv_row(
     moe_routed::route_pair<SOFTMAX_FIRST, NORMALIZE, LAST_K>(logits + (size_t)token * experts, experts, d.top_k, pair, hidden,
                                                             d.out_dim, block_expert);
   }
-  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT, MXFP4_EXPERTS<S>>(activations, d.in_dim);
+  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT, FP4_EXPERTS<S>>(activations, d.in_dim);
   __syncthreads();
   const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
   if (first_row >= d.out_dim) return;
@@ -224,7 +224,7 @@ __device__ __forceinline__ float mlx_qmv_row(
     const float logit = moe_routed::mlx_qmv_row<ROUTER_BITS, ROUTER_GROUP>(activations, router_w, router_s, router_b, row, d.in_dim, lane);
     if (lane == 0) logits[row] = static_cast<T>(logit);
   }
-  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT, MXFP4_EXPERTS<S>>(activations, d.in_dim);
+  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT, FP4_EXPERTS<S>>(activations, d.in_dim);
   __syncthreads();  // every logit written (and this block's split)
   if (warp == 0) {
     moe_routed::route_pair<SOFTMAX_FIRST, NORMALIZE, LAST_K>(logits, experts, d.top_k, pair, hidden, d.out_dim, block_expert);
@@ -260,7 +260,7 @@ __device__ __forceinline__ float mlx_qmv_row(
                                           d.top_k, params[2], token, slot, hidden, gridDim.y, d.out_dim, block_expert,
                                           block_weight);
   }
-  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT, MXFP4_EXPERTS<S>>(activations, d.in_dim);
+  const SharedFixed<BITS>* split = split_row<BITS, SHARED_SPLIT, FP4_EXPERTS<S>>(activations, d.in_dim);
   __syncthreads();
   const int first_row = (blockIdx.x * WARPS + threadIdx.x / 32) * RPW;
   if (first_row >= d.out_dim) return;
