@@ -36,7 +36,8 @@ BIAS_INPUTS = {"bias0", "bias1", "gate_bias", "up_bias", "bias"}  # S, or the fl
 
 # mxfp4 / nvfp4 experts' kernels (S = uint8_t: the prefill's FP4, the decode's S "uint8_t"): e8m0 /
 # e4m3 scale bytes, the absent quantization biases' float32 placeholder.
-FP4_INPUTS = {**dict.fromkeys(("s0", "s1", "s", "gate_s", "up_s"), "uint8_t"), **dict.fromkeys(("b0", "b1", "b", "gate_b", "up_b"), "float")}
+FP4_INPUTS = {**dict.fromkeys(("s0", "s1", "s", "gate_s", "up_s", "shared_gate_s", "shared_up_s", "shared_s"), "uint8_t"),
+              **dict.fromkeys(("b0", "b1", "b", "gate_b", "up_b", "shared_gate_b", "shared_up_b", "shared_b"), "float")}
 
 
 def signature(name, inputs, outputs, t, has_bias, mxfp4=False):
@@ -134,6 +135,10 @@ def test_decode_kernels_compile(tmp_path, t):
         variants += [("gate_up", t, {**fp4, "GATED": gated, "SHARED_SPLIT": split}) for gated in (True, False) for split in (False, True)]
         variants += [("down", t, {**fp4, "INPUT_PER_PAIR": True, "COMBINE": c}) for c in (True, False)]
         variants += [("routed_down", t, {**fp4, "RESIDUAL": residual}) for residual in (False, True)]
+        # with shared experts quantized as the routed ones (moe_shared_decode.cuda_unsupported_reason)
+        variants += [("shared_gate_up", t, {**fp4, "HAS_BIAS": False, "GATED": True, "SHARED_SPLIT": split, "SHARED": 2,
+                                            "SHARED_WEIGHTS": weighted}) for split in (False, True) for weighted in (False, True)]
+        variants += [(stage, t, {**fp4, "HAS_BIAS": False, "SHARED": 2}) for stage in ("shared_down", "routed_shared_down")]
     compile_all(tmp_path, translation_units(DECODE, "moe_decode.cu", variants))
 
 
@@ -193,9 +198,11 @@ def test_routed_decode_kernel_compiles(tmp_path, t):
     variants += [("sigmoid_shared_gate_up", t, {"BITS": bits, "GROUP": group, "WARPS": 4, "RPW": 4, "HAS_BIAS": bits == 8,
                                                 "GATED": True, "SHARED_SPLIT": t != "float" and split, "SHARED": shared})
                  for bits, group in ((4, 64), (8, 32)) for split in (True, False) for shared in (1, 2)]
-    if t != "float":  # mxfp4 experts, as gpt-oss's block routes them
+    if t != "float":  # mxfp4 experts, as gpt-oss's block routes them; FP4 ones with their shared experts, as Inkling's
         variants += [("routed_gate_up", t, {"S": "uint8_t", "BITS": 4, "GROUP": 32, "WARPS": 8, "RPW": 4, "HAS_BIAS": True, "GATED": True,
                                             "SHARED_SPLIT": True, "SOFTMAX_FIRST": False, "NORMALIZE": False, "LAST_K": False})]
+        variants += [("sigmoid_shared_gate_up", t, {"S": "uint8_t", "BITS": 4, "GROUP": group, "WARPS": 4, "RPW": 4, "HAS_BIAS": False,
+                                                    "GATED": True, "SHARED_SPLIT": True, "SHARED": 2}) for group in (32, 16)]
     texts = translation_units(ROUTED, "moe_routed_decode.cu", variants)
     if t == "__nv_bfloat16":  # router_gate_up reproduces MLX's bf16 quantized_matmul: bf16 only
         router_variants = [("router_gate_up", t, {"BITS": bits, "GROUP": 64, "WARPS": 4, "RPW": 4, "HAS_BIAS": False, "GATED": True,
@@ -264,6 +271,13 @@ def test_decode_kernels_fit_their_launch_bounds_without_spilling(tmp_path, t, bi
             (ROUTED, "moe_routed_decode.cu", "routed_gate_up",
              *shaped(DECODE.GATE_UP_BLOCK, [{**fp4, **split, "GATED": True, "SOFTMAX_FIRST": False, "NORMALIZE": False,
                                              "LAST_K": False}])),
+            (DECODE, "moe_decode.cu", "shared_gate_up", *shaped(DECODE.GATE_UP_BLOCK, [{**fp4, **split, "GATED": True, "SHARED": 2,
+                                                                                      "SHARED_WEIGHTS": True}])),
+            # with shared experts at DOWN_BLOCK's bounds whatever the top-k (moe_decode.down_block_shape)
+            *[(DECODE, "moe_decode.cu", stage, *shaped(DECODE.DOWN_BLOCK, [{**fp4, "SHARED": 2}]))
+              for stage in ("shared_down", "routed_shared_down")],
+            (ROUTED, "moe_routed_decode.cu", "sigmoid_shared_gate_up",
+             *shaped(DECODE.GATE_UP_BLOCK, [{**fp4, **split, "GATED": True, "SHARED": 2}])),
         ]
     if t != "float" and bits == 4:  # the combining down of one pair a warp (moe_decode.down_block_shape), its own bounds
         units += [(DECODE, "moe_decode.cu", "routed_down", *shaped(DECODE.ONE_PAIR_A_WARP_DOWN, [{**base, "RESIDUAL": residual}]))

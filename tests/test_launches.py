@@ -206,3 +206,18 @@ def test_cuda_decode_launches_declare_their_params_and_absent_inputs_in_their_so
     monkeypatch.setattr(decode, "metal_kernel_object", lambda *a: Recorder("metal"))
     metal = decode.gate_up_launch(case.experts, 2, 2, mx.bfloat16, "metal")
     assert len(metal.fixed_inputs) == 11 and metal.fixed_inputs[8] is absent()
+
+
+def test_the_combining_down_with_shared_experts_keeps_4_warp_blocks_for_fp4_experts(monkeypatch):
+    # moe_decode.down_block_shape: with shared experts, mxfp4 / nvfp4 experts' down spilled at one
+    # pair a warp's bounds (tests/test_cuda_sources.py checks the bounds each shape gets), so it
+    # keeps 4-warp blocks of 4 rows a warp at any top-k; affine ones take one pair a warp from 8
+    # routed and shared pairs on.
+    from .parity.test_shared_decode import make_shared_case
+
+    recorded_decode_kernels(monkeypatch)
+    for quantization, shape in (((4, 64), (8, 8)), ((4, 32, "mxfp4"), (4, 4)), ((4, 16, "nvfp4"), (4, 4))):
+        case = make_shared_case("inkling", mx.bfloat16, quantization, 128, 64, 16, 6, 2, 1)
+        down = DECODE.shared_decode_launches(case.experts, case.shared, 6, 1, mx.bfloat16, True)[1]
+        template = dict(down.template)
+        assert (template["WARPS"], template["RPW"]) == shape, quantization

@@ -152,11 +152,14 @@ def gate_up_block_shape() -> BlockShape:
     return GATE_UP_BLOCK
 
 
-def down_block_shape(pairs_a_token: int, combined: bool, bits: int, dtype, backend: str) -> BlockShape:
+def down_block_shape(pairs_a_token: int, combined: bool, bits: int, dtype, backend: str, fp4_with_shared: bool = False) -> BlockShape:
     """The blocks of a down launch: ONE_PAIR_A_WARP_DOWN for the combining down of 4-bit experts in
     fixed point (CUDA, 16-bit activations) at top-k (with the shared experts, if any) of at least
-    its warps, else DOWN_BLOCK."""
-    if combined and bits == 4 and backend == "cuda" and dtype.size == 2 and pairs_a_token >= ONE_PAIR_A_WARP_DOWN.warps:
+    its warps, else DOWN_BLOCK; DOWN_BLOCK too for mxfp4 / nvfp4 experts with shared experts
+    (`fp4_with_shared`), whose down spilled 8-44 bytes at one pair a warp's bounds (nvcc for
+    sm_90a) and none at DOWN_BLOCK's."""
+    if (combined and bits == 4 and backend == "cuda" and dtype.size == 2 and pairs_a_token >= ONE_PAIR_A_WARP_DOWN.warps
+            and not fp4_with_shared):
         return ONE_PAIR_A_WARP_DOWN
     return DOWN_BLOCK
 
@@ -227,7 +230,7 @@ def _down_launch(linear: ExpertLinear, out_scale, top_k: int, pairs: int, dtype,
     combined = weights_dtype is not None
     rows_out = pairs // top_k if combined else pairs
     slots = top_k + (0 if shared is None else shared.count)
-    shape = down_block_shape(slots, combined, linear.bits, dtype, backend)
+    shape = down_block_shape(slots, combined, linear.bits, dtype, backend, shared is not None and linear.mode != "affine")
     # With the combine, a block's warps split over the token's pairs (cuda/moe_decode.cu, down).
     grid, block = _grid(linear.output_dims, rows_out, shape, shape.warps // min(slots, shape.warps) if combined else None)
     kernel, fixed = gpu_kernel(stage, backend, shape, {

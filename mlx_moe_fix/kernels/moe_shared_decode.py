@@ -81,7 +81,8 @@ def cuda_unsupported_reason(experts: MoEExperts, shared: SharedExperts, dtype) -
     """Why the kernel cannot take these experts with these shared experts (dtype: the
     activations'), or None: what moe_decode's kernel needs, GLU experts whose activation the shared
     experts have too (the launch applies one), and shared experts quantized as the routed
-    experts' projections they join (one BITS and GROUP a launch), of the routed experts' widths."""
+    experts' projections they join (one mode, BITS and GROUP a launch: affine, or mxfp4 / nvfp4
+    where the routed experts are), without additive biases, of the routed experts' widths."""
     decode = moe_decode_implementation(experts, dtype)
     if decode.path != "kernel":
         return decode.reason
@@ -90,11 +91,13 @@ def cuda_unsupported_reason(experts: MoEExperts, shared: SharedExperts, dtype) -
                 "launch applies one activation")
     gate, up, down = experts.projections
     for name, linear, routed in (("gate", shared.gate, gate), ("up", shared.up, up), ("down", shared.down, down)):
-        if linear.mode != "affine" or linear.biases is None or linear.bias is not None:
-            return f"a shared {name} projection other than affine-quantized without an additive bias"
-        if (linear.bits, linear.group_size, linear.scales.dtype) != (routed.bits, routed.group_size, routed.scales.dtype):
-            return (f"shared experts quantized otherwise than the routed ones ({name}: {linear.bits}-bit, group "
-                    f"{linear.group_size}, {linear.scales.dtype} scales)")
+        if linear.bias is not None:
+            return f"a shared {name} projection with an additive bias"
+        quantization = (linear.mode, linear.bits, linear.group_size, linear.scales.dtype, linear.biases is None)
+        if quantization != (routed.mode, routed.bits, routed.group_size, routed.scales.dtype, routed.biases is None):
+            return (f"shared experts quantized otherwise than the routed ones ({name}: {linear.mode} {linear.bits}-bit, "
+                    f"group {linear.group_size}, {linear.scales.dtype} scales, against {routed.mode} {routed.bits}-bit, "
+                    f"group {routed.group_size})")
     width = up.output_dims
     if (shared.gate.output_dims, shared.up.output_dims, shared.down.input_dims) != (shared.count * width,) * 3:
         return f"{shared.count} shared experts not {width} columns wide each, as the routed ones"

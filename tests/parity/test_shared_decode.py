@@ -47,11 +47,12 @@ class SharedCase:
         return routed + self.shared_module(self.x, mx.repeat(self.shared_weights, self.shared.width, axis=-1))
 
 
-def make_shared_case(family, dtype, bits, dims, width, num_experts, top_k, count, tokens, scaled=False, limit=0.0,
+def make_shared_case(family, dtype, quantization, dims, width, num_experts, top_k, count, tokens, scaled=False, limit=0.0,
                      seed=0) -> SharedCase:
     """family "inkling": scaled routed experts (gate_scale / out_scale) where `scaled`, shared experts
     weighted; "deepseek_v4": SwiGLU clamped at `limit` (none at 0) in both, shared experts unweighted,
-    routing weights in float32 (its gate's)."""
+    routing weights in float32 (its gate's). quantization: (bits, group size[, mode]) of every
+    projection, routed and shared."""
     mx.random.seed(seed)
     if family == "inkling":
         from mlx_vlm.models.inkling.language import InklingSharedExpertsDense, InklingSwitchGLU
@@ -70,8 +71,9 @@ def make_shared_case(family, dtype, bits, dims, width, num_experts, top_k, count
         config = types.SimpleNamespace(hidden_size=dims, intermediate_size=width)
         shared_module = DeepseekV4MLP(config, intermediate_size=width * count, swiglu_limit=limit)
         activation = Activation("swiglu", limit=limit or None)
+    bits, group_size, *mode = quantization
     for module in (routed, shared_module):
-        nn.quantize(module, group_size=64, bits=bits)
+        nn.quantize(module, group_size=group_size, bits=bits, mode=mode[0] if mode else "affine")
         module.set_dtype(dtype)
         module.eval()
     experts = MoEExperts(tuple(ExpertLinear.from_module(routed[name]) for name in ("gate_proj", "up_proj", "down_proj")),
@@ -84,16 +86,26 @@ def make_shared_case(family, dtype, bits, dims, width, num_experts, top_k, count
         weights, shared_weights = routing[:, :top_k].astype(dtype), routing[:, top_k:].astype(dtype)
     else:
         weights, shared_weights = routing[:, :top_k], None
-    label = (f"{family} {dtype} {bits}-bit D={dims} F={width} E={num_experts} k={top_k} shared={count} T={tokens} "
+    label = (f"{family} {dtype} {quantization} D={dims} F={width} E={num_experts} k={top_k} shared={count} T={tokens} "
              f"scaled={scaled} limit={limit}")
     return SharedCase(routed, shared_module, experts, shared, x, indices, weights, shared_weights, dtype, label)
+
+
+# Affine 4- and 8-bit in groups of 64, and for 16-bit activations mxfp4 and nvfp4 (the decode
+# kernel reads those against 16-bit activations only).
+AFFINE, FP4 = ((4, 64), (8, 64)), ((4, 32, "mxfp4"), (4, 16, "nvfp4"))
+
+
+def draw_quantization(draw, dtype) -> tuple:
+    return draw(st.sampled_from(AFFINE + (FP4 if dtype != mx.float32 else ())))
 
 
 @st.composite
 def shared_cases(draw) -> SharedCase:
     family = draw(st.sampled_from(("inkling", "deepseek_v4")))
+    dtype = draw(st.sampled_from((mx.bfloat16, mx.float16, mx.float32)))
     return make_shared_case(
-        family, dtype=draw(st.sampled_from((mx.bfloat16, mx.float16, mx.float32))), bits=draw(st.sampled_from((4, 8))),
+        family, dtype=dtype, quantization=draw_quantization(draw, dtype),
         dims=draw(st.sampled_from((64, 128, 256))), width=draw(st.sampled_from((64, 128))),
         num_experts=8, top_k=draw(st.integers(1, 8)), count=draw(st.integers(1, 3)),
         tokens=draw(st.sampled_from((1, 2, 5))), scaled=family == "inkling" and draw(st.booleans()),
@@ -116,7 +128,9 @@ def test_ref_shared_decode_matches_stock(cpu_device, case):
 def shared_float32_oracle(case: SharedCase) -> mx.array:
     """float32_oracle of moe_shared_decode_reference: the shared experts' scales and biases widened too."""
 
-    def widen(linear):
+    def widen(linear):  # FP4 scales stay bytes (no biases)
+        if linear.biases is None:
+            return linear
         return dataclasses.replace(linear, scales=linear.scales.astype(mx.float32), biases=linear.biases.astype(mx.float32))
 
     shared = dataclasses.replace(case.shared, gate=widen(case.shared.gate), up=widen(case.shared.up), down=widen(case.shared.down))
@@ -136,8 +150,21 @@ def test_cuda_shared_decode_kernel_matches_ref(cuda_kernels, case):
     assert_close(out, shared_float32_oracle(case), case.dtype, f"{case.label}: ")
 
 
+@pytest.mark.parametrize("family", ["inkling", "deepseek_v4"])
+@pytest.mark.parametrize("quantization", FP4)
+def test_cuda_shared_decode_kernel_matches_ref_on_fp4_experts(cuda_kernels, family, quantization):
+    # Routed and shared experts both mxfp4 / nvfp4, 6 + 2 of a token's pairs: the combining down
+    # with the shared ones at 4-warp blocks (moe_decode.down_block_shape), every launch's FP4 path.
+    from mlx_moe_fix.kernels.moe_shared_decode import moe_shared_decode_kernel
+
+    case = make_shared_case(family, mx.bfloat16, quantization, 256, 128, 16, 6, 2, 2, scaled=family == "inkling",
+                            limit=0.25 if family == "deepseek_v4" else 0.0, seed=5)
+    assert cuda_unsupported_reason(case.experts, case.shared, case.dtype) is None, case.label
+    assert_close(call(moe_shared_decode_kernel, case), shared_float32_oracle(case), case.dtype, f"{case.label}: ")
+
+
 def test_the_dispatcher_takes_the_reference_for_shared_weights_the_kernel_cannot_read(device):
-    case = make_shared_case("inkling", mx.bfloat16, 4, 128, 64, 8, 2, 2, 3, seed=1)
+    case = make_shared_case("inkling", mx.bfloat16, (4, 64), 128, 64, 8, 2, 2, 3, seed=1)
     repeated = mx.repeat(case.shared_weights, 64, axis=-1)  # [tokens, count * width], as upstream's module takes them
     assert moe_shared_decode_call_reason(case.x, case.shared, repeated) is not None
     assert moe_shared_decode_call_reason(case.x, case.shared, case.shared_weights.astype(mx.float32)) is not None
@@ -149,6 +176,7 @@ def test_the_dispatcher_takes_the_reference_for_shared_weights_the_kernel_cannot
 
 @pytest.mark.parametrize("change, reason", [
     ("shared_bits", "quantized otherwise"),
+    ("shared_mode", "quantized otherwise"),
     ("shared_width", "columns wide each"),
     ("limited", "one activation"),
 ])
@@ -159,18 +187,32 @@ def test_the_kernel_declines_shared_experts_it_cannot_read_with_the_routed_ones(
 
     # as on a GPU where moe_decode's kernel takes the routed experts: the shared experts decide
     monkeypatch.setattr(op, "moe_decode_implementation", lambda experts, dtype: Implementation(None, "kernel", "CUDA"))
-    case = make_shared_case("inkling", mx.bfloat16, 4, 128, 64, 8, 2, 2, 1, seed=2)
+    case = make_shared_case("inkling", mx.bfloat16, (4, 64), 128, 64, 8, 2, 2, 1, seed=2)
     experts, shared = case.experts, case.shared
     assert cuda_unsupported_reason(experts, shared, mx.bfloat16) is None
-    if change == "shared_bits":
+    if change in ("shared_bits", "shared_mode"):
         module = case.shared_module
-        module.down_proj = nn.QuantizedLinear.from_linear(nn.Linear(128, 128, bias=False), group_size=64, bits=8)
+        quantization = dict(group_size=64, bits=8) if change == "shared_bits" else dict(group_size=32, bits=4, mode="mxfp4")
+        module.down_proj = nn.QuantizedLinear.from_linear(nn.Linear(128, 128, bias=False), **quantization)
         shared = SharedExperts.from_module(module, 2, shared.activation)
     elif change == "shared_width":
         shared = dataclasses.replace(shared, count=4)  # 128 columns are 4 experts of 32, not the routed 64
     else:
         experts = dataclasses.replace(experts, activation=Activation("swiglu", limit=7.0))
     assert reason in cuda_unsupported_reason(experts, shared, mx.bfloat16)
+
+
+@pytest.mark.parametrize("quantization", [(4, 32, "mxfp4"), (4, 16, "nvfp4")])
+def test_the_kernel_takes_fp4_shared_experts_beside_fp4_routed_ones(monkeypatch, quantization):
+    # A block quantized whole in mxfp4 or nvfp4 (mlx-vlm's convert with --q-mode): one mode, BITS
+    # and GROUP a launch, routed and shared alike.
+    from mlx_moe_fix.kernels.backend import Implementation
+
+    op = sys.modules["mlx_moe_fix.kernels.moe_shared_decode"]
+    monkeypatch.setattr(op, "moe_decode_implementation", lambda experts, dtype: Implementation(None, "kernel", "CUDA"))
+    case = make_shared_case("inkling", mx.bfloat16, quantization, 128, 64, 8, 2, 2, 1, seed=4)
+    assert {p.mode for p in case.experts.projections} == {case.shared.down.mode} == {quantization[2]}
+    assert cuda_unsupported_reason(case.experts, case.shared, mx.bfloat16) is None
 
 
 def test_shared_experts_are_read_from_quantized_dense_modules_only():
@@ -241,7 +283,7 @@ def routed_shared_cases(draw) -> RoutedSharedCase:
     # (few kernel variants: each template and route scale is a compile on the GPU)
     num_experts, count, tokens = draw(st.sampled_from((8, 64))), draw(st.integers(1, 2)), draw(st.sampled_from((1, 2, 5)))
     top_k = draw(st.integers(1, min(8, 32 - count)))
-    case = make_shared_case("inkling", dtype, bits=draw(st.sampled_from((4, 8))), dims=draw(st.sampled_from((64, 128, 256))),
+    case = make_shared_case("inkling", dtype, quantization=draw_quantization(draw, dtype), dims=draw(st.sampled_from((64, 128, 256))),
                             width=draw(st.sampled_from((64, 128))), num_experts=num_experts, top_k=top_k, count=count,
                             tokens=tokens, scaled=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
     # logits on a coarse grid where `ties`, so that equal scores meet in the top-k
@@ -261,8 +303,8 @@ def test_ref_routed_shared_decode_matches_stock(cpu_device, routed):
     assert mx.array_equal(out, routed.stock()), routed.case.label
 
 
-# At most 12 examples on the GPU: the strategy has 12 kernel variants (dtype, bits, shared count), and
-# each new one is an NVRTC compile of five kernels (~7-13 s a case on the H200).
+# At most 12 examples on the GPU: the strategy has 20 kernel variants (dtype, quantization, shared
+# count), and each new one is an NVRTC compile of five kernels (~7-13 s a case on the H200).
 @settings(CASES, max_examples=min(CASES.max_examples, 12))
 @given(routed=routed_shared_cases())
 def test_cuda_routed_shared_decode_kernel_is_the_router_and_shared_decode_kernels(cuda_kernels, routed):
@@ -296,7 +338,7 @@ def test_the_routed_kernel_takes_shared_experts_with_inklings_routing_only(monke
     op = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
     # as on a GPU where the shared decode kernel takes these experts: the routing decides
     monkeypatch.setattr(op, "moe_shared_decode_implementation", lambda *args: Implementation(None, "kernel", "CUDA"))
-    case = make_shared_case("inkling", mx.bfloat16, 4, 128, 64, 8, 2, 2, 1, seed=3)
+    case = make_shared_case("inkling", mx.bfloat16, (4, 64), 128, 64, 8, 2, 2, 1, seed=3)
     inkling = Routing("sigmoid_topk", 2, shared=2, shared_width=1)
     assert routed_reason(case.experts, inkling, mx.bfloat16, mx.bfloat16, case.shared) is None
     assert "one weight" in routed_reason(case.experts, dataclasses.replace(inkling, shared_width=64), mx.bfloat16,
