@@ -143,6 +143,10 @@ def test_fp4_experts_are_supported_by_the_references_and_the_cuda_kernels_that_r
     assert prefill_reason(case.experts, mx.bfloat16) is None
     assert decode_reason(case.experts, mx.bfloat16, "cuda") is None
     assert "nvfp4-quantized experts" in decode_reason(case.experts, mx.bfloat16, "metal")
+    # rows of 48 values: three groups of 16, one and a half of the GEMV's 32-value vectors
+    case = make_case(mx.bfloat16, (4, 16, "nvfp4"), True, "swiglu", 7.0, True, 48, 64, 8, 2, 1, 1)
+    assert case.experts.projections[0].input_dims == 48
+    assert "whole 16-byte vectors" in decode_reason(case.experts, mx.bfloat16, "cuda")
 
 
 def test_gate_and_up_quantized_differently_are_left_to_stock():
