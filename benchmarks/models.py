@@ -6,6 +6,7 @@ Run from the repo root (on the GPU machine after `source .mlx-cuda/setup.sh`):
     python3 -m benchmarks.models --models qwen3_moe --prompts 512,2048,8192 --json /tmp/m.json
     python3 -m benchmarks.models --models gpt_oss,deepseek_v3 --deepseek-layers 4
     python3 -m benchmarks.models --models inkling,deepseek_v4 --deepseek-layers 2 --batch-sizes ''
+    python3 -m benchmarks.models --models gpt_oss,inkling,deepseek_v4 --deepseek-layers 2 --experts-mode shipped
     python3 -m benchmarks.models --models mixtral --stock-max-prompt 2048 --repeats 3
     python3 -m benchmarks.models --smoke --json /tmp/m.json           # tiny configs, CPU
 
@@ -78,6 +79,12 @@ GROUP_SIZE = 64
 BITS = 4
 # --experts-mode: the routed experts' quantization (every other linear stays 4-bit affine g64).
 EXPERT_QUANTIZATIONS = {"affine": {"group_size": GROUP_SIZE, "bits": BITS, "mode": "affine"}, **EXPERT_MODES}
+# --experts-mode shipped: each model as its published MLX checkpoints are quantized: gpt_oss's and
+# inkling's routed experts as their checkpoints ship them, deepseek_v4 (and its dense equivalent)
+# by its own predicate (OWN: what mlx-vlm's convert applies: mxfp4 routed experts, mxfp8 shared
+# experts and attention, the rest the default 4-bit affine here); the others all affine.
+SHIPPED, OWN = "shipped", "own"
+SHIPPED_MODES = {"gpt_oss": "mxfp4", "inkling": "nvfp4", "deepseek_v4": OWN, "deepseek_v4_dense": OWN}
 
 
 @dataclass
@@ -425,14 +432,16 @@ def is_expert_linear(module: nn.Module) -> bool:
     return isinstance(weight, mx.array) and weight.ndim == 3
 
 
-def quantize_huge_expert_weights(model: nn.Module, quantization: Dict[str, Any]) -> None:
-    """Each switch linear of HUGE_ELEMENTS or more weights replaced by its `quantization`
-    (EXPERT_QUANTIZATIONS) form, with weights drawn as its own init does (uniform, bound
-    input_dims ** -0.5) in bf16, chunk by chunk; lazy, like the rest of the build."""
+def quantize_huge_expert_weights(model: nn.Module, quantization_of: Callable[[str, nn.Module], Dict[str, Any]]) -> None:
+    """Each switch linear of HUGE_ELEMENTS or more weights replaced by its quantized form
+    (`quantization_of(path, module)`: an EXPERT_QUANTIZATIONS entry), with weights drawn as its own
+    init does (uniform, bound input_dims ** -0.5) in bf16, chunk by chunk; lazy, like the rest of
+    the build."""
     leaves = []
     for path, module in model.named_modules():
         if not is_expert_linear(module) or module["weight"].size < HUGE_ELEMENTS:
             continue
+        quantization = quantization_of(path, module)
         experts, out_dims, in_dims = module["weight"].shape
         quantized = module.to_quantized(**quantization)  # its own quantize: never evaluated
         bound = in_dims**-0.5
@@ -474,10 +483,14 @@ def build_model(spec: ModelSpec) -> nn.Module:
             (k, v.astype(mx.bfloat16) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v)
             for k, v in tree_flatten(model.parameters())
         ]))
-    quantization = EXPERT_QUANTIZATIONS[spec.experts_mode]
-    quantize_huge_expert_weights(model, quantization)
-    predicate = own_predicate
-    if spec.experts_mode != "affine":
+    if spec.experts_mode == OWN:
+        predicate = model_own_predicate(model)
+        quantize_huge_expert_weights(model, predicate)
+    else:
+        quantization = EXPERT_QUANTIZATIONS[spec.experts_mode]
+        quantize_huge_expert_weights(model, lambda path, module: quantization)
+        predicate = own_predicate
+    if spec.experts_mode not in ("affine", OWN):
         others = own_predicate or getattr(model, "quant_predicate", None) or (lambda path, module: True)
 
         def predicate(path, module):
@@ -494,6 +507,22 @@ def build_model(spec: ModelSpec) -> nn.Module:
     # which the patch leaves to upstream (moe_blocks.deepseek_v4_routing).
     model.eval()
     return model
+
+
+def model_own_predicate(model: nn.Module) -> Callable[[str, nn.Module], Dict[str, Any]]:
+    """The quantization the model's own `quant_predicate` gives each linear (mlx-vlm language
+    models' paths without this benchmark's `language.` prefix), as a quantize_model predicate whose
+    "quantize as the default" is this benchmark's 4-bit affine g64."""
+    language = getattr(model, "language", model)
+    own = getattr(language, "quant_predicate", None)
+    if own is None:
+        raise ValueError(f"{type(language).__name__} has no quantization predicate of its own")
+
+    def predicate(path, module):
+        chosen = own(path.removeprefix("language."), module)
+        return EXPERT_QUANTIZATIONS["affine"] if chosen is True else chosen
+
+    return predicate
 
 
 def add_decode_pair_arguments(parser) -> None:
@@ -848,9 +877,12 @@ def parse_args(argv=None):
         help="layers of the DeepSeek-V3, Inkling and DeepSeek-V4 models (6.3, 8.1 and 3.2 GB of "
         "4-bit experts each)",
     )
-    p.add_argument("--experts-mode", choices=list(EXPERT_QUANTIZATIONS), default="affine",
+    p.add_argument("--experts-mode", choices=[*EXPERT_QUANTIZATIONS, SHIPPED], default="affine",
                    help="the routed experts' quantization: affine (4-bit, group 64, as every other linear), mxfp4 "
-                   "(group 32, as gpt-oss's and DeepSeek-V4's checkpoints ship them) or nvfp4 (group 16, Inkling's)")
+                   "(group 32, as gpt-oss's and DeepSeek-V4's checkpoints ship them), nvfp4 (group 16, Inkling's), "
+                   "or shipped: each model as its MLX checkpoints are quantized (gpt_oss mxfp4 experts, inkling "
+                   "nvfp4, deepseek_v4 by its own predicate: mxfp4 experts, mxfp8 shared experts and attention, in "
+                   "its dense equivalent too; the others affine)")
     p.add_argument("--seed", type=int, default=0, help="seeds weights and prompts")
     p.add_argument("--json", help="write all numbers here")
     p.add_argument(
@@ -881,8 +913,9 @@ def start_run(args, tag: str):
     env = environment()
     log(f"[{tag}] " + environment_line(env))
     specs = model_specs(args.smoke, args.deepseek_layers)
+    mode = getattr(args, "experts_mode", "affine")
     for spec in specs.values():
-        spec.experts_mode = getattr(args, "experts_mode", "affine")
+        spec.experts_mode = SHIPPED_MODES.get(spec.name, "affine") if mode == SHIPPED else mode
     return np.random.default_rng(args.seed), env, specs
 
 

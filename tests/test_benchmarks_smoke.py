@@ -396,6 +396,36 @@ def test_benchmark_models_are_built_for_inference_as_the_loaders_leave_them():
     assert gates and all(deepseek_v4_routing(gate, one_token) is not None for gate in gates)
 
 
+def test_benchmark_models_shipped_quantization_is_each_checkpoints():
+    # --experts-mode shipped: gpt_oss's and inkling's routed experts as their checkpoints ship them,
+    # deepseek_v4 and its dense equivalent by DeepSeek-V4's own predicate (mlx-vlm's convert):
+    # mxfp4 routed experts, mxfp8 shared experts and attention, the rest this benchmark's affine.
+    from collections import Counter
+
+    from benchmarks import models
+
+    args = models.parse_args(["--smoke", "--experts-mode", "shipped"])
+    _, _, specs = models.start_run(args, "test")
+    assert {name: spec.experts_mode for name, spec in specs.items() if spec.experts_mode != "affine"} == {
+        "gpt_oss": "mxfp4", "inkling": "nvfp4", "deepseek_v4": models.OWN, "deepseek_v4_dense": models.OWN}
+
+    def quantizations(name):
+        kinds = Counter()
+        for path, module in models.build_model(specs[name]).named_modules():
+            if "scales" in module:
+                kind = ("routed" if ".switch_mlp." in path else "shared" if ".shared_experts." in path
+                        else "attention" if ".attn." in path else "other")
+                kinds[kind, module.mode, module.bits] += 1
+        return {kind: count for kind, count in kinds.items()}
+
+    moe, dense = quantizations("deepseek_v4"), quantizations("deepseek_v4_dense")
+    assert {kind for kind in moe} == {("routed", "mxfp4", 4), ("shared", "mxfp8", 8), ("attention", "mxfp8", 8),
+                                      ("other", "affine", 4)}
+    assert {kind for kind in dense} == {("attention", "mxfp8", 8), ("other", "affine", 4)}
+    assert moe["attention", "mxfp8", 8] == dense["attention", "mxfp8", 8]
+    assert {mode for (kind, mode, _) in quantizations("inkling") if kind == "routed"} == {"nvfp4"}
+
+
 def test_block_shapes_parse_and_set_the_decode_launches_block_shapes():
     import mlx.core as mx
 
