@@ -484,17 +484,17 @@ def build_model(spec: ModelSpec) -> nn.Module:
             for k, v in tree_flatten(model.parameters())
         ]))
     if spec.experts_mode == OWN:
-        predicate = model_own_predicate(model)
-        quantize_huge_expert_weights(model, predicate)
+        predicate = experts_quantization = model_own_predicate(model)
     else:
         quantization = EXPERT_QUANTIZATIONS[spec.experts_mode]
-        quantize_huge_expert_weights(model, lambda path, module: quantization)
+        experts_quantization = lambda path, module: quantization  # noqa: E731
         predicate = own_predicate
-    if spec.experts_mode not in ("affine", OWN):
-        others = own_predicate or getattr(model, "quant_predicate", None) or (lambda path, module: True)
+        if spec.experts_mode != "affine":
+            others = own_predicate or getattr(model, "quant_predicate", None) or (lambda path, module: True)
 
-        def predicate(path, module):
-            return quantization if is_expert_linear(module) else others(path, module)
+            def predicate(path, module):
+                return quantization if is_expert_linear(module) else others(path, module)
+    quantize_huge_expert_weights(model, experts_quantization)
     with contextlib.redirect_stdout(sys.stderr):  # its bits-per-weight note is not a result
         quantize_model(model, {}, group_size=GROUP_SIZE, bits=BITS, quant_predicate=predicate)
     # One module at a time: only one module's float32 weights exist at any moment.

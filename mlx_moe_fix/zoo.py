@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .kernels.experts import FP4_GROUP_SIZES
 from .patches import compiled
 
 FAMILIES: tuple[str, ...] = (
@@ -324,7 +325,7 @@ def _reinit(model: nn.Module, family: str) -> None:
 
 # build(experts_mode=...): how the routed experts' switch linears are quantized, where not as the
 # rest of the model (gpt-oss's and DeepSeek-V4's checkpoints ship mxfp4 experts, Inkling's nvfp4).
-EXPERT_MODES = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"}, "nvfp4": {"group_size": 16, "bits": 4, "mode": "nvfp4"}}
+EXPERT_MODES = {mode: {"group_size": group, "bits": 4, "mode": mode} for mode, group in FP4_GROUP_SIZES.items()}
 
 
 def _quantize(model: nn.Module, family: str, group_size: int, bits: int, experts_mode: str = "affine") -> None:

@@ -40,9 +40,9 @@ FP4_INPUTS = {**dict.fromkeys(("s0", "s1", "s", "gate_s", "up_s", "shared_gate_s
               **dict.fromkeys(("b0", "b1", "b", "gate_b", "up_b", "shared_gate_b", "shared_up_b", "shared_b"), "float")}
 
 
-def signature(name, inputs, outputs, t, has_bias, mxfp4=False):
+def signature(name, inputs, outputs, t, has_bias, fp4=False):
     def ctype(n):
-        if mxfp4 and n in FP4_INPUTS:
+        if fp4 and n in FP4_INPUTS:
             return FP4_INPUTS[n]
         if n in INT_INPUTS:
             return INT_INPUTS[n]
@@ -68,11 +68,11 @@ def translation_unit(module, filename, variants, source_constants=()):
     for i, (_, t, constants) in enumerate(variants):
         # S: the scales' type, a template type of the variant (not a constant); "uint8_t": FP4
         s_type = constants.get("S", "uint8_t" if constants.get("FP4") else t)
-        mxfp4 = s_type == "uint8_t"
+        fp4 = s_type == "uint8_t"
         lines = [f"  using T = {t}; using S = {s_type}; using SC = float; using WT = {t};"]
         lines += [f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};" for k, v in constants.items()
                   if k != "S"]
-        text += f"\n{signature(f'k{i}', inputs, module.OUTPUTS[stage], t, constants.get('HAS_BIAS'), mxfp4)} {{\n"
+        text += f"\n{signature(f'k{i}', inputs, module.OUTPUTS[stage], t, constants.get('HAS_BIAS'), fp4)} {{\n"
         text += "\n".join(lines)
         text += f"\n{body}\n}}\n"
     return text

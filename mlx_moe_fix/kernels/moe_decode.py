@@ -128,7 +128,7 @@ def cuda_unsupported_reason(experts: MoEExperts, dtype, backend: Optional[str] =
     cuda = (backend or current_backend()) == "cuda"
     reason = quantized_experts_reason(experts, ("affine", MXFP4, NVFP4) if cuda else ("affine",))
     reason = reason or fp4_activations_reason(experts, dtype, (mx.bfloat16, mx.float16))
-    if reason is None and any(p.quantized and p.input_dims % (128 // p.bits) for p in experts.projections):
+    if reason is None and any(p.input_dims % (128 // p.bits) for p in experts.projections):  # all quantized here
         # a group of at least 32 4-bit (16 8-bit) values makes whole vectors; nvfp4's of 16 may not
         return "rows of packed weights not whole 16-byte vectors: the CUDA decode GEMV reads 16 bytes at a time"
     if reason is None and any(p.output_dims * p.weight.shape[-1] >= MAX_EXPERT_WORDS for p in experts.projections):
