@@ -6,9 +6,11 @@ the pure-MLX reference on machines without Apple hardware.
 What the emulation is: bf16 and fp16 are stored and rounded as on the GPU (round to nearest even
 at every conversion to them); a simdgroup is 32 threads and `simd_sum` adds its lanes' values (in
 lane order: Metal leaves the order open) after all have arrived; `threadgroup` memory is one
-array a threadgroup, whose threads run at once; threadgroups run one after another. What it is
-not: a Metal compile (address spaces, attribute rules and Metal's own math library are not
-checked), nor Apple hardware's speed or its order of additions. Outputs start as all-ones bytes
+array a threadgroup, whose threads run at once; threadgroups run one after another; an input MLX
+would pass in the `constant` address space is `volatile` (CONSTANT_BELOW), so that handing it on
+as `device` memory fails to compile, as on Metal. What it is not: a Metal compile (attribute
+rules, the other address spaces' conversions and Metal's own math library are not checked), nor
+Apple hardware's speed or its order of additions. Outputs start as all-ones bytes
 (NaN in floating point), so an output a kernel fails to write shows as not finite."""
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ SHIM = r"""
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 typedef unsigned int uint;
 typedef unsigned long ulong;
@@ -52,12 +55,14 @@ struct bfloat16_t {
     bits = uint16_t(u >> 16);
   }
   operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+  operator float() const volatile { return static_cast<float>(*const_cast<const bfloat16_t*>(this)); }
 };
 struct float16_t {
   _Float16 v;
   float16_t() = default;
   float16_t(float f) : v(static_cast<_Float16>(f)) {}
   operator float() const { return static_cast<float>(v); }
+  operator float() const volatile { return static_cast<float>(v); }
 };
 struct Lanes {  // one simdgroup
   std::barrier<> meet{32};
@@ -67,7 +72,7 @@ thread_local Lanes* this_simdgroup;
 thread_local uint this_lane;
 thread_local std::barrier<>* this_threadgroup;
 namespace metal {
-using std::fabs; using std::fma; using std::fmax; using std::fmin; using std::max; using std::min;
+using std::fabs; using std::fma; using std::fmax; using std::fmin; using std::max; using std::min; using std::is_same_v;
 namespace precise { using std::exp; using std::tanh; }
 inline float simd_sum(float v) {
   this_simdgroup->values[this_lane] = v;
@@ -143,6 +148,18 @@ _lock = threading.Lock()
 _folder = tempfile.TemporaryDirectory(prefix="metal-emulation-")  # removed at exit: the builds of this process
 
 
+# MLX passes an input of fewer than 8 elements in Metal's `constant` address space, the others in
+# `device` (mlx/backend/common/metal_kernel.cpp). C++ has no address spaces, so the emulated
+# signature gives the small ones `volatile` instead: a kernel handing such a pointer to a helper
+# that takes `const device T*` (erased to `const T*`) then fails to compile here as on Metal.
+CONSTANT_BELOW = 8
+
+
+def address_space(array) -> str:
+    """The qualifier standing in for `array`'s Metal address space in an emulated signature."""
+    return "volatile " if array.size < CONSTANT_BELOW else ""
+
+
 def template_line(name: str, value) -> str:
     """A template constant as a declaration at the top of the kernel's body (MLX makes it a
     template parameter)."""
@@ -187,7 +204,7 @@ class EmulatedMetalKernel:
         arrays = [np.ascontiguousarray(np.array(a.view(STORAGE[a.dtype][0]))) for a in inputs]
         outputs = [np.full(tuple(shape) + (dtype.size,), 0xFF, dtype=np.uint8).view(STORAGE[dtype][1]).reshape(shape)
                    for shape, dtype in zip(output_shapes, output_dtypes)]
-        parameters = [f"const {C_TYPES[a.dtype]}* {n}" for a, n in zip(inputs, self.input_names)]
+        parameters = [f"const {address_space(a)}{C_TYPES[a.dtype]}* {n}" for a, n in zip(inputs, self.input_names)]
         parameters += [f"{C_TYPES[d]}* {n}" for d, n in zip(output_dtypes, self.output_names)]
         constants = "\n".join(template_line(name, value) for name, value in template)
         arguments = ", ".join(f"({p.rsplit(' ', 1)[0]})buffers[{i}]" for i, p in enumerate(parameters))

@@ -1,8 +1,10 @@
 """The Metal kernel sources, checked on any machine: they have the CUDA sources' sections, and
 they parse and type-check as C++ (g++ or clang++) under tests/metal_emulation.py's shim, which
 maps Metal's address spaces, vector types and library calls onto C++, with the signatures
-mx.fast.metal_kernel generates from the launchers' input names. This is not a Metal compile: nothing here runs Metal
-(no Apple hardware), so Metal-only errors (address spaces, attribute rules) are not caught."""
+mx.fast.metal_kernel generates from the launchers' input names (the small ones `volatile`, as
+the emulation marks MLX's `constant` inputs). This is not a Metal compile: nothing here runs
+Metal (no Apple hardware), so most Metal-only errors (attribute rules, address-space errors other
+than `constant` memory handed on as `device`) are not caught."""
 
 import subprocess
 import sys
@@ -19,13 +21,16 @@ DECODE = sys.modules["mlx_moe_fix.kernels.moe_decode"]
 INT_INPUTS = {"indices": "uint32_t", "dims": "int32_t"}
 WEIGHT_INPUTS = {"gate_w", "up_w", "w"}
 FLOAT_INPUTS = {"params", "gate_scale", "out_scale"}
+SMALL_INPUTS = {"dims", "params"}
 
 
 def signature(name, inputs, outputs, t):
     def ctype(n):
         return INT_INPUTS.get(n) or ("uint32_t" if n in WEIGHT_INPUTS else "float" if n in FLOAT_INPUTS else t)
 
-    params = [f"const device {ctype(n)}* {n}" for n in inputs] + [f"device {ctype(n)}* {n}" for n in outputs]
+    # dims and params are always below CONSTANT_BELOW elements: `constant` memory (volatile here)
+    params = [f"const {'volatile' if n in SMALL_INPUTS else 'device'} {ctype(n)}* {n}" for n in inputs]
+    params += [f"device {ctype(n)}* {n}" for n in outputs]
     return f"void {name}({', '.join(params + list(ATTRIBUTES))})"
 
 

@@ -103,12 +103,13 @@ inline void rows_dot(thread float* out, thread const QuantizedRows<S>* m, int fi
 // A simdgroup's RPW rows (from first_row) of one pair's hidden row: the gate and up GEMVs of
 // its expert on the token's `activations`, additive biases, the gate scale, the activation.
 // `gate_matrices` / `up_matrices` hold every expert's. GATED false: an MLP's first projection:
-// only `up_matrices` is read.
-template <int BITS, int GROUP, int RPW, bool GATED, typename T, typename S, typename P, typename GB, typename UB, typename SC>
+// only `up_matrices` is read. The bias, scale and params pointers come in whichever address space
+// MLX passed them (`constant` below 8 elements: absent inputs, params, a few experts' scales).
+template <int BITS, int GROUP, int RPW, bool GATED, typename T, typename S, typename P, typename GB, typename UB,
+          typename SC, typename PP>
 inline void gate_up_rows(device T* hidden, int pair, ulong expert, int first_row, P activations,
-                         QuantizedRows<S> gate_matrices, QuantizedRows<S> up_matrices, const device GB* gate_bias,
-                         const device UB* up_bias, const device SC* gate_scale, thread const Dims& d,
-                         const device float* params, uint lane) {
+                         QuantizedRows<S> gate_matrices, QuantizedRows<S> up_matrices, GB gate_bias, UB up_bias,
+                         SC gate_scale, thread const Dims& d, PP params, uint lane) {
   // This simdgroup's RPW rows of the expert's matrices, up then gate (rows past OUT_DIM read the
   // last row and are not written).
   float dots[2 * RPW];
