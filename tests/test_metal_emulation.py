@@ -19,7 +19,7 @@ from mlx_moe_fix.kernels.sources import sections
 from .metal_emulation import CXX, EmulatedMetalKernel
 from .parity.cases import make_case
 from .parity.test_greedy_tokens import MOE_LAYER, N_TOKENS, assert_tokens_match_stock
-from .parity.test_ops import check, float32_oracle
+from .parity.test_ops import check, every_fp4_code, float32_oracle
 from .parity.tolerance import references_only
 
 DECODE = sys.modules["mlx_moe_fix.kernels.moe_decode"]  # the package's name is the dispatcher's
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++ or cla
 # experts, top_k, batch, tokens) and keywords: each activation, both bit widths and every group
 # size, the clamp stage binding, additive biases, Inkling's per-expert scales, per-pair outputs
 # and the weighted combine, a top-k that does not divide the down's 4 simdgroups, and top-k 8
-# (two pairs a simdgroup).
+# (two pairs a simdgroup); mxfp4 and nvfp4 experts against each activation dtype.
 CASES = {
     "bf16 4-bit/64 swiglu combined": ((mx.bfloat16, (4, 64), True, "swiglu", 50.0, False, 128, 64, 8, 2, 1, 2),
                                       {"with_weights": True}),
@@ -47,6 +47,14 @@ CASES = {
                                                   {"with_weights": True}),
     "bf16 4-bit/64 swiglu top-8 combined": ((mx.bfloat16, (4, 64), True, "swiglu", 50.0, False, 64, 64, 8, 8, 1, 1),
                                              {"with_weights": True, "seed": 5}),
+    "bf16 mxfp4 gpt-oss swiglu with biases combined": ((mx.bfloat16, (4, 32, "mxfp4"), True, "swiglu_oai", 7.0, False, 128,
+                                                        64, 8, 2, 1, 2), {"with_weights": True, "bias": True}),
+    "fp16 nvfp4 swiglu Inkling scales per pair": ((mx.float16, (4, 16, "nvfp4"), True, "swiglu", 50.0, True, 64, 96, 4, 2,
+                                                   1, 2), {}),
+    "fp32 mxfp4 gelu (SwitchMLP) top-3 combined": ((mx.float32, (4, 32, "mxfp4"), False, "gelu", 50.0, False, 96, 64, 6, 3,
+                                                    1, 2), {"with_weights": True}),
+    "bf16 nvfp4 swiglu top-8 combined": ((mx.bfloat16, (4, 16, "nvfp4"), True, "swiglu", 50.0, False, 64, 64, 8, 8, 1, 1),
+                                         {"with_weights": True, "seed": 3}),
 }
 
 
@@ -66,7 +74,20 @@ def emulated_metal(monkeypatch):
 def test_emulated_metal_decode_kernel_matches_ref(emulated_metal, name):
     arguments, keywords = CASES[name]
     case = make_case(*arguments, **keywords)
+    assert DECODE.cuda_unsupported_reason(case.experts, case.dtype) is None
     check(DECODE.moe_decode_kernel, case, float32_oracle(moe_decode_reference, case))
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4"])
+def test_emulated_metal_decode_kernel_reads_every_fp4_code_and_scale_exactly(emulated_metal, mode):
+    # tests/parity/test_ops.py's check of the CUDA kernels: one-hot activation rows read each
+    # weight out of the kernel unrounded (Metal's loop: twice the code's value times half the
+    # scale, in fp32), against every activation dtype it takes.
+    moe, expected, in_dim = every_fp4_code(mode)
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        assert DECODE.cuda_unsupported_reason(moe, dtype) is None
+        out = DECODE.moe_decode_kernel(mx.eye(in_dim, dtype=dtype), mx.ones((in_dim, 1), dtype=mx.uint32), moe)[:, 0, :]
+        assert mx.array_equal(out, expected.astype(dtype)).item(), (dtype, mx.abs(out.astype(mx.float32) - expected).max())
 
 
 def test_the_emulation_finds_a_wrong_metal_kernel(emulated_metal, monkeypatch):
@@ -100,12 +121,13 @@ def emulated_metal_backend(emulated_metal, monkeypatch, switch):
     switch(DECODE.METAL_KERNEL_SWITCH, "1")
 
 
-@pytest.mark.parametrize("family", zoo.FAMILIES)
-def test_emulated_metal_greedy_tokens_match_stock(emulated_metal_backend, family):
+@pytest.mark.parametrize("family, experts_mode", [(family, "affine") for family in zoo.FAMILIES]
+                         + [("gpt_oss", "mxfp4"), ("inkling", "nvfp4")])
+def test_emulated_metal_greedy_tokens_match_stock(emulated_metal_backend, family, experts_mode):
     # tests/parity/test_greedy_tokens.py's check (teacher-forced, as for any kernel that sums in
     # another order than stock), in float32 as the CPU runs stock; its decode calls must have
-    # reached the emulated kernel.
-    model = zoo.build(family, 4)
+    # reached the emulated kernel. gpt-oss's and Inkling's experts also as their checkpoints ship.
+    model = zoo.build(family, 4, experts_mode=experts_mode)
     prompt = zoo.prompt_for(family)
     with zoo.recording_routes(model) as stock_routes:
         stock, stock_logits = zoo.greedy_decode(model, prompt, N_TOKENS)

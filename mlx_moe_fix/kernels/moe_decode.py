@@ -4,7 +4,7 @@ Reference: each token's row paired with its k experts directly (one GEMV per pai
 CUDA kernel (`cuda/moe_decode.cu`): two launches per layer: gate+up GEMV with the activation
 (clamp stage and per-expert gate scale included), then down GEMV with the per-expert output scale
 and the weighted top-k combine, so the [tokens, k, hidden] intermediate is never written.
-Affine 4- / 8-bit experts, and on CUDA mxfp4 / nvfp4 ones against bf16 / fp16 activations.
+Affine 4- / 8-bit experts, and mxfp4 / nvfp4 ones (on CUDA against bf16 / fp16 activations).
 Metal kernel (`metal/moe_decode.metal`): the same two launches, one simdgroup where CUDA has one
 warp, the same launchers; not yet run on Apple hardware, so off unless MLX_MOE_FIX_METAL_DECODE=1.
 """
@@ -120,19 +120,29 @@ def shared_split_bytes(experts: MoEExperts, dtype, backend: str) -> int:
 MAX_EXPERT_WORDS = 2**32
 
 
+# MLX passes a Metal kernel's inputs of fewer elements in the `constant` address space; the Metal
+# GEMV reads the packed weights, scales and affine biases as `device` memory.
+METAL_DEVICE_INPUT_ELEMENTS = 8
+
+
 def cuda_unsupported_reason(experts: MoEExperts, dtype, backend: Optional[str] = None) -> Optional[str]:
     """Why the GPU decode kernel of `backend` (default: the current one; Metal's too) cannot take
-    these experts against activations of `dtype`, or None. mxfp4 and nvfp4 experts on CUDA only,
-    against 16-bit activations (the fixed-point GEMV reads their codes: cuda/moe_decode.cu,
-    e2m1_bytes)."""
-    cuda = (backend or current_backend()) == "cuda"
-    reason = quantized_experts_reason(experts, ("affine", MXFP4, NVFP4) if cuda else ("affine",))
-    reason = reason or fp4_activations_reason(experts, dtype, (mx.bfloat16, mx.float16))
+    these experts against activations of `dtype`, or None. mxfp4 and nvfp4 experts on CUDA against
+    16-bit activations only (the fixed-point GEMV reads their codes: cuda/moe_decode.cu,
+    e2m1_bytes); Metal's fp32 loop reads them against any."""
+    metal = (backend or current_backend()) == "metal"
+    reason = quantized_experts_reason(experts, ("affine", MXFP4, NVFP4))
+    reason = reason or fp4_activations_reason(experts, dtype, (mx.bfloat16, mx.float16, mx.float32) if metal else
+                                              (mx.bfloat16, mx.float16))
     if reason is None and any(p.input_dims % (128 // p.bits) for p in experts.projections):  # all quantized here
         # a group of at least 32 4-bit (16 8-bit) values makes whole vectors; nvfp4's of 16 may not
-        return "rows of packed weights not whole 16-byte vectors: the CUDA decode GEMV reads 16 bytes at a time"
+        return "rows of packed weights not whole 16-byte vectors: the decode GEMV reads 16 bytes at a time"
     if reason is None and any(p.output_dims * p.weight.shape[-1] >= MAX_EXPERT_WORDS for p in experts.projections):
         return "an expert matrix of 2^32 packed words or more: the CUDA decode GEMV addresses one with 32-bit offsets"
+    if reason is None and metal and any(a is not None and a.size < METAL_DEVICE_INPUT_ELEMENTS
+                                           for p in experts.projections for a in (p.weight, p.scales, p.biases)):
+        return (f"packed weights, scales or biases of fewer than {METAL_DEVICE_INPUT_ELEMENTS} elements: MLX passes "
+                "them to a Metal kernel in constant memory, which the Metal decode GEMV does not read")
     return reason
 
 

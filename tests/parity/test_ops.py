@@ -122,7 +122,7 @@ def test_unsupported_quantization_is_reported(mode, reason_part):
 def test_fp4_experts_are_supported_by_the_references_and_the_cuda_kernels_that_read_them():
     # The ops' references run MLX's own mxfp4 matmuls. On CUDA the grouped prefill GEMM
     # dequantises mxfp4 to bf16 and the decode GEMV reads it in fixed point (bf16 / fp16); the
-    # Metal decode kernel reads affine weights only.
+    # Metal decode kernel's fp32 loop reads it against any activations.
     from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason as decode_reason
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason as prefill_reason
 
@@ -133,7 +133,8 @@ def test_fp4_experts_are_supported_by_the_references_and_the_cuda_kernels_that_r
     assert "bfloat16 only" in prefill_reason(case.experts, mx.float16)
     assert decode_reason(case.experts, mx.bfloat16, "cuda") is None
     assert "mxfp4 experts against mlx.core.float32 activations" in decode_reason(case.experts, mx.float32, "cuda")
-    assert "mxfp4-quantized experts" in decode_reason(case.experts, mx.bfloat16, "metal")
+    assert decode_reason(case.experts, mx.bfloat16, "metal") is None
+    assert "additive bias is not of the activations' dtype" in decode_reason(case.experts, mx.float32, "metal")
     linear = case.experts.projections[0]
     grouped_64 = dataclasses.replace(linear, group_size=64)
     assert "groups of 32 only" in grouped_64.unsupported_reason()
@@ -142,11 +143,12 @@ def test_fp4_experts_are_supported_by_the_references_and_the_cuda_kernels_that_r
     assert case.experts.unsupported_reason(case.x, case.indices) is None and case.experts.gate_scale is not None
     assert prefill_reason(case.experts, mx.bfloat16) is None
     assert decode_reason(case.experts, mx.bfloat16, "cuda") is None
-    assert "nvfp4-quantized experts" in decode_reason(case.experts, mx.bfloat16, "metal")
+    assert decode_reason(case.experts, mx.float16, "metal") is None and decode_reason(case.experts, mx.float32, "metal") is None
     # rows of 48 values: three groups of 16, one and a half of the GEMV's 32-value vectors
     case = make_case(mx.bfloat16, (4, 16, "nvfp4"), True, "swiglu", 7.0, True, 48, 64, 8, 2, 1, 1)
     assert case.experts.projections[0].input_dims == 48
     assert "whole 16-byte vectors" in decode_reason(case.experts, mx.bfloat16, "cuda")
+    assert "whole 16-byte vectors" in decode_reason(case.experts, mx.bfloat16, "metal")
 
 
 def test_gate_and_up_quantized_differently_are_left_to_stock():
@@ -179,6 +181,21 @@ def test_experts_past_32_bit_offsets_are_left_to_stock():
     assert cuda_unsupported_reason(largest, mx.bfloat16) is None
     reason = cuda_unsupported_reason(MoEExperts((linear(MAX_EXPERT_WORDS // 4096, 4096),)), mx.bfloat16)
     assert "32-bit offsets" in reason
+
+
+def test_experts_in_arrays_too_small_for_device_memory_are_left_to_stock_on_metal():
+    # MLX passes a Metal kernel's inputs of fewer than 8 elements in constant memory, which the
+    # Metal GEMV does not read its experts from: one expert of 4 rows (4 scales and 4 biases a
+    # matrix) stays upstream's there; on CUDA the kernel takes it.
+    from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason
+
+    q, scales, biases = mx.quantize(mx.random.normal((1, 4, 64)), group_size=64, bits=4)
+    experts = MoEExperts((ExpertLinear(q, scales, biases, group_size=64, bits=4),))
+    assert "fewer than 8 elements" in cuda_unsupported_reason(experts, mx.bfloat16, "metal")
+    assert cuda_unsupported_reason(experts, mx.bfloat16, "cuda") is None
+    q, scales, biases = mx.quantize(mx.random.normal((1, 8, 64)), group_size=64, bits=4)
+    assert cuda_unsupported_reason(MoEExperts((ExpertLinear(q, scales, biases, group_size=64, bits=4),)), mx.bfloat16,
+                                   "metal") is None
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,14 @@
 // Nor the twenty-second session's fixed-point dot products (FIXED_POINT in the CUDA source):
 // they rest on CUDA's dp4a, which Metal has no counterpart of; this loop stays in fp32.
 //
-// One simdgroup per (pair or token, output rows), 16-byte loads of packed affine-quantized
-// weights, dequantisation in registers, fp32 accumulation. Template constants and types:
-//   T   activation / output type        S   scales, affine biases and additive bias type
+// One simdgroup per (pair or token, output rows), 16-byte loads of packed affine-quantized (or
+// mxfp4 / nvfp4) weights, dequantisation in registers, fp32 accumulation. Template constants and
+// types:
+//   T   activation / output type        S   scales, affine biases and additive bias type; uint8_t:
+//       FP4 experts (FP4_EXPERTS: e2m1 codes, no affine biases, additive biases of T): mxfp4 at
+//       GROUP 32 (e8m0 scales), nvfp4 at GROUP 16 (e4m3 scales)
 //   SC  per-expert scale type           WT  routing weight type
-//   BITS 4 or 8, GROUP 32/64/128, WARPS (simdgroups per threadgroup), RPW (output rows per
+//   BITS 4 or 8, GROUP 16 (nvfp4)/32/64/128, WARPS (simdgroups per threadgroup), RPW (output rows per
 //   simdgroup), HAS_BIAS (kept for the CUDA launchers' template list; unused here)
 //   gate_up: GATED;  down: INPUT_PER_PAIR, COMBINE
 // Run-time values (an int32 array `dims` and a float array `params`):
@@ -41,59 +44,111 @@ inline void load_vector(thread float* x, P row, int v) {
   for (int i = 0; i < N; ++i) x[i] = static_cast<float>(row[v * N + i]);
 }
 
-template <int BITS>
+// MLX's mxfp4 and nvfp4 experts, told by their scales: bytes, e8m0 (2^(e - 127)) a group of 32
+// or e4m3 a group of 16, the supported quantizations with 8-bit scales. Their 4-bit values are
+// e2m1 codes (sign, two exponent bits, one mantissa bit), with no affine biases; their additive
+// biases are of the activations' type. Each code is read as twice its value (an integer), the
+// group's scale halved, as in the CUDA kernel.
+template <typename S>
+constexpr constant bool FP4_EXPERTS = metal::is_same_v<S, uint8_t>;
+
+// Twice an e2m1 code's value: magnitudes 0, 1, 2, 3, 4, 6, 8, 12 by its low three bits, the top
+// bit its sign.
+inline float e2m1_doubled(uint code) {
+  const uint m = code & 7u;
+  const float magnitude = float(m < 2u ? m : (2u | (m & 1u)) << ((m >> 1) - 1u));
+  return (code & 8u) != 0u ? -magnitude : magnitude;
+}
+
+// 2^(e - 128): an e8m0 scale byte's power of two, halved (e = 0 and 1 as fp32 subnormals, which
+// a GPU that flushes them reads as 0, as MLX's own dequantisation there would).
+inline float e8m0_half(uint e) {
+  return e > 1u ? as_type<float>((e - 1u) << 23) : as_type<float>(0x00200000u << e);
+}
+
+// An e4m3 byte (nvfp4's group scales: sign, 4 exponent bits of bias 7, 3 mantissa bits,
+// subnormals below 2^-6) as fp32, exactly.
+inline float e4m3_value(uint b) {
+  const uint e = (b >> 3) & 15u, m = b & 7u;
+  const float magnitude = e != 0u ? as_type<float>((e + 120u) << 23 | m << 20) : float(m) * (1.f / 512.f);
+  return (b & 0x80u) != 0u ? -magnitude : magnitude;
+}
+
+// Sum over values of words FIRST_WORD to LAST_WORD - 1 of a vector of q x: q the unsigned
+// BITS-bit integers, or with CODES twice the e2m1 codes' values.
+template <int BITS, bool CODES, int FIRST_WORD = 0, int LAST_WORD = WORDS_PER_VECTOR>
 inline float dot_vector(uint4 packed, thread const float* x) {
   constexpr int PER_WORD = 32 / BITS;
   constexpr uint MASK = (1u << BITS) - 1u;
   float acc = 0.f;
 #pragma clang loop unroll(full)
-  for (int w = 0; w < 4; ++w) {
+  for (int w = FIRST_WORD; w < LAST_WORD; ++w) {
 #pragma clang loop unroll(full)
     for (int i = 0; i < PER_WORD; ++i) {
-      acc = metal::fma(small_uint_to_float((packed[w] >> (BITS * i)) & MASK), x[w * PER_WORD + i], acc);
+      const uint q = (packed[w] >> (BITS * i)) & MASK;
+      acc = metal::fma(CODES ? e2m1_doubled(q) : small_uint_to_float(q), x[w * PER_WORD + i], acc);
     }
   }
   return acc;
 }
 
-// One expert's quantized matrix: packed rows and per-group scales and affine biases.
-template <typename S>
+// One expert's quantized matrix: packed rows, per-group scales and affine biases. B: the biases'
+// pointer type (FP4 experts have none: their absent input, one element, comes in the `constant`
+// address space and is never read).
+template <typename S, typename B>
 struct QuantizedRows {
   const device uint32_t* w;
   const device S* s;
-  const device S* b;
+  B b;
 
   // Expert `expert`'s matrix, where these are every expert's [E, out_dim, in_dim] ones.
   template <int BITS, int GROUP>
   QuantizedRows of_expert(ulong expert, thread const Dims& d) const {
     const ulong rows_before = expert * d.out_dim;
     const ulong groups = rows_before * (d.in_dim / GROUP);
-    return {w + rows_before * (d.in_dim * BITS / 32), s + groups, b + groups};
+    return {w + rows_before * (d.in_dim * BITS / 32), s + groups, FP4_EXPERTS<S> ? b : b + groups};
   }
 };
 
+template <typename S, typename B>
+inline QuantizedRows<S, B> quantized_rows(const device uint32_t* w, const device S* s, B b) {
+  return {w, s, b};
+}
+
 // Dot products of RPW consecutive rows (first_row on, each past last_row reading last_row) of
 // each of M matrices with one activation row, summed over the simdgroup: out[m * RPW + r].
-// Each lane takes whole 16-byte vectors; a vector never straddles a quantization group.
-template <int BITS, int GROUP, int M, int RPW, typename S, typename P>
-inline void rows_dot(thread float* out, thread const QuantizedRows<S>* m, int first_row, int last_row, P activations,
+// Each lane takes whole 16-byte vectors; a vector lies within one quantization group, or nvfp4's
+// two.
+template <int BITS, int GROUP, int M, int RPW, typename S, typename B, typename P>
+inline void rows_dot(thread float* out, thread const QuantizedRows<S, B>* m, int first_row, int last_row, P activations,
                      int in_dim, uint lane) {
   constexpr int N = vector_values<BITS>();
+  constexpr bool CODES = FP4_EXPERTS<S>;
+  constexpr bool TWO_GROUPS = CODES && GROUP == 16;  // nvfp4: a vector's halves, each its group's
+  static_assert(!CODES || BITS == 4, "FP4 codes are 4-bit");
   const int vectors = in_dim / N, groups = in_dim / GROUP, words = in_dim * BITS / 32;
   float acc[M * RPW];
   for (int i = 0; i < M * RPW; ++i) acc[i] = 0.f;
   for (int v = int(lane); v < vectors; v += 32) {
     float x[N];
     load_vector<BITS>(x, activations, v);
-    float x_sum = 0.f;
-    for (int i = 0; i < N; ++i) x_sum += x[i];
+    float x_sum = 0.f;  // the affine biases' multiplier
+    for (int i = 0; i < N && !CODES; ++i) x_sum += x[i];
     const int group = v * N / GROUP;
     for (int r = 0; r < RPW; ++r) {
       const int at = metal::min(first_row + r, last_row);
       const ulong g = ulong(at) * groups + group;
       for (int j = 0; j < M; ++j) {
         const uint4 packed = *reinterpret_cast<const device uint4*>(m[j].w + ulong(at) * words + v * WORDS_PER_VECTOR);
-        acc[j * RPW + r] += static_cast<float>(m[j].s[g]) * dot_vector<BITS>(packed, x) + static_cast<float>(m[j].b[g]) * x_sum;
+        if constexpr (TWO_GROUPS) {
+          acc[j * RPW + r] += 0.5f * metal::fma(e4m3_value(m[j].s[g]), dot_vector<BITS, true, 0, 2>(packed, x),
+                                                e4m3_value(m[j].s[g + 1]) * dot_vector<BITS, true, 2, 4>(packed, x));
+        } else if constexpr (CODES) {
+          acc[j * RPW + r] += e8m0_half(m[j].s[g]) * dot_vector<BITS, true>(packed, x);
+        } else {
+          acc[j * RPW + r] += static_cast<float>(m[j].s[g]) * dot_vector<BITS, false>(packed, x)
+                              + static_cast<float>(m[j].b[g]) * x_sum;
+        }
       }
     }
   }
@@ -105,15 +160,15 @@ inline void rows_dot(thread float* out, thread const QuantizedRows<S>* m, int fi
 // `gate_matrices` / `up_matrices` hold every expert's. GATED false: an MLP's first projection:
 // only `up_matrices` is read. The bias, scale and params pointers come in whichever address space
 // MLX passed them (`constant` below 8 elements: absent inputs, params, a few experts' scales).
-template <int BITS, int GROUP, int RPW, bool GATED, typename T, typename S, typename P, typename GB, typename UB,
+template <int BITS, int GROUP, int RPW, bool GATED, typename T, typename S, typename B, typename P, typename GB, typename UB,
           typename SC, typename PP>
 inline void gate_up_rows(device T* hidden, int pair, ulong expert, int first_row, P activations,
-                         QuantizedRows<S> gate_matrices, QuantizedRows<S> up_matrices, GB gate_bias, UB up_bias,
+                         QuantizedRows<S, B> gate_matrices, QuantizedRows<S, B> up_matrices, GB gate_bias, UB up_bias,
                          SC gate_scale, thread const Dims& d, PP params, uint lane) {
   // This simdgroup's RPW rows of the expert's matrices, up then gate (rows past OUT_DIM read the
   // last row and are not written).
   float dots[2 * RPW];
-  const QuantizedRows<S> matrices[2] = {up_matrices.template of_expert<BITS, GROUP>(expert, d),
+  const QuantizedRows<S, B> matrices[2] = {up_matrices.template of_expert<BITS, GROUP>(expert, d),
                                         gate_matrices.template of_expert<BITS, GROUP>(expert, d)};
   if (GATED) {
     rows_dot<BITS, GROUP, 2, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
@@ -149,7 +204,7 @@ inline void gate_up_rows(device T* hidden, int pair, ulong expert, int first_row
   if (first_row >= d.out_dim) return;
   gate_up_rows<BITS, GROUP, RPW, GATED, T, S>(
       hidden, pair, indices[pair], first_row, x + ulong(pair / d.top_k) * d.in_dim,
-      QuantizedRows<S>{gate_w, gate_s, gate_b}, QuantizedRows<S>{up_w, up_s, up_b}, gate_bias, up_bias, gate_scale, d, params,
+      quantized_rows(gate_w, gate_s, gate_b), quantized_rows(up_w, up_s, up_b), gate_bias, up_bias, gate_scale, d, params,
       thread_index_in_simdgroup);
 }
 
@@ -180,7 +235,7 @@ inline void gate_up_rows(device T* hidden, int pair, ulong expert, int first_row
   for (int j = pair_slot; active && j < pairs; j += pair_slots) {
     const int pair = first_pair + j;
     const ulong expert = indices[pair];
-    const QuantizedRows<S> matrices[1] = {QuantizedRows<S>{w, s, b}.template of_expert<BITS, GROUP>(expert, d)};
+    const QuantizedRows<S, decltype(b)> matrices[1] = {quantized_rows(w, s, b).template of_expert<BITS, GROUP>(expert, d)};
     const auto activations = hidden + ulong(INPUT_PER_PAIR ? pair : pair / d.top_k) * d.in_dim;
     float dots[RPW];
     rows_dot<BITS, GROUP, 1, RPW>(dots, matrices, first_row, d.out_dim - 1, activations, d.in_dim, lane);
