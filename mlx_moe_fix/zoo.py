@@ -11,6 +11,7 @@ experts.
 API::
 
     FAMILIES                                  # the 7 family names
+    BREADTH_FAMILIES                          # 34 more of mlx-lm's (zoo_breadth.py): build and prompt_for take them
     build(family, bits, *, seed=0, dtype=mx.float32) -> model
     prompt_for(family) -> list[int]           # fixed prompt, >= 64 (token, expert) pairs
     greedy_tokens(model, prompt, n=32) -> list[int]
@@ -35,6 +36,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .kernels.experts import FP4_GROUP_SIZES
 from .patches import compiled
+from .zoo_breadth import BREADTH_FAMILIES
 
 FAMILIES: tuple[str, ...] = (
     "mixtral",
@@ -79,6 +81,9 @@ EXPERTS: dict[str, tuple[int, int]] = {
 
 
 def _config(family: str):
+    if family in BREADTH_FAMILIES:
+        breadth = BREADTH_FAMILIES[family]
+        return importlib.import_module(breadth.module).ModelArgs.from_dict(breadth.config)
     E, K = EXPERTS[family]
     if family == "mixtral":
         from mlx_lm.models.mixtral import ModelArgs
@@ -243,6 +248,8 @@ def _config(family: str):
 
 
 def _model_class(family: str):
+    if family in BREADTH_FAMILIES:
+        return importlib.import_module(BREADTH_FAMILIES[family].module).Model
     if family == "deepseek_v4":
         return importlib.import_module("mlx_vlm.models.deepseek_v4.language").LanguageModel
     if family == "inkling":
@@ -276,7 +283,6 @@ def _module_kinds(model: nn.Module) -> dict[str, str]:
 
 def _reinit(model: nn.Module, family: str) -> None:
     kinds = _module_kinds(model)
-    E, K = EXPERTS[family]
     new = []
     for path, v in tree_flatten(model.parameters()):
         name = path.rsplit(".", 1)[-1]
@@ -284,6 +290,7 @@ def _reinit(model: nn.Module, family: str) -> None:
         shape = v.shape
         if name == "tid2eid":
             # deepseek_v4 hash routing: K distinct experts per token id.
+            E, K = EXPERTS[family]
             r = mx.random.uniform(shape=(shape[0], E))
             w = mx.argsort(r, axis=-1)[:, :K].astype(v.dtype)
         elif not mx.issubdtype(v.dtype, mx.floating):
@@ -379,8 +386,8 @@ def _cast(model: nn.Module, dtype) -> None:
 def build(family: str, bits: int, *, seed: int = 0, dtype=mx.float32, experts_mode: str = "affine"):
     """A small random MoE model of ``family``, affine-quantized to ``bits``; its routed experts
     in ``experts_mode`` ("affine" as the rest, or one of EXPERT_MODES)."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if family not in FAMILIES and family not in BREADTH_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES} or zoo_breadth's")
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     if experts_mode != "affine" and experts_mode not in EXPERT_MODES:
@@ -397,10 +404,15 @@ def build(family: str, bits: int, *, seed: int = 0, dtype=mx.float32, experts_mo
     return model
 
 
-def prompt_for(family: str, length: int = PROMPT_LEN) -> list[int]:
-    """A fixed prompt (the same for every family)."""
-    if family not in FAMILIES:
+def prompt_for(family: str, length: Optional[int] = None) -> list[int]:
+    """A fixed prompt (the same for every family): `length` tokens, by default PROMPT_LEN, or for a
+    family routing each token to one expert (llama4) twice that, so that the prompt makes as many
+    (token, expert) pairs as the others' do."""
+    if family not in FAMILIES and family not in BREADTH_FAMILIES:
         raise ValueError(f"unknown family {family!r}")
+    if length is None:
+        top_k = BREADTH_FAMILIES[family].experts[1] if family in BREADTH_FAMILIES else EXPERTS[family][1]
+        length = PROMPT_LEN * (2 if top_k == 1 else 1)
     # Deterministic, well spread over the vocab, no repeats in the first VOCAB tokens.
     return [(37 * i + 11) % VOCAB for i in range(length)]
 

@@ -1,0 +1,313 @@
+"""More of mlx-lm's MoE families for the zoo (``zoo.build(family, bits)``): each built from its own
+``ModelArgs.from_dict`` with the smallest config that keeps its structure, so that the breadth
+parity test (tests/parity/test_families.py) can check every family whose MoE layers are
+``SwitchGLU``s keeps stock's greedy tokens with the package applied. The seven families of
+``zoo.FAMILIES`` go through every test; these through that one.
+
+Sizes as the zoo's (``zoo.VOCAB`` 256, ``zoo.HIDDEN`` 128, two to four layers, at least one of
+them MoE); no quantized projection takes a 64-wide input (zoo.K64_NOTE). Not here: hunyuan (its
+head is always the tied embedding and nothing scales its experts: every small config tried gave
+one repeated token), nemotron_h and phixtral (SwitchMLP experts: the test follows SwitchGLUs),
+muse_spark (its attention, router and norms are Metal-only kernels)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class BreadthFamily(NamedTuple):
+    module: str  # the model module, whose ModelArgs and Model build it
+    config: dict  # its ModelArgs.from_dict argument
+    experts: tuple  # (num_experts, top_k)
+
+
+BREADTH_FAMILIES: dict[str, BreadthFamily] = {
+    "afmoe": BreadthFamily("mlx_lm.models.afmoe", {
+        "model_type": "afmoe", "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2,
+        "num_shared_experts": 1, "num_dense_layers": 1, "route_norm": True, "route_scale": 2.826,
+        "score_func": "sigmoid", "n_group": 2, "topk_group": 1, "sliding_window": 32,
+        "mup_enabled": True}, (8, 2)),
+    "bailing_hybrid": BreadthFamily("mlx_lm.models.bailing_hybrid", {
+        "model_type": "bailing_hybrid", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1,
+        "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "layer_group_size": 2,
+        "group_norm_size": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "routed_scaling_factor": 2.5, "head_dim": 32,
+        "kv_lora_rank": 128, "q_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 128,
+        "v_head_dim": 32, "partial_rotary_factor": 0.5, "tie_word_embeddings": False}, (8, 2)),
+    "bailing_moe": BreadthFamily("mlx_lm.models.bailing_moe", {
+        "model_type": "bailing_moe", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "max_position_embeddings": 4096, "moe_intermediate_size": 128, "num_experts": 8,
+        "num_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 4,
+        "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "first_k_dense_replace": 1,
+        "use_qk_norm": True, "tie_word_embeddings": False, "moe_router_enable_expert_bias": True,
+        "score_function": "sigmoid", "routed_scaling_factor": 2.5, "n_group": 2, "topk_group": 1},
+        (8, 2)),
+    "bailing_moe_linear": BreadthFamily("mlx_lm.models.bailing_moe_linear", {
+        "model_type": "bailing_moe_linear", "vocab_size": 256, "hidden_size": 128,
+        "intermediate_size": 256, "max_position_embeddings": 4096, "moe_intermediate_size": 128,
+        "num_experts": 8, "num_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 4,
+        "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "first_k_dense_replace": 1,
+        "layer_group_size": 2, "group_norm_size": 2, "use_qk_norm": True,
+        "tie_word_embeddings": False, "partial_rotary_factor": 0.5,
+        "moe_router_enable_expert_bias": True, "score_function": "sigmoid",
+        "routed_scaling_factor": 2.5, "n_group": 2, "topk_group": 1, "head_dim": 32}, (8, 2)),
+    "bailing_moe_v3": BreadthFamily("mlx_lm.models.bailing_moe_v3", {
+        "model_type": "bailing_hybrid", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 128, "moe_shared_expert_intermediate_size": 128,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
+        "num_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+        "routed_scaling_factor": 2.5, "layer_group_size": 2, "head_dim": 32, "q_lora_rank": 128,
+        "kv_lora_rank": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 32, "v_head_dim": 32,
+        "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False}, (8, 2)),
+    "deepseek": BreadthFamily("mlx_lm.models.deepseek", {
+        "model_type": "deepseek", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "n_shared_experts": 1, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "moe_layer_freq": 1, "first_k_dense_replace": 1,
+        "max_position_embeddings": 4096}, (8, 2)),
+    "deepseek_v2": BreadthFamily("mlx_lm.models.deepseek_v2", {
+        "model_type": "deepseek_v2", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
+        "routed_scaling_factor": 1.0, "kv_lora_rank": 128, "q_lora_rank": 128, "qk_rope_head_dim": 32,
+        "v_head_dim": 32, "qk_nope_head_dim": 64, "topk_method": "group_limited_greedy", "n_group": 2,
+        "topk_group": 1, "num_experts_per_tok": 2, "moe_layer_freq": 1, "first_k_dense_replace": 1,
+        "max_position_embeddings": 4096,
+        "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0}},
+        (8, 2)),
+    "deepseek_v32": BreadthFamily("mlx_lm.models.deepseek_v32", {
+        "model_type": "deepseek_v32", "vocab_size": 256, "hidden_size": 128, "index_head_dim": 64,
+        "index_n_heads": 2, "index_topk": 16, "intermediate_size": 256, "moe_intermediate_size": 128,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "n_shared_experts": 1, "n_routed_experts": 8, "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 128, "q_lora_rank": 128, "qk_rope_head_dim": 32, "v_head_dim": 32,
+        "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "norm_topk_prob": True, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+        "moe_layer_freq": 1, "first_k_dense_replace": 1, "max_position_embeddings": 4096}, (8, 2)),
+    "deepseek_v41": BreadthFamily("mlx_lm.models.deepseek_v41", {
+        "model_type": "deepseek_v41", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "head_dim": 128, "q_lora_rank": 128, "qk_rope_head_dim": 32,
+        "o_groups": 2, "o_lora_rank": 128, "moe_intermediate_size": 128, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "swiglu_limit": 1.5, "rms_norm_eps": 1e-6, "sliding_window": 32,
+        "max_position_embeddings": 4096}, (8, 2)),
+    "dots1": BreadthFamily("mlx_lm.models.dots1", {
+        "model_type": "dots1", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 3,
+        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "first_k_dense_replace": 1,
+        "moe_intermediate_size": 128, "n_routed_experts": 8, "n_shared_experts": 1,
+        "norm_topk_prob": True, "num_experts_per_tok": 2, "rope_theta": 10000.0,
+        "routed_scaling_factor": 2.5, "scoring_func": "noaux_tc", "n_group": 2, "topk_group": 1,
+        "tie_word_embeddings": False}, (8, 2)),
+    "ernie4_5_moe": BreadthFamily("mlx_lm.models.ernie4_5_moe", {
+        "model_type": "ernie4_5_moe", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "max_position_embeddings": 4096, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 3, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "use_bias": False,
+        "tie_word_embeddings": False, "moe_num_experts": 8, "moe_layer_start_index": 1,
+        "moe_intermediate_size": 128, "moe_k": 2, "moe_layer_interval": 1,
+        "moe_num_shared_experts": 1}, (8, 2)),
+    "exaone_moe": BreadthFamily("mlx_lm.models.exaone_moe", {
+        "model_type": "exaone_moe", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+        "intermediate_size": 256, "moe_intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+        "num_shared_experts": 1, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+        "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"],
+        "is_moe_layer": [True, True], "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+        "tie_word_embeddings": False}, (8, 2)),
+    "gemma4_text": BreadthFamily("mlx_lm.models.gemma4_text", {
+        "model_type": "gemma4_text", "vocab_size": 256, "vocab_size_per_layer_input": 256,
+        "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "global_head_dim": 64,
+        "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "sliding_window": 32,
+        "layer_types": ["sliding_attention", "full_attention"], "enable_moe_block": True,
+        "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 128,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False}, (8, 2)),
+    "glm4_moe": BreadthFamily("mlx_lm.models.glm4_moe", {
+        "model_type": "glm4_moe", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 3,
+        "intermediate_size": 256, "max_position_embeddings": 4096, "moe_intermediate_size": 128,
+        "norm_topk_prob": True, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "n_routed_experts": 8,
+        "routed_scaling_factor": 2.5, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "rope_scaling": None, "use_qk_norm": True,
+        "tie_word_embeddings": False, "attention_bias": False, "partial_rotary_factor": 0.5}, (8, 2)),
+    "glm4_moe_lite": BreadthFamily("mlx_lm.models.glm4_moe_lite", {
+        "model_type": "glm4_moe_lite", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 3,
+        "intermediate_size": 256, "moe_intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
+        "routed_scaling_factor": 1.8, "kv_lora_rank": 128, "q_lora_rank": 128,
+        "qk_rope_head_dim": 32, "qk_nope_head_dim": 128, "v_head_dim": 128, "n_group": 2,
+        "topk_group": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 0}, (8, 2)),
+    "granitemoe": BreadthFamily("mlx_lm.models.granitemoe", {
+        "model_type": "granitemoe", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6, "logits_scaling": 1.0, "attention_multiplier": 0.03125,
+        "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "max_position_embeddings": 4096,
+        "attention_bias": False, "rope_theta": 10000.0, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "tie_word_embeddings": False}, (8, 2)),
+    "granitemoehybrid": BreadthFamily("mlx_lm.models.granitemoehybrid", {
+        "model_type": "granitemoehybrid", "vocab_size": 256, "hidden_size": 128,
+        "num_hidden_layers": 2, "intermediate_size": 128, "max_position_embeddings": 4096,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "attention_bias": False,
+        "embedding_multiplier": 1.0, "attention_multiplier": 0.03125, "logits_scaling": 1.0,
+        "residual_multiplier": 1.0, "layer_types": ["mamba", "attention"], "rms_norm_eps": 1e-6,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "shared_intermediate_size": 128,
+        "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_proj_bias": False, "mamba_d_state": 16,
+        "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_conv_bias": True,
+        "position_embedding_type": "rope", "tie_word_embeddings": False}, (8, 2)),
+    "jamba": BreadthFamily("mlx_lm.models.jamba", {
+        "model_type": "jamba", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 0,
+        "expert_layer_period": 1, "mamba_d_conv": 4, "mamba_d_state": 16, "mamba_expand": 2,
+        "num_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False}, (8, 2)),
+    "kimi_k3": BreadthFamily("mlx_lm.models.kimi_k3", {
+        "model_type": "kimi_k3", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 256,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+        "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "num_heads": 2,
+                               "head_dim": 128, "short_conv_kernel_size": 4},
+        "hidden_act": "situ", "q_lora_rank": 128, "kv_lora_rank": 128, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 32, "v_head_dim": 128, "mla_use_nope": True, "num_experts": 8,
+        "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 128,
+        "first_k_dense_replace": 0, "moe_layer_freq": 1, "num_expert_group": 2, "topk_group": 1,
+        "tie_word_embeddings": False}, (8, 2)),
+    "kimi_linear": BreadthFamily("mlx_lm.models.kimi_linear", {
+        "model_type": "kimi_linear", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 256,
+        "head_dim": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "num_heads": 2,
+                               "head_dim": 128, "short_conv_kernel_size": 4},
+        "model_max_length": 4096, "num_experts": 8, "moe_intermediate_size": 128,
+        "kv_lora_rank": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 32, "v_head_dim": 128,
+        "num_experts_per_token": 2, "num_shared_experts": 1, "num_expert_group": 2,
+        "topk_group": 1, "tie_word_embeddings": False}, (8, 2)),
+    "Klear": BreadthFamily("mlx_lm.models.Klear", {
+        "model_type": "Klear", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "attention_bias": False, "mlp_only_layers": [], "num_experts": 8, "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1, "n_shared_experts": 1, "moe_intermediate_size": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+        "norm_topk_prob": True}, (8, 2)),
+    "laguna": BreadthFamily("mlx_lm.models.laguna", {
+        "model_type": "laguna", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 3,
+        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "max_position_embeddings": 4096, "sliding_window": 32,
+        "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128, "tie_word_embeddings": False}, (8, 2)),
+    "lfm2_moe": BreadthFamily("mlx_lm.models.lfm2_moe", {
+        "model_type": "lfm2_moe", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 3,
+        "intermediate_size": 256, "moe_intermediate_size": 128, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 4096, "use_expert_bias": True,
+        "num_dense_layers": 1, "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3,
+        # embeddings always tied (lm head = embed_tokens.as_linear): at routed_scaling_factor 1-2.5
+        # the stream is one repeated token (32 x 174); 16 lets the MoE outweigh the embedding.
+        "routed_scaling_factor": 16.0,
+        "layer_types": ["conv", "full_attention", "conv"]}, (8, 2)),
+    "llama4": BreadthFamily("mlx_lm.models.llama4", {
+        "model_type": "llama4", "text_config": {
+            "model_type": "llama4_text", "attention_bias": False, "attention_chunk_size": 8192,
+            "head_dim": 32, "hidden_size": 128, "interleave_moe_layer_step": 1,
+            "intermediate_size": 128, "intermediate_size_mlp": 256, "max_position_embeddings": 4096,
+            "num_attention_heads": 4, "num_experts_per_tok": 1, "num_hidden_layers": 4,
+            "num_key_value_heads": 2, "num_local_experts": 8, "rms_norm_eps": 1e-5,
+            "rope_scaling": None, "rope_theta": 5e5, "use_qk_norm": True, "vocab_size": 256}}, (8, 1)),
+    "longcat_flash": BreadthFamily("mlx_lm.models.longcat_flash", {
+        "model_type": "longcat_flash", "attention_method": "MLA", "zero_expert_type": "identity",
+        "hidden_size": 128, "ffn_hidden_size": 256, "moe_topk": 2, "expert_ffn_hidden_size": 128,
+        "n_routed_experts": 8, "zero_expert_num": 2, "num_layers": 2, "vocab_size": 256,
+        "max_position_embeddings": 4096, "num_attention_heads": 4, "kv_lora_rank": 128,
+        "q_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32,
+        "routed_scaling_factor": 6.0, "rms_norm_eps": 1e-5, "rope_theta": 1e4,
+        "mla_scale_q_lora": True, "mla_scale_kv_lora": True, "attention_bias": False,
+        "norm_topk_prob": False, "router_bias": False}, (8, 2)),
+    "mellum": BreadthFamily("mlx_lm.models.mellum", {
+        "model_type": "mellum", "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256,
+        "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "rms_norm_eps": 1e-6, "vocab_size": 256, "num_key_value_heads": 2, "head_dim": 32,
+        "tie_word_embeddings": False, "max_position_embeddings": 4096, "norm_topk_prob": True,
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_theta": 1e4, "rope_type": "default"},
+                            "full_attention": {"rope_theta": 1e6, "rope_type": "default"}}}, (8, 2)),
+    "mimo_v2_flash": BreadthFamily("mlx_lm.models.mimo_v2_flash", {
+        "model_type": "mimo_v2_flash", "num_experts_per_tok": 2, "hybrid_layer_pattern": [0, 1],
+        "moe_layer_freq": [1, 1], "add_swa_attention_sink_bias": True, "add_full_attention_sink_bias": False,
+        "sliding_window_size": 128, "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "n_shared_experts": None, "n_routed_experts": 8,
+        "routed_scaling_factor": None, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "max_position_embeddings": 4096,
+        "layernorm_epsilon": 1e-5, "rope_theta": 5e6, "swa_rope_theta": 1e4,
+        "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "head_dim": 64, "v_head_dim": 64,
+        "swa_head_dim": 64, "swa_v_head_dim": 64, "partial_rotary_factor": 0.5}, (8, 2)),
+    "minimax": BreadthFamily("mlx_lm.models.minimax", {
+        "model_type": "minimax", "hidden_size": 128, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 4096, "num_experts_per_tok": 2,
+        "num_local_experts": 8, "shared_intermediate_size": 0, "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-6, "rope_theta": 5e6, "rotary_dim": 16, "vocab_size": 256,
+        "tie_word_embeddings": False, "scoring_func": "sigmoid", "head_dim": 32, "use_qk_norm": True}, (8, 2)),
+    "minimax_m3_vl": BreadthFamily("mlx_lm.models.minimax_m3_vl", {
+        "model_type": "minimax_m3_vl", "text_config": {
+            "model_type": "minimax_m3", "hidden_size": 128, "intermediate_size": 128,
+            "dense_intermediate_size": 256, "shared_intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_hidden_layers": 2, "num_local_experts": 8,
+            "num_experts_per_tok": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+            "rope_theta": 5e6, "head_dim": 32, "partial_rotary_factor": 0.5, "vocab_size": 256,
+            "tie_word_embeddings": False, "routed_scaling_factor": 2.0, "use_qk_norm": True,
+            "use_gemma_norm": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+            "layer_types": ["full_attention", "sparse_attention"],
+            "index_n_heads": 2, "index_head_dim": 32, "index_block_size": 16, "index_topk_blocks": 2,
+            "index_local_blocks": 1}}, (8, 2)),
+    "mistral4": BreadthFamily("mlx_lm.models.mistral4", {
+        "model_type": "mistral4", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
+        "routed_scaling_factor": 1.0, "kv_lora_rank": 128, "q_lora_rank": 128, "norm_topk_prob": True,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "topk_group": 1, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 0, "n_group": 1, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32,
+        "v_head_dim": 32, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                            "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}}, (8, 2)),
+    "olmoe": BreadthFamily("mlx_lm.models.olmoe", {
+        "model_type": "olmoe", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
+        "num_experts_per_tok": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}, (8, 2)),
+    "qwen2_moe": BreadthFamily("mlx_lm.models.qwen2_moe", {
+        "model_type": "qwen2_moe", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
+        "rms_norm_eps": 1e-6}, (8, 2)),
+    "qwen3_next": BreadthFamily("mlx_lm.models.qwen3_next", {
+        "model_type": "qwen3_next", "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256,
+        "num_attention_heads": 4, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+        "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+        "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 128, "mlp_only_layers": [], "moe_intermediate_size": 128,
+        "rms_norm_eps": 1e-6, "vocab_size": 256, "num_key_value_heads": 2, "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25, "max_position_embeddings": 4096, "head_dim": 64,
+        "norm_topk_prob": True, "tie_word_embeddings": False, "full_attention_interval": 2}, (8, 2)),
+    "step3p5": BreadthFamily("mlx_lm.models.step3p5", {
+        "model_type": "step3p5", "hidden_size": 128, "num_hidden_layers": 3, "vocab_size": 256,
+        "num_attention_heads": 4, "num_attention_groups": 2, "head_dim": 32, "intermediate_size": 256,
+        "rms_norm_eps": 1e-5, "rope_theta": 1e4, "max_position_embeddings": 4096, "sliding_window": 128,
+        "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+        "partial_rotary_factors": [0.5, 1.0, 0.5],
+        "attention_other_setting": {"num_attention_heads": 4, "num_attention_groups": 2},
+        "use_head_wise_attn_gate": True, "moe_num_experts": 8, "moe_top_k": 2, "moe_intermediate_size": 128,
+        "share_expert_dim": 128, "moe_router_scaling_factor": 3.0, "norm_expert_weight": True,
+        "swiglu_limits": [0.0, 0.0, 7.0], "swiglu_limits_shared": [0.0, 0.0, 16.0],
+        "tie_word_embeddings": False}, (8, 2)),
+}
