@@ -30,7 +30,8 @@ pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++ or cla
 # experts, top_k, batch, tokens) and keywords: each activation, both bit widths and every group
 # size, the clamp stage binding, additive biases, Inkling's per-expert scales, per-pair outputs
 # and the weighted combine, a top-k that does not divide the down's 4 simdgroups, and top-k 8
-# (two pairs a simdgroup); mxfp4 and nvfp4 experts against each activation dtype.
+# (two pairs a simdgroup); mxfp4 and nvfp4 experts against each activation dtype; DeepSeek-V4.1's,
+# Step-3.5's, Gemma 4's and Kimi-K3's activations.
 CASES = {
     "bf16 4-bit/64 swiglu combined": ((mx.bfloat16, (4, 64), True, "swiglu", 50.0, False, 128, 64, 8, 2, 1, 2),
                                       {"with_weights": True}),
@@ -55,6 +56,14 @@ CASES = {
                                                     1, 2), {"with_weights": True}),
     "bf16 nvfp4 swiglu top-8 combined": ((mx.bfloat16, (4, 16, "nvfp4"), True, "swiglu", 50.0, False, 64, 64, 8, 8, 1, 1),
                                          {"with_weights": True, "seed": 3}),
+    "bf16 4-bit/64 DeepSeek-V4.1 swiglu (binding) combined": ((mx.bfloat16, (4, 64), True, "swiglu_fp32_limited", 0.25,
+                                                               False, 128, 64, 8, 2, 1, 2), {"with_weights": True}),
+    "fp16 4-bit/64 Step-3.5 clamped silu (binding) per pair": ((mx.float16, (4, 64), True, "swiglu_clamped_silu", 0.25,
+                                                                False, 128, 64, 8, 2, 1, 2), {}),
+    "bf16 8-bit/64 Gemma 4 geglu combined": ((mx.bfloat16, (8, 64), True, "geglu_approx", 50.0, False, 128, 64, 8, 2, 1, 2),
+                                             {"with_weights": True}),
+    "fp32 4-bit/32 Kimi-K3 situ (binding) combined": ((mx.float32, (4, 32), True, "situ", 0.25, False, 128, 64, 8, 2, 1, 2),
+                                                      {"with_weights": True}),
 }
 
 

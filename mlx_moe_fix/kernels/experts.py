@@ -156,6 +156,13 @@ class Activation:
                     gate = min(gate, limit), up = clip(up, -limit, limit)
       "swiglu_oai"  gpt-oss: gate = min(gate, limit), up = clip(up, -limit, limit),
                     (up + 1) * gate * sigmoid(alpha * gate)
+      "swiglu_fp32" DeepSeek-V4.1: "swiglu" (its clamp stage with `limit`) computed in float32
+                    from the projections' outputs, rounded once
+      "swiglu_clamped_silu"  Step-3.5: min(silu(gate), limit) * clip(up, -limit, limit)
+      "geglu_approx"  Gemma 4: gelu_approx(gate) * up
+      "situ"        Kimi-K3, in float32, rounded once: alpha * tanh(gate / alpha) * sigmoid(gate)
+                    * up, `up` first limit * tanh(up / limit) where `limit` (its beta and
+                    linear_beta)
       "gelu", "gelu_approx", "gelu_fast"   for two-projection (SwitchMLP) experts
     """
 
@@ -163,7 +170,7 @@ class Activation:
     limit: Optional[float] = None
     alpha: Optional[float] = None
 
-    GATED = ("swiglu", "swiglu_oai")
+    GATED = ("swiglu", "swiglu_oai", "swiglu_fp32", "swiglu_clamped_silu", "geglu_approx", "situ")
     UNGATED = ("gelu", "gelu_approx", "gelu_fast")
 
     @property
@@ -175,6 +182,10 @@ class Activation:
             raise ValueError(f"unknown activation kind {self.kind!r}")
         if self.kind == "swiglu_oai" and (self.limit is None or self.alpha is None):
             raise ValueError("swiglu_oai needs both limit and alpha")
+        if self.kind == "swiglu_clamped_silu" and self.limit is None:
+            raise ValueError("swiglu_clamped_silu needs a limit")
+        if self.kind == "situ" and self.alpha is None:
+            raise ValueError("situ needs alpha (its beta)")
 
 
 @dataclass(frozen=True, eq=False)

@@ -15,7 +15,8 @@ from .experts import FP4_GROUP_SIZES, MoEExperts
 from .sources import cuda_header_directive, cuda_kernel_source, sections
 
 # Activation kinds as the kernels' run-time `dims[3]` (see cuda/*.cu).
-ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "gelu_fast": 4}
+ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "gelu_fast": 4, "swiglu_fp32": 5,
+                    "swiglu_clamped_silu": 6, "geglu_approx": 7, "situ": 8}
 
 
 class Launch(NamedTuple):

@@ -37,6 +37,41 @@ def _swiglu_oai(gate: mx.array, up: mx.array, alpha: float, limit: float) -> mx.
     return (up + 1.0) * (gate * mx.sigmoid(alpha * gate))
 
 
+# mlx-lm's DeepseekV41SwiGLU (its clamp stage uncompiled, then mlx-lm's compiled swiglu),
+# step3p5's clamped_swiglu, gemma4_text's geglu and kimi_k3's _situ, each with its upstream body.
+def _swiglu_fp32(gate: mx.array, up: mx.array, limit: Optional[float]) -> mx.array:
+    dtype = up.dtype
+    gate = gate.astype(mx.float32)
+    up = up.astype(mx.float32)
+    if limit:
+        gate = mx.minimum(gate, limit)
+        up = mx.clip(up, -limit, limit)
+    return _swiglu(gate, up).astype(dtype)
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu_clamped_silu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
+    gate = mx.clip(nn.silu(gate), a_min=None, a_max=limit)
+    up = mx.clip(up, a_min=-limit, a_max=limit)
+    return gate * up
+
+
+@partial(mx.compile, shapeless=True)
+def _geglu_approx(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.gelu_approx(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def _situ(up: mx.array, gate: mx.array, beta: float, linear_beta: Optional[float]) -> mx.array:
+    dtype = up.dtype
+    gate = gate.astype(mx.float32)
+    up = up.astype(mx.float32)
+    a = beta * mx.tanh(gate / beta) * mx.sigmoid(gate)
+    if linear_beta is not None:
+        up = linear_beta * mx.tanh(up / linear_beta)
+    return (a * up).astype(dtype)
+
+
 def activate(activation: Activation, up: mx.array, gate: Optional[mx.array] = None) -> mx.array:
     """`up` is the first projection's output (the only one for ungated kinds)."""
     kind = activation.kind
@@ -44,6 +79,14 @@ def activate(activation: Activation, up: mx.array, gate: Optional[mx.array] = No
         return _swiglu_limited(gate, up, activation.limit) if activation.limit else _swiglu(gate, up)
     if kind == "swiglu_oai":
         return _swiglu_oai(gate, up, activation.alpha, activation.limit)
+    if kind == "swiglu_fp32":
+        return _swiglu_fp32(gate, up, activation.limit)
+    if kind == "swiglu_clamped_silu":
+        return _swiglu_clamped_silu(gate, up, activation.limit)
+    if kind == "geglu_approx":
+        return _geglu_approx(gate, up)
+    if kind == "situ":
+        return _situ(up, gate, activation.alpha, activation.limit)
     if kind == "gelu":
         return nn.gelu(up)
     if kind == "gelu_approx":

@@ -25,6 +25,11 @@ def _limited_swiglu(limit) -> Activation:
     return Activation("swiglu", limit=float(limit) if limit and limit > 0 else None)
 
 
+def _situ(module) -> Activation:
+    linear_beta = module.linear_beta
+    return Activation("situ", limit=None if linear_beta is None else float(linear_beta), alpha=float(module.beta))
+
+
 # (module, class name, how to read its parameters)
 KNOWN_ACTIVATIONS: tuple = (
     ("mlx_lm.models.switch_layers", "SwiGLU", lambda m: Activation("swiglu")),
@@ -38,6 +43,16 @@ KNOWN_ACTIVATIONS: tuple = (
     # mlx-vlm's gpt-oss SwiGLU calls its module-level swiglu with the defaults 1.702 / 7.0.
     ("mlx_vlm.models.gpt_oss.language", "SwiGLU", lambda m: Activation("swiglu_oai", limit=7.0, alpha=1.702)),
     ("mlx.nn.layers.activations", "GELU", _gelu),
+    # DeepSeek-V4.1's clamped SwiGLU in float32 (mlx-lm's; mlx-vlm's also weights and fp8-rounds
+    # its output, in its own SwitchGLU subclass)
+    ("mlx_lm.models.deepseek_v41", "DeepseekV41SwiGLU",
+     lambda m: Activation("swiglu_fp32", limit=float(m.limit) if m.limit > 0 else None)),
+    ("mlx_lm.models.step3p5", "ClampedSwiGLU", lambda m: Activation("swiglu_clamped_silu", limit=float(m.limit))),
+    ("mlx_lm.models.gemma4_text", "GeGLU", lambda m: Activation("geglu_approx")),
+    ("mlx_vlm.models.gemma4.language", "GeGLU", lambda m: Activation("geglu_approx")),
+    ("mlx_vlm.models.gemma4_text.language", "GeGLU", lambda m: Activation("geglu_approx")),
+    ("mlx_lm.models.kimi_k3", "SiTU", _situ),
+    ("mlx_vlm.models.kimi_k3.language", "SiTU", _situ),
 )
 
 

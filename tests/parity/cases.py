@@ -42,6 +42,12 @@ class Case:
         return (y * self.weights[..., None].astype(y.dtype)).sum(axis=-2)
 
 
+# stock_activation's kinds for SwitchGLU: mlx-lm's SwiGLU, DeepSeek-V4's, gpt-oss's, DeepSeek-V4.1's,
+# Step-3.5's, Gemma 4's and Kimi-K3's.
+GATED_KINDS = ("swiglu", "swiglu_limited", "swiglu_oai", "swiglu_fp32_limited", "swiglu_clamped_silu", "geglu_approx",
+               "situ")
+
+
 def stock_activation(kind: str, limit: float):
     from mlx_lm.models.activations import SwigluOAI
     from mlx_lm.models.switch_layers import SwiGLU
@@ -54,6 +60,22 @@ def stock_activation(kind: str, limit: float):
         return LimitedSwiGLU(limit)
     if kind == "swiglu_oai":
         return SwigluOAI(alpha=1.702, limit=limit)
+    if kind == "swiglu_fp32_limited":
+        from mlx_lm.models.deepseek_v41 import DeepseekV41SwiGLU
+
+        return DeepseekV41SwiGLU(limit)
+    if kind == "swiglu_clamped_silu":
+        from mlx_lm.models.step3p5 import ClampedSwiGLU
+
+        return ClampedSwiGLU(limit)
+    if kind == "geglu_approx":
+        from mlx_lm.models.gemma4_text import GeGLU
+
+        return GeGLU()
+    if kind == "situ":  # Kimi-K3's, the limit its linear_beta (0.25 binds, 50 leaves `up` about as it is)
+        from mlx_lm.models.kimi_k3 import SiTU
+
+        return SiTU(beta=2.0, linear_beta=limit)
     return nn.GELU(approx={"gelu": "none", "gelu_approx": "precise", "gelu_fast": "fast"}[kind])
 
 
@@ -100,7 +122,7 @@ def layer_cases(draw, max_pairs: int = 200) -> Case:
     if quantization is None and mx.default_device() == mx.cpu:
         dtype = mx.float32  # MLX's CPU gather_mm (stock's unquantized path) supports only float32
     glu = draw(st.booleans())
-    kind = draw(st.sampled_from(("swiglu", "swiglu_limited", "swiglu_oai") if glu else ("gelu", "gelu_approx", "gelu_fast")))
+    kind = draw(st.sampled_from(GATED_KINDS if glu else ("gelu", "gelu_approx", "gelu_fast")))
     # A limit of 0.25 binds for most gate / up values here, 50 for none.
     limit = draw(st.sampled_from((0.25, 50.0)))
     scaled = glu and kind == "swiglu" and draw(st.booleans())
@@ -151,7 +173,7 @@ def make_case(
     x = mx.random.normal((batch, tokens, dims)).astype(dtype)
     weights = mx.softmax(mx.random.normal((batch, tokens, top_k)), axis=-1).astype(dtype) if with_weights else None
     label = (
-        f"{'glu' if glu else 'mlp'}/{kind}{'(limit %g)' % limit if 'swiglu_' in kind else ''}"
+        f"{'glu' if glu else 'mlp'}/{kind}{'(limit %g)' % limit if 'swiglu_' in kind or kind == 'situ' else ''}"
         f"{'/scaled' if scaled else ''} q={quantization} {dtype} D={dims} F={hidden} E={num_experts} "
         f"k={top_k} B={batch} T={tokens} pairs={indices.size} {routing} weights={weights is not None} bias={bias}"
     )

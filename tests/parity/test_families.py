@@ -11,15 +11,7 @@ from mlx_moe_fix import zoo
 from .test_greedy_tokens import assert_greedy_tokens_match_stock, moe_layer_paths, run_dtype
 
 
-# Families whose SwitchGLU activation the package does not recognise yet: their layers stay on
-# upstream's code (the tokens match; the paths check fails).
-UNRECOGNISED_ACTIVATIONS = {"deepseek_v41": "DeepseekV41SwiGLU", "gemma4_text": "GeGLU", "kimi_k3": "SiTU",
-                            "step3p5": "ClampedSwiGLU"}
-
-
-@pytest.mark.parametrize("family", [
-    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=f"activation {UNRECOGNISED_ACTIVATIONS[f]} not recognised"))
-    if f in UNRECOGNISED_ACTIVATIONS else f for f in zoo.BREADTH_FAMILIES])
+@pytest.mark.parametrize("family", zoo.BREADTH_FAMILIES)
 def test_breadth_family_keeps_stock_greedy_tokens(device, family):
     dtype = run_dtype(device)
     model = zoo.build(family, 4, dtype=dtype)

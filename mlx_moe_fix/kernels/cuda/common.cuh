@@ -49,8 +49,15 @@ __device__ __forceinline__ float sigmoid(float v) {
   return 1.f / (1.f + expf(-v));
 }
 
+__device__ __forceinline__ float gelu_tanh(float v) {
+  return 0.5f * v * (1.f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+}
+
 // act: 0 SwiGLU (with DeepSeek-V4's clamp stage when limited), 1 gpt-oss SwiGLU,
-// 2 GELU, 3 GELU tanh approximation, 4 GELU sigmoid approximation.
+// 2 GELU, 3 GELU tanh approximation, 4 GELU sigmoid approximation, 5 DeepSeek-V4.1's SwiGLU (0
+// in fp32, its limit unrounded, left to the caller's one rounding), 6 Step-3.5's (silu(gate)
+// clamped from above), 7 Gemma 4's GeGLU (3 of gate, times up), 8 Kimi-K3's SiTU (in fp32; alpha
+// its beta, limit its linear_beta where has_limit).
 template <typename T>
 __device__ __forceinline__ float activate(int act, bool has_limit, float up, float gate, float limit, float alpha) {
   if (act == 0 || act == 1) {
@@ -65,9 +72,24 @@ __device__ __forceinline__ float activate(int act, bool has_limit, float up, flo
   } else if (act == 2) {
     return 0.5f * up * (1.f + erff(up * 0.70710678118654752f));
   } else if (act == 3) {
-    return 0.5f * up * (1.f + tanhf(0.79788456080286536f * (up + 0.044715f * up * up * up)));
-  } else {
+    return gelu_tanh(up);
+  } else if (act == 4) {
     return up * sigmoid(1.702f * up);
+  } else if (act == 5) {
+    if (has_limit) {
+      gate = fminf(gate, limit);
+      up = fminf(fmaxf(up, -limit), limit);
+    }
+    return gate * sigmoid(gate) * up;
+  } else if (act == 6) {
+    limit = rnd<T>(limit);
+    const float clamped = fminf(rnd<T>(gate * rnd<T>(sigmoid(gate))), limit);
+    return rnd<T>(clamped * fminf(fmaxf(up, -limit), limit));
+  } else if (act == 7) {
+    return rnd<T>(rnd<T>(gelu_tanh(gate)) * up);
+  } else {
+    if (has_limit) up = limit * tanhf(up / limit);
+    return alpha * tanhf(gate / alpha) * sigmoid(gate) * up;
   }
 }
 

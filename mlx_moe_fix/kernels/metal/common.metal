@@ -33,8 +33,15 @@ inline float erf_approx(float v) {
   return v < 0.f ? -y : y;
 }
 
+inline float gelu_tanh(float v) {
+  return 0.5f * v * (1.f + metal::precise::tanh(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+}
+
 // act: 0 SwiGLU (with DeepSeek-V4's clamp stage when limited), 1 gpt-oss SwiGLU,
-// 2 GELU, 3 GELU tanh approximation, 4 GELU sigmoid approximation.
+// 2 GELU, 3 GELU tanh approximation, 4 GELU sigmoid approximation, 5 DeepSeek-V4.1's SwiGLU (0
+// in fp32, its limit unrounded, left to the caller's one rounding), 6 Step-3.5's (silu(gate)
+// clamped from above), 7 Gemma 4's GeGLU (3 of gate, times up), 8 Kimi-K3's SiTU (in fp32; alpha
+// its beta, limit its linear_beta where has_limit).
 template <typename T>
 inline float activate(int act, bool has_limit, float up, float gate, float limit, float alpha) {
   if (act == 0 || act == 1) {
@@ -49,9 +56,24 @@ inline float activate(int act, bool has_limit, float up, float gate, float limit
   } else if (act == 2) {
     return 0.5f * up * (1.f + erf_approx(up * 0.70710678118654752f));
   } else if (act == 3) {
-    return 0.5f * up * (1.f + metal::precise::tanh(0.79788456080286536f * (up + 0.044715f * up * up * up)));
-  } else {
+    return gelu_tanh(up);
+  } else if (act == 4) {
     return up * sigmoid(1.702f * up);
+  } else if (act == 5) {
+    if (has_limit) {
+      gate = metal::fmin(gate, limit);
+      up = metal::fmin(metal::fmax(up, -limit), limit);
+    }
+    return gate * sigmoid(gate) * up;
+  } else if (act == 6) {
+    limit = rnd<T>(limit);
+    const float clamped = metal::fmin(rnd<T>(gate * rnd<T>(sigmoid(gate))), limit);
+    return rnd<T>(clamped * metal::fmin(metal::fmax(up, -limit), limit));
+  } else if (act == 7) {
+    return rnd<T>(rnd<T>(gelu_tanh(gate)) * up);
+  } else {
+    if (has_limit) up = limit * metal::precise::tanh(up / limit);
+    return alpha * metal::precise::tanh(gate / alpha) * sigmoid(gate) * up;
   }
 }
 
