@@ -89,9 +89,9 @@ def cuda_activate():
 
 
 ACTIVATIONS = [Activation("swiglu"), Activation("swiglu", limit=0.75), Activation("swiglu_oai", limit=0.75, alpha=1.702),
-               Activation("swiglu_fp32"), Activation("swiglu_fp32", limit=0.75), Activation("swiglu_clamped_silu", limit=0.75),
+               Activation("swiglu_fp32"), Activation("swiglu_fp32", limit=0.75), Activation("swiglu_clamped_silu", limit=0.75), Activation("swiglu_capped_silu", limit=0.75),
                Activation("geglu_approx"), Activation("situ", alpha=2.0), Activation("situ", limit=0.75, alpha=2.0),
-               Activation("gelu"), Activation("gelu_approx"), Activation("gelu_fast")]
+               Activation("gelu"), Activation("gelu_approx"), Activation("gelu_fast"), Activation("relu2")]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

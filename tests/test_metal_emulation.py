@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++ or cla
 # size, the clamp stage binding, additive biases, Inkling's per-expert scales, per-pair outputs
 # and the weighted combine, a top-k that does not divide the down's 4 simdgroups, and top-k 8
 # (two pairs a simdgroup); mxfp4 and nvfp4 experts against each activation dtype; DeepSeek-V4.1's,
-# Step-3.5's, Gemma 4's and Kimi-K3's activations.
+# Step-3.5's, Kimi-VL's, Gemma 4's, Kimi-K3's and Nemotron-H's activations.
 CASES = {
     "bf16 4-bit/64 swiglu combined": ((mx.bfloat16, (4, 64), True, "swiglu", 50.0, False, 128, 64, 8, 2, 1, 2),
                                       {"with_weights": True}),
@@ -62,6 +62,10 @@ CASES = {
                                                                 False, 128, 64, 8, 2, 1, 2), {}),
     "bf16 8-bit/64 Gemma 4 geglu combined": ((mx.bfloat16, (8, 64), True, "geglu_approx", 50.0, False, 128, 64, 8, 2, 1, 2),
                                              {"with_weights": True}),
+    "bf16 4-bit/64 Nemotron-H relu2 (SwitchMLP) combined": ((mx.bfloat16, (4, 64), False, "relu2", 50.0, False, 128, 128, 8,
+                                                              2, 1, 2), {"with_weights": True}),
+    "fp16 4-bit/64 Kimi-VL capped silu per pair": ((mx.float16, (4, 64), True, "swiglu_capped_silu", 50.0, False, 128, 64, 8,
+                                                    2, 1, 2), {}),
     "fp32 4-bit/32 Kimi-K3 situ (binding) combined": ((mx.float32, (4, 32), True, "situ", 0.25, False, 128, 64, 8, 2, 1, 2),
                                                       {"with_weights": True}),
 }

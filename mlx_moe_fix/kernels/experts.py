@@ -159,19 +159,21 @@ class Activation:
       "swiglu_fp32" DeepSeek-V4.1: "swiglu" (its clamp stage with `limit`) computed in float32
                     from the projections' outputs, rounded once
       "swiglu_clamped_silu"  Step-3.5: min(silu(gate), limit) * clip(up, -limit, limit)
+      "swiglu_capped_silu"   Kimi-VL: clip(silu(gate), -limit, limit) * up
       "geglu_approx"  Gemma 4: gelu_approx(gate) * up
       "situ"        Kimi-K3, in float32, rounded once: alpha * tanh(gate / alpha) * sigmoid(gate)
                     * up, `up` first limit * tanh(up / limit) where `limit` (its beta and
                     linear_beta)
-      "gelu", "gelu_approx", "gelu_fast"   for two-projection (SwitchMLP) experts
+      "gelu", "gelu_approx", "gelu_fast", "relu2" (Nemotron-H's max(up, 0)^2)   for two-projection
+                    (SwitchMLP) experts
     """
 
     kind: str
     limit: Optional[float] = None
     alpha: Optional[float] = None
 
-    GATED = ("swiglu", "swiglu_oai", "swiglu_fp32", "swiglu_clamped_silu", "geglu_approx", "situ")
-    UNGATED = ("gelu", "gelu_approx", "gelu_fast")
+    GATED = ("swiglu", "swiglu_oai", "swiglu_fp32", "swiglu_clamped_silu", "swiglu_capped_silu", "geglu_approx", "situ")
+    UNGATED = ("gelu", "gelu_approx", "gelu_fast", "relu2")
 
     @property
     def gated(self) -> bool:
@@ -182,8 +184,8 @@ class Activation:
             raise ValueError(f"unknown activation kind {self.kind!r}")
         if self.kind == "swiglu_oai" and (self.limit is None or self.alpha is None):
             raise ValueError("swiglu_oai needs both limit and alpha")
-        if self.kind == "swiglu_clamped_silu" and self.limit is None:
-            raise ValueError("swiglu_clamped_silu needs a limit")
+        if self.kind in ("swiglu_clamped_silu", "swiglu_capped_silu") and self.limit is None:
+            raise ValueError(f"{self.kind} needs a limit")
         if self.kind == "situ" and self.alpha is None:
             raise ValueError("situ needs alpha (its beta)")
 

@@ -16,7 +16,8 @@ from .sources import cuda_header_directive, cuda_kernel_source, sections
 
 # Activation kinds as the kernels' run-time `dims[3]` (see cuda/*.cu).
 ACTIVATION_CODES = {"swiglu": 0, "swiglu_oai": 1, "gelu": 2, "gelu_approx": 3, "gelu_fast": 4, "swiglu_fp32": 5,
-                    "swiglu_clamped_silu": 6, "geglu_approx": 7, "situ": 8}
+                    "swiglu_clamped_silu": 6, "geglu_approx": 7, "situ": 8, "relu2": 9,
+                    "swiglu_capped_silu": 10}
 
 
 class Launch(NamedTuple):

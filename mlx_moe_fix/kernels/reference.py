@@ -38,7 +38,8 @@ def _swiglu_oai(gate: mx.array, up: mx.array, alpha: float, limit: float) -> mx.
 
 
 # mlx-lm's DeepseekV41SwiGLU (its clamp stage uncompiled, then mlx-lm's compiled swiglu),
-# step3p5's clamped_swiglu, gemma4_text's geglu and kimi_k3's _situ, each with its upstream body.
+# step3p5's clamped_swiglu, kimi_vl's clipped_silu, gemma4_text's geglu and kimi_k3's _situ, each
+# with its upstream body.
 def _swiglu_fp32(gate: mx.array, up: mx.array, limit: Optional[float]) -> mx.array:
     dtype = up.dtype
     gate = gate.astype(mx.float32)
@@ -54,6 +55,11 @@ def _swiglu_clamped_silu(gate: mx.array, up: mx.array, limit: float) -> mx.array
     gate = mx.clip(nn.silu(gate), a_min=None, a_max=limit)
     up = mx.clip(up, a_min=-limit, a_max=limit)
     return gate * up
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu_capped_silu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
+    return mx.clip(gate * mx.sigmoid(gate), a_min=-limit, a_max=limit) * up
 
 
 @partial(mx.compile, shapeless=True)
@@ -76,13 +82,15 @@ def activate(activation: Activation, up: mx.array, gate: Optional[mx.array] = No
     """`up` is the first projection's output (the only one for ungated kinds)."""
     kind = activation.kind
     if kind == "swiglu":
-        return _swiglu_limited(gate, up, activation.limit) if activation.limit else _swiglu(gate, up)
+        return _swiglu(gate, up) if activation.limit is None else _swiglu_limited(gate, up, activation.limit)
     if kind == "swiglu_oai":
         return _swiglu_oai(gate, up, activation.alpha, activation.limit)
     if kind == "swiglu_fp32":
         return _swiglu_fp32(gate, up, activation.limit)
     if kind == "swiglu_clamped_silu":
         return _swiglu_clamped_silu(gate, up, activation.limit)
+    if kind == "swiglu_capped_silu":
+        return _swiglu_capped_silu(gate, up, activation.limit)
     if kind == "geglu_approx":
         return _geglu_approx(gate, up)
     if kind == "situ":
@@ -91,6 +99,8 @@ def activate(activation: Activation, up: mx.array, gate: Optional[mx.array] = No
         return nn.gelu(up)
     if kind == "gelu_approx":
         return nn.gelu_approx(up)
+    if kind == "relu2":
+        return nn.relu2(up)
     return nn.gelu_fast_approx(up)
 
 

@@ -1,4 +1,5 @@
-"""Upstream activation modules that the ops know, matched by exact type.
+"""Upstream activation modules that the ops know, matched by exact type (and a few activation
+functions, matched by identity).
 
 A subclass could change the math, so only the listed classes themselves are recognised; anything
 else leaves its layer on stock code. Classes are looked up in modules that are already imported
@@ -43,16 +44,28 @@ KNOWN_ACTIVATIONS: tuple = (
     # mlx-vlm's gpt-oss SwiGLU calls its module-level swiglu with the defaults 1.702 / 7.0.
     ("mlx_vlm.models.gpt_oss.language", "SwiGLU", lambda m: Activation("swiglu_oai", limit=7.0, alpha=1.702)),
     ("mlx.nn.layers.activations", "GELU", _gelu),
+    ("mlx.nn.layers.activations", "ReLU2", lambda m: Activation("relu2")),
     # DeepSeek-V4.1's clamped SwiGLU in float32 (mlx-lm's; mlx-vlm's also weights and fp8-rounds
     # its output, in its own SwitchGLU subclass)
     ("mlx_lm.models.deepseek_v41", "DeepseekV41SwiGLU",
      lambda m: Activation("swiglu_fp32", limit=float(m.limit) if m.limit > 0 else None)),
     ("mlx_lm.models.step3p5", "ClampedSwiGLU", lambda m: Activation("swiglu_clamped_silu", limit=float(m.limit))),
+    ("mlx_vlm.models.step3p7.language", "ClampedSwiGLU", lambda m: Activation("swiglu_clamped_silu", limit=float(m.limit))),
+    # GLM-5-Next clamps whatever its limit (DeepSeek-V4 only for a positive one)
+    ("mlx_vlm.models.glm5_next.language", "LimitedSwiGLU", lambda m: Activation("swiglu", limit=float(m.limit))),
     ("mlx_lm.models.gemma4_text", "GeGLU", lambda m: Activation("geglu_approx")),
     ("mlx_vlm.models.gemma4.language", "GeGLU", lambda m: Activation("geglu_approx")),
     ("mlx_vlm.models.gemma4_text.language", "GeGLU", lambda m: Activation("geglu_approx")),
     ("mlx_lm.models.kimi_k3", "SiTU", _situ),
     ("mlx_vlm.models.kimi_k3.language", "SiTU", _situ),
+)
+
+
+# Activations that are functions, not modules (every compiled function has one type): matched by
+# identity. (module, function name, the activation it computes)
+KNOWN_ACTIVATION_FUNCTIONS: tuple = (
+    # silu(gate) clipped to +-100 against fp16 overflow, times up
+    ("mlx_vlm.models.kimi_vl.language", "clipped_silu", Activation("swiglu_capped_silu", limit=100.0)),
 )
 
 
@@ -65,6 +78,10 @@ def _reader(cls) -> Optional[Callable]:
 
 
 def recognise(activation) -> Optional[Activation]:
+    for module_name, function_name, known in KNOWN_ACTIVATION_FUNCTIONS:
+        module = sys.modules.get(module_name)
+        if module is not None and getattr(module, function_name, None) is activation:
+            return known
     read = _reader(type(activation))
     return None if read is None else read(activation)
 
@@ -88,4 +105,4 @@ def shared_experts_activation(module) -> Optional[Activation]:
 
 
 def known_activation_names() -> list:
-    return [f"{module}.{name}" for module, name, _ in KNOWN_ACTIVATIONS]
+    return [f"{module}.{name}" for module, name, _ in KNOWN_ACTIVATIONS + KNOWN_ACTIVATION_FUNCTIONS]

@@ -44,8 +44,12 @@ class Case:
 
 # stock_activation's kinds for SwitchGLU: mlx-lm's SwiGLU, DeepSeek-V4's, gpt-oss's, DeepSeek-V4.1's,
 # Step-3.5's, Gemma 4's and Kimi-K3's.
-GATED_KINDS = ("swiglu", "swiglu_limited", "swiglu_oai", "swiglu_fp32_limited", "swiglu_clamped_silu", "geglu_approx",
-               "situ")
+GATED_KINDS = ("swiglu", "swiglu_limited", "swiglu_oai", "swiglu_fp32_limited", "swiglu_clamped_silu", "swiglu_capped_silu",
+               "geglu_approx", "situ")
+
+
+# The kinds whose stock_activation takes the drawn limit.
+LIMITED_KINDS = ("swiglu_limited", "swiglu_oai", "swiglu_fp32_limited", "swiglu_clamped_silu", "situ")
 
 
 def stock_activation(kind: str, limit: float):
@@ -68,6 +72,10 @@ def stock_activation(kind: str, limit: float):
         from mlx_lm.models.step3p5 import ClampedSwiGLU
 
         return ClampedSwiGLU(limit)
+    if kind == "swiglu_capped_silu":  # Kimi-VL's function, its clip fixed at +-100 (it binds in tests/test_cuda_activation.py)
+        from mlx_vlm.models.kimi_vl.language import clipped_silu
+
+        return clipped_silu
     if kind == "geglu_approx":
         from mlx_lm.models.gemma4_text import GeGLU
 
@@ -76,6 +84,8 @@ def stock_activation(kind: str, limit: float):
         from mlx_lm.models.kimi_k3 import SiTU
 
         return SiTU(beta=2.0, linear_beta=limit)
+    if kind == "relu2":
+        return nn.ReLU2()
     return nn.GELU(approx={"gelu": "none", "gelu_approx": "precise", "gelu_fast": "fast"}[kind])
 
 
@@ -122,7 +132,7 @@ def layer_cases(draw, max_pairs: int = 200) -> Case:
     if quantization is None and mx.default_device() == mx.cpu:
         dtype = mx.float32  # MLX's CPU gather_mm (stock's unquantized path) supports only float32
     glu = draw(st.booleans())
-    kind = draw(st.sampled_from(GATED_KINDS if glu else ("gelu", "gelu_approx", "gelu_fast")))
+    kind = draw(st.sampled_from(GATED_KINDS if glu else ("gelu", "gelu_approx", "gelu_fast", "relu2")))
     # A limit of 0.25 binds for most gate / up values here, 50 for none.
     limit = draw(st.sampled_from((0.25, 50.0)))
     scaled = glu and kind == "swiglu" and draw(st.booleans())
@@ -173,7 +183,7 @@ def make_case(
     x = mx.random.normal((batch, tokens, dims)).astype(dtype)
     weights = mx.softmax(mx.random.normal((batch, tokens, top_k)), axis=-1).astype(dtype) if with_weights else None
     label = (
-        f"{'glu' if glu else 'mlp'}/{kind}{'(limit %g)' % limit if 'swiglu_' in kind or kind == 'situ' else ''}"
+        f"{'glu' if glu else 'mlp'}/{kind}{'(limit %g)' % limit if kind in LIMITED_KINDS else ''}"
         f"{'/scaled' if scaled else ''} q={quantization} {dtype} D={dims} F={hidden} E={num_experts} "
         f"k={top_k} B={batch} T={tokens} pairs={indices.size} {routing} weights={weights is not None} bias={bias}"
     )

@@ -14,7 +14,7 @@ from mlx_moe_fix.kernels import Activation, ExpertLinear, MoEExperts, moe_decode
 from mlx_moe_fix.kernels import backend
 from mlx_moe_fix.kernels.backend import Implementation
 
-from .cases import CASES, layer_cases, make_case
+from .cases import CASES, GATED_KINDS, layer_cases, make_case
 from .tolerance import assert_close
 
 
@@ -244,6 +244,18 @@ def test_cuda_decode_kernel_matches_ref(cuda_device, case):
     from mlx_moe_fix.kernels.moe_decode import cuda_unsupported_reason, moe_decode_kernel
 
     check_kernel(moe_decode_kernel, cuda_unsupported_reason(case.experts, case.dtype), moe_decode_reference, case)
+
+
+@pytest.mark.parametrize("op, tokens", [("moe_decode", 2), ("moe_prefill", 40)])
+@pytest.mark.parametrize("kind", [*GATED_KINDS, "gelu", "gelu_approx", "gelu_fast", "relu2"])
+def test_cuda_kernels_take_every_activation(cuda_device, op, tokens, kind):
+    # Each activation through both kernels' epilogues, its clamp binding (limit 0.25) where it has
+    # one, against the float32 oracle: the hypothesis draws may leave a kind out.
+    module = sys.modules[f"mlx_moe_fix.kernels.{op}"]  # the package's names are the dispatchers'
+    glu = kind in GATED_KINDS
+    case = make_case(mx.bfloat16, (4, 64), glu, kind, 0.25, False, 128, 64 if glu else 128, 8, 2, 1, tokens, with_weights=True)
+    assert module.cuda_unsupported_reason(case.experts, case.dtype) is None
+    check(getattr(module, f"{op}_kernel"), case, float32_oracle(getattr(module, f"{op}_reference"), case))
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -57,7 +57,8 @@ __device__ __forceinline__ float gelu_tanh(float v) {
 // 2 GELU, 3 GELU tanh approximation, 4 GELU sigmoid approximation, 5 DeepSeek-V4.1's SwiGLU (0
 // in fp32, its limit unrounded, left to the caller's one rounding), 6 Step-3.5's (silu(gate)
 // clamped from above), 7 Gemma 4's GeGLU (3 of gate, times up), 8 Kimi-K3's SiTU (in fp32; alpha
-// its beta, limit its linear_beta where has_limit).
+// its beta, limit its linear_beta where has_limit), 9 ReLU^2 (Nemotron-H's), 10 Kimi-VL's SwiGLU
+// (silu(gate) clipped to +-limit).
 template <typename T>
 __device__ __forceinline__ float activate(int act, bool has_limit, float up, float gate, float limit, float alpha) {
   if (act == 0 || act == 1) {
@@ -87,9 +88,15 @@ __device__ __forceinline__ float activate(int act, bool has_limit, float up, flo
     return rnd<T>(clamped * fminf(fmaxf(up, -limit), limit));
   } else if (act == 7) {
     return rnd<T>(rnd<T>(gelu_tanh(gate)) * up);
-  } else {
+  } else if (act == 8) {
     if (has_limit) up = limit * tanhf(up / limit);
     return alpha * tanhf(gate / alpha) * sigmoid(gate) * up;
+  } else if (act == 9) {
+    const float positive = fmaxf(up, 0.f);
+    return positive * positive;
+  } else {
+    limit = rnd<T>(limit);
+    return rnd<T>(fminf(fmaxf(rnd<T>(gate * rnd<T>(sigmoid(gate))), -limit), limit) * up);
   }
 }
 
