@@ -11,12 +11,12 @@ experts.
 API::
 
     FAMILIES                                  # the 7 family names
-    BREADTH_FAMILIES                          # 34 more of mlx-lm's (zoo_breadth.py): build and prompt_for take them
+    BREADTH_FAMILIES                          # 48 more, mlx-lm's and mlx-vlm's (zoo_breadth.py): build and prompt_for take them
     build(family, bits, *, seed=0, dtype=mx.float32) -> model
     prompt_for(family) -> list[int]           # fixed prompt, >= 64 (token, expert) pairs
     greedy_tokens(model, prompt, n=32) -> list[int]
     greedy_decode(model, prompt, n=32) -> (tokens, logits [n, vocab] float32)
-    moe_layers(model) -> [(path, SwitchGLU-like module)]
+    moe_layers(model) -> [(path, SwitchGLU- or SwitchMLP-like module)]
     EXPERTS[family] -> (num_experts, top_k)
 
 ``build`` draws from the global MLX PRNG (it calls ``mx.random.seed(seed)``).
@@ -81,9 +81,6 @@ EXPERTS: dict[str, tuple[int, int]] = {
 
 
 def _config(family: str):
-    if family in BREADTH_FAMILIES:
-        breadth = BREADTH_FAMILIES[family]
-        return importlib.import_module(breadth.module).ModelArgs.from_dict(breadth.config)
     E, K = EXPERTS[family]
     if family == "mixtral":
         from mlx_lm.models.mixtral import ModelArgs
@@ -248,8 +245,6 @@ def _config(family: str):
 
 
 def _model_class(family: str):
-    if family in BREADTH_FAMILIES:
-        return importlib.import_module(BREADTH_FAMILIES[family].module).Model
     if family == "deepseek_v4":
         return importlib.import_module("mlx_vlm.models.deepseek_v4.language").LanguageModel
     if family == "inkling":
@@ -392,10 +387,8 @@ def build(family: str, bits: int, *, seed: int = 0, dtype=mx.float32, experts_mo
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     if experts_mode != "affine" and experts_mode not in EXPERT_MODES:
         raise ValueError(f"experts_mode must be 'affine' or one of {tuple(EXPERT_MODES)}, got {experts_mode!r}")
-    config = _config(family)
-    cls = _model_class(family)
     mx.random.seed(seed)
-    model = cls(config)
+    model = BREADTH_FAMILIES[family].build() if family in BREADTH_FAMILIES else _model_class(family)(_config(family))
     _reinit(model, family)
     _cast(model, dtype)
     _quantize(model, family, GROUP_SIZE, bits, experts_mode)
@@ -648,12 +641,12 @@ def greedy_tokens(model, prompt: list[int], n: int = 32) -> list[int]:
 
 
 def moe_layers(model) -> list[tuple[str, nn.Module]]:
-    """(path, module) of every SwitchGLU (mlx_lm or mlx_vlm, incl. InklingSwitchGLU)."""
+    """(path, module) of every SwitchGLU or SwitchMLP (mlx_lm or mlx_vlm, incl. InklingSwitchGLU)."""
     return [
         (path, m)
         for path, m in model.named_modules()
         if any(
-            c.__name__ == "SwitchGLU" and c.__module__.endswith("models.switch_layers")
+            c.__name__ in ("SwitchGLU", "SwitchMLP") and c.__module__.endswith("models.switch_layers")
             for c in type(m).__mro__
         )
     ]

@@ -1,25 +1,74 @@
-"""More of mlx-lm's MoE families for the zoo (``zoo.build(family, bits)``): each built from its own
-``ModelArgs.from_dict`` with the smallest config that keeps its structure, so that the breadth
-parity test (tests/parity/test_families.py) can check every family whose MoE layers are
-``SwitchGLU``s keeps stock's greedy tokens with the package applied. The seven families of
-``zoo.FAMILIES`` go through every test; these through that one.
+"""More MoE families for the zoo (``zoo.build(family, bits)``): mlx-lm's models, and mlx-vlm's
+language models (named ``<family>_vlm``: text only, no vision tower), each built from its own
+config class's ``from_dict`` with the smallest config that keeps its structure, so that the
+breadth parity test (tests/parity/test_families.py) can check that every family whose MoE layers
+are ``SwitchGLU``s or ``SwitchMLP``s keeps stock's greedy tokens with the package applied. The
+seven families of ``zoo.FAMILIES`` go through every test; these through that one.
 
 Sizes as the zoo's (``zoo.VOCAB`` 256, ``zoo.HIDDEN`` 128, two to four layers, at least one of
-them MoE); no quantized projection takes a 64-wide input (zoo.K64_NOTE). Not here: hunyuan (its
-head is always the tied embedding and nothing scales its experts: every small config tried gave
-one repeated token), nemotron_h and phixtral (SwitchMLP experts: the test follows SwitchGLUs),
-muse_spark (its attention, router and norms are Metal-only kernels)."""
+them MoE); no quantized projection takes a 64-wide input (zoo.K64_NOTE). Not here: hunyuan and
+mlx-vlm's cohere2_moe (their head is always the tied embedding and nothing scales their experts:
+every small config tried gave one repeated token), mlx-vlm's hy_v4 (its experts are a
+FusedSwitchGLU, not a SwitchGLU: only its quantized switch linears are patched), muse_spark (its
+attention, router and norms are Metal-only kernels)."""
 
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple
 
 
 class BreadthFamily(NamedTuple):
-    module: str  # the model module, whose ModelArgs and Model build it
-    config: dict  # its ModelArgs.from_dict argument
+    module: str  # the module of its model class
+    config: dict  # its config class's from_dict argument
     experts: tuple  # (num_experts, top_k)
+    model: str = "Model"  # the model class, in `module`
+    args: str = ""  # "module:Class" of its config class; empty: `module`'s ModelArgs
+    # mlx-vlm language models that run on plain tokens only with their model's whole config
+    # (their rope index reads the vision config): (that config's class, its fields), both in the
+    # args class's module, a field given as (class, fields) built so; the model is then built as
+    # model(args, that config), as mlx-vlm's own model builds it.
+    outer: tuple = ()
 
+    def build(self):
+        module, _, name = (self.args or f"{self.module}:ModelArgs").partition(":")
+        configs = importlib.import_module(module)
+        args = getattr(configs, name).from_dict(self.config)
+        model = getattr(importlib.import_module(self.module), self.model)
+        if not self.outer:
+            return model(args)
+        outer, fields = self.outer
+        built = {k: getattr(configs, v[0])(**v[1]) if isinstance(v, tuple) else v for k, v in fields.items()}
+        return model(args, getattr(configs, outer)(text_config=args, **built))
+
+
+# DeepSeek-V2's MLA and grouped routing, as mlx-lm's deepseek_v2 and mlx-vlm's deepseek_vl_v2 read them.
+_DEEPSEEK_V2 = {
+    "model_type": "deepseek_v2", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+    "moe_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+    "n_routed_experts": 8, "routed_scaling_factor": 1.0, "kv_lora_rank": 128, "q_lora_rank": 128, "qk_rope_head_dim": 32,
+    "v_head_dim": 32, "qk_nope_head_dim": 64, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+    "moe_layer_freq": 1, "max_position_embeddings": 4096}
+
+# Gemma 4's sliding and global attention with its MoE block, as mlx-lm's gemma4_text and mlx-vlm's gemma4 read them.
+_GEMMA4 = {
+    "model_type": "gemma4_text", "vocab_size": 256, "vocab_size_per_layer_input": 256, "hidden_size": 128,
+    "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "global_head_dim": 64, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "sliding_window": 32,
+    "layer_types": ["sliding_attention", "full_attention"], "enable_moe_block": True, "num_experts": 8,
+    "top_k_experts": 2, "moe_intermediate_size": 128, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+# Step-3.5's layers (dense, then sliding and full attention; the last one's experts clamped), as
+# mlx-lm's step3p5 and mlx-vlm's step3p7 read them.
+_STEP3P5 = {
+    "model_type": "step3p5", "hidden_size": 128, "num_hidden_layers": 3, "vocab_size": 256, "num_attention_heads": 4,
+    "num_attention_groups": 2, "head_dim": 32, "intermediate_size": 256, "rms_norm_eps": 1e-5, "rope_theta": 1e4,
+    "max_position_embeddings": 4096, "sliding_window": 128,
+    "layer_types": ["full_attention", "sliding_attention", "full_attention"], "partial_rotary_factors": [0.5, 1.0, 0.5],
+    "attention_other_setting": {"num_attention_heads": 4, "num_attention_groups": 2}, "use_head_wise_attn_gate": True,
+    "moe_num_experts": 8, "moe_top_k": 2, "moe_intermediate_size": 128, "share_expert_dim": 128,
+    "moe_router_scaling_factor": 3.0, "norm_expert_weight": True, "swiglu_limits": [0.0, 0.0, 7.0],
+    "swiglu_limits_shared": [0.0, 0.0, 16.0], "tie_word_embeddings": False}
 
 BREADTH_FAMILIES: dict[str, BreadthFamily] = {
     "afmoe": BreadthFamily("mlx_lm.models.afmoe", {
@@ -74,16 +123,9 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "num_experts_per_tok": 2, "moe_layer_freq": 1, "first_k_dense_replace": 1,
         "max_position_embeddings": 4096}, (8, 2)),
     "deepseek_v2": BreadthFamily("mlx_lm.models.deepseek_v2", {
-        "model_type": "deepseek_v2", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
-        "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
-        "routed_scaling_factor": 1.0, "kv_lora_rank": 128, "q_lora_rank": 128, "qk_rope_head_dim": 32,
-        "v_head_dim": 32, "qk_nope_head_dim": 64, "topk_method": "group_limited_greedy", "n_group": 2,
-        "topk_group": 1, "num_experts_per_tok": 2, "moe_layer_freq": 1, "first_k_dense_replace": 1,
-        "max_position_embeddings": 4096,
+        **_DEEPSEEK_V2, "num_hidden_layers": 3, "topk_method": "group_limited_greedy", "first_k_dense_replace": 1,
         "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0}},
-        (8, 2)),
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0}}, (8, 2)),
     "deepseek_v32": BreadthFamily("mlx_lm.models.deepseek_v32", {
         "model_type": "deepseek_v32", "vocab_size": 256, "hidden_size": 128, "index_head_dim": 64,
         "index_n_heads": 2, "index_topk": 16, "intermediate_size": 256, "moe_intermediate_size": 128,
@@ -99,6 +141,10 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "o_groups": 2, "o_lora_rank": 128, "moe_intermediate_size": 128, "n_routed_experts": 8,
         "num_experts_per_tok": 2, "swiglu_limit": 1.5, "rms_norm_eps": 1e-6, "sliding_window": 32,
         "max_position_embeddings": 4096}, (8, 2)),
+    # its rope scaling without mscale_all_dim leaves the attention without rope: none
+    "deepseek_vl_v2_vlm": BreadthFamily("mlx_vlm.models.deepseek_vl_v2.language", {
+        **_DEEPSEEK_V2, "num_hidden_layers": 2, "topk_method": "greedy", "first_k_dense_replace": 0, "rope_scaling": None,
+        "scoring_func": "softmax"}, (8, 2), model="LanguageModel", args="mlx_vlm.models.deepseek_vl_v2.config:TextConfig"),
     "dots1": BreadthFamily("mlx_lm.models.dots1", {
         "model_type": "dots1", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 3,
         "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -114,6 +160,16 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "tie_word_embeddings": False, "moe_num_experts": 8, "moe_layer_start_index": 1,
         "moe_intermediate_size": 128, "moe_k": 2, "moe_layer_interval": 1,
         "moe_num_shared_experts": 1}, (8, 2)),
+    "ernie4_5_moe_vl_vlm": BreadthFamily("mlx_vlm.models.ernie4_5_moe_vl.language", {
+        "model_type": "ernie4_5_moe_vl", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "max_position_embeddings": 4096, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 3, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "use_bias": False,
+        "tie_word_embeddings": False, "moe_num_experts": [8, 8], "moe_layer_start_index": 1,
+        "moe_layer_end_index": 2, "moe_intermediate_size": [128, 128], "moe_k": 2,
+        "moe_layer_interval": 1, "moe_num_shared_experts": 1, "mrope_section": [6, 6, 4],
+        "freq_allocation": 4}, (8, 2),
+        model="LanguageModel", args="mlx_vlm.models.ernie4_5_moe_vl.config:TextConfig",
+        outer=("ModelConfig", {"vision_config": ("VisionConfig", {}), "model_type": "ernie4_5_moe_vl"})),
     "exaone_moe": BreadthFamily("mlx_lm.models.exaone_moe", {
         "model_type": "exaone_moe", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
         "intermediate_size": 256, "moe_intermediate_size": 128, "num_attention_heads": 4,
@@ -122,14 +178,11 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"],
         "is_moe_layer": [True, True], "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
         "tie_word_embeddings": False}, (8, 2)),
-    "gemma4_text": BreadthFamily("mlx_lm.models.gemma4_text", {
-        "model_type": "gemma4_text", "vocab_size": 256, "vocab_size_per_layer_input": 256,
-        "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "global_head_dim": 64,
-        "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "sliding_window": 32,
-        "layer_types": ["sliding_attention", "full_attention"], "enable_moe_block": True,
-        "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 128,
-        "max_position_embeddings": 4096, "tie_word_embeddings": False}, (8, 2)),
+    "gemma4_text": BreadthFamily("mlx_lm.models.gemma4_text", _GEMMA4, (8, 2)),
+    # mlx-vlm's always ties its head: with one global kv head (key = value, as the 26B-A4B's) the stream is not one token
+    "gemma4_vlm": BreadthFamily("mlx_vlm.models.gemma4.language", {
+        **_GEMMA4, "attention_k_eq_v": True, "num_global_key_value_heads": 1}, (8, 2),
+        model="LanguageModel", args="mlx_vlm.models.gemma4.config:TextConfig"),
     "glm4_moe": BreadthFamily("mlx_lm.models.glm4_moe", {
         "model_type": "glm4_moe", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 3,
         "intermediate_size": 256, "max_position_embeddings": 4096, "moe_intermediate_size": 128,
@@ -147,6 +200,32 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "topk_group": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
         "num_nextn_predict_layers": 0}, (8, 2)),
+    "glm4v_moe_vlm": BreadthFamily("mlx_vlm.models.glm4v_moe.language", {
+        "model_type": "glm4v_moe_text", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "max_position_embeddings": 4096, "moe_intermediate_size": 128, "norm_topk_prob": True,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "n_group": 2,
+        "topk_group": 1, "n_shared_experts": 1, "n_routed_experts": 8, "routed_scaling_factor": 2.5,
+        "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_hidden_layers": 3,
+        "rms_norm_eps": 1e-5, "use_qk_norm": False, "attention_bias": True, "partial_rotary_factor": 0.5,
+        "rope_theta": 10000.0, "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3]},
+        "tie_word_embeddings": False}, (8, 2),
+        model="LanguageModel", args="mlx_vlm.models.glm4v_moe.config:TextConfig",
+        outer=("ModelConfig", {"vision_config": ("VisionConfig", {
+            "model_type": "glm4v_moe", "depth": 1, "hidden_size": 128, "intermediate_size": 128, "num_heads": 2,
+            "patch_size": 14}), "model_type": "glm4v_moe"})),
+    "glm5_next_vlm": BreadthFamily("mlx_vlm.models.glm5_next.language", {
+        "model_type": "glm5_next_text", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 128, "q_lora_rank": 128, "qk_rope_head_dim": 0,
+        "v_head_dim": 32, "qk_nope_head_dim": 128, "n_group": 2, "topk_group": 1,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "first_k_dense_replace": 0,
+        "layer_types": ["linear_attention", "full_attention"],
+        "index_topk": 16, "index_head_dim": 64, "index_n_heads": 2, "index_kpool": 4,
+        "swiglu_limit": 10.0, "linear_head_dim": 32, "linear_num_heads": 4,
+        "linear_conv_kernel_dim": 4, "hc_mult": 4},
+        (8, 2), model="LanguageModel", args="mlx_vlm.models.glm5_next.config:TextConfig"),
     "granitemoe": BreadthFamily("mlx_lm.models.granitemoe", {
         "model_type": "granitemoe", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -192,6 +271,16 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "kv_lora_rank": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 32, "v_head_dim": 128,
         "num_experts_per_token": 2, "num_shared_experts": 1, "num_expert_group": 2,
         "topk_group": 1, "tie_word_embeddings": False}, (8, 2)),
+    "kimi_vl_vlm": BreadthFamily("mlx_vlm.models.kimi_vl.language", {
+        "model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 128, "q_lora_rank": None, "qk_rope_head_dim": 32,
+        "v_head_dim": 32, "qk_nope_head_dim": 64, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "norm_topk_prob": True, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+        "moe_layer_freq": 1, "first_k_dense_replace": 1, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 800000.0}, (8, 2),
+        model="LanguageModel", args="mlx_vlm.models.kimi_vl.config:TextConfig"),
     "Klear": BreadthFamily("mlx_lm.models.Klear", {
         "model_type": "Klear", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
         "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -216,6 +305,16 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         # the stream is one repeated token (32 x 174); 16 lets the MoE outweigh the embedding.
         "routed_scaling_factor": 16.0,
         "layer_types": ["conv", "full_attention", "conv"]}, (8, 2)),
+    "llada2_moe_vlm": BreadthFamily("mlx_vlm.models.llada2_moe.language", {
+        "model_type": "llada2_moe", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "use_qk_norm": True, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "max_position_embeddings": 4096, "rope_theta": 600000, "partial_rotary_factor": 0.5,
+        "num_experts": 8, "num_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2,
+        "topk_group": 1, "routed_scaling_factor": 2.5, "moe_intermediate_size": 128,
+        "first_k_dense_replace": 1, "pad_token_id": 0, "mask_token_id": 255, "norm_topk_prob": True,
+        "score_function": "sigmoid", "moe_router_enable_expert_bias": True},
+        (8, 2), model="LanguageModel", args="mlx_vlm.models.llada2_moe.config:ModelConfig"),
     "llama4": BreadthFamily("mlx_lm.models.llama4", {
         "model_type": "llama4", "text_config": {
             "model_type": "llama4_text", "attention_bias": False, "attention_chunk_size": 8192,
@@ -224,6 +323,14 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
             "num_attention_heads": 4, "num_experts_per_tok": 1, "num_hidden_layers": 4,
             "num_key_value_heads": 2, "num_local_experts": 8, "rms_norm_eps": 1e-5,
             "rope_scaling": None, "rope_theta": 5e5, "use_qk_norm": True, "vocab_size": 256}}, (8, 1)),
+    "llama4_vlm": BreadthFamily("mlx_vlm.models.llama4.language", {
+        "model_type": "llama4_text", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 128,
+        "intermediate_size_mlp": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 4096, "num_local_experts": 8, "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 1, "attention_chunk_size": 8192, "use_qk_norm": True,
+        "no_rope_layers": [], "tie_word_embeddings": False}, (8, 1),
+        model="LanguageModel", args="mlx_vlm.models.llama4.config:TextConfig"),
     "longcat_flash": BreadthFamily("mlx_lm.models.longcat_flash", {
         "model_type": "longcat_flash", "attention_method": "MLA", "zero_expert_type": "identity",
         "hidden_size": 128, "ffn_hidden_size": 256, "moe_topk": 2, "expert_ffn_hidden_size": 128,
@@ -281,15 +388,39 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                             "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
                             "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}}, (8, 2)),
+    "nemotron_h": BreadthFamily("mlx_lm.models.nemotron_h", {
+        "model_type": "nemotron_h", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "max_position_embeddings": 4096, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "attention_bias": False, "mamba_num_heads": 4, "mamba_head_dim": 32, "mamba_proj_bias": False,
+        "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 1, "mlp_bias": False, "layer_norm_epsilon": 1e-5,
+        "use_bias": False, "use_conv_bias": True, "hybrid_override_pattern": ["M", "E", "*", "E"],
+        "moe_intermediate_size": 128, "moe_shared_expert_intermediate_size": 128, "n_group": 1,
+        "n_routed_experts": 8, "n_shared_experts": 1, "topk_group": 1, "num_experts_per_tok": 2,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "tie_word_embeddings": False}, (8, 2)),
     "olmoe": BreadthFamily("mlx_lm.models.olmoe", {
         "model_type": "olmoe", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
         "num_experts_per_tok": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}, (8, 2)),
+    "phixtral": BreadthFamily("mlx_lm.models.phixtral", {
+        "model_type": "phixtral", "num_vocab": 256, "model_dim": 128, "num_heads": 4, "num_layers": 3, "rotary_dim": 16,
+        "num_experts_per_tok": 2, "num_local_experts": 8}, (8, 2)),
     "qwen2_moe": BreadthFamily("mlx_lm.models.qwen2_moe", {
         "model_type": "qwen2_moe", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
         "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
         "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
         "rms_norm_eps": 1e-6}, (8, 2)),
+    "qwen3_5_moe_vlm": BreadthFamily("mlx_vlm.models.qwen3_5_moe.language", {
+        "model_type": "qwen3_5_moe_text", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_experts": 8,
+        "num_experts_per_tok": 2, "shared_expert_intermediate_size": 128, "moe_intermediate_size": 128,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "full_attention_interval": 2,
+        "rope_parameters": {"type": "default", "mrope_section": [3, 3, 2], "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25, "mrope_interleaved": True},
+        "norm_topk_prob": True, "tie_word_embeddings": False}, (8, 2),
+        model="LanguageModel", args="mlx_vlm.models.qwen3_5_moe.config:TextConfig",
+        outer=("ModelConfig", {"vision_config": ("VisionConfig", {}), "model_type": "qwen3_5_moe"})),
     "qwen3_next": BreadthFamily("mlx_lm.models.qwen3_next", {
         "model_type": "qwen3_next", "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256,
         "num_attention_heads": 4, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
@@ -299,15 +430,27 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "rms_norm_eps": 1e-6, "vocab_size": 256, "num_key_value_heads": 2, "rope_theta": 1e7,
         "partial_rotary_factor": 0.25, "max_position_embeddings": 4096, "head_dim": 64,
         "norm_topk_prob": True, "tie_word_embeddings": False, "full_attention_interval": 2}, (8, 2)),
-    "step3p5": BreadthFamily("mlx_lm.models.step3p5", {
-        "model_type": "step3p5", "hidden_size": 128, "num_hidden_layers": 3, "vocab_size": 256,
-        "num_attention_heads": 4, "num_attention_groups": 2, "head_dim": 32, "intermediate_size": 256,
-        "rms_norm_eps": 1e-5, "rope_theta": 1e4, "max_position_embeddings": 4096, "sliding_window": 128,
-        "layer_types": ["full_attention", "sliding_attention", "full_attention"],
-        "partial_rotary_factors": [0.5, 1.0, 0.5],
-        "attention_other_setting": {"num_attention_heads": 4, "num_attention_groups": 2},
-        "use_head_wise_attn_gate": True, "moe_num_experts": 8, "moe_top_k": 2, "moe_intermediate_size": 128,
-        "share_expert_dim": 128, "moe_router_scaling_factor": 3.0, "norm_expert_weight": True,
-        "swiglu_limits": [0.0, 0.0, 7.0], "swiglu_limits_shared": [0.0, 0.0, 16.0],
-        "tie_word_embeddings": False}, (8, 2)),
+    "qwen3_omni_moe_vlm": BreadthFamily("mlx_vlm.models.qwen3_omni_moe.language", {
+        "model_type": "qwen3_omni_moe_text_encoder", "vocab_size": 256, "hidden_size": 128,
+        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 4096,
+        "norm_topk_prob": True, "tie_word_embeddings": False,
+        "rope_scaling": {"type": "default", "mrope_section": [6, 5, 5], "interleaved": True}},
+        (8, 2), model="LanguageModel", args="mlx_vlm.models.qwen3_omni_moe.config:TextConfig",
+        outer=("ThinkerConfig", {"vision_config": ("VisionConfig", {}), "audio_config": ("AudioConfig", {})})),
+    "qwen3_vl_moe_vlm": BreadthFamily("mlx_vlm.models.qwen3_vl_moe.language", {
+        "model_type": "qwen3_vl_moe", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "moe_intermediate_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
+        "max_position_embeddings": 4096, "norm_topk_prob": True,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+        "tie_word_embeddings": False}, (8, 2),
+        model="LanguageModel", args="mlx_vlm.models.qwen3_vl_moe.config:TextConfig",
+        outer=("ModelConfig", {"vision_config": ("VisionConfig", {}), "model_type": "qwen3_vl_moe"})),
+    "step3p5": BreadthFamily("mlx_lm.models.step3p5", _STEP3P5, (8, 2)),
+    "step3p7_vlm": BreadthFamily("mlx_vlm.models.step3p7.language", {**_STEP3P5, "moe_layers_enum": [1, 2]}, (8, 2),
+                                 model="LanguageModel", args="mlx_vlm.models.step3p7.config:TextConfig"),
 }

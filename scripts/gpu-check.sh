@@ -13,6 +13,7 @@
 #     SAVE_PTX_CACHE=1 scripts/gpu-check.sh    # MLX's compiled kernels back under $OUT, to carry next time
 #     SHARDS=8 ALL_GPU=1 REFERENCES_TOO=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh
 #         # every GPU test but the greedy ones, kernels on and (at the same time) off
+#     BREADTH=1 SHARDS=8 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh   # zoo_breadth's families on the kernels
 #     DECODE=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh   # the decode benchmarks
 #     TIMELINE=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh # batch-1 decode / dense, in bursts
 #     BATCHED=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh  # batched decode / dense, in bursts
@@ -80,9 +81,11 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     # per decode shape), best in a call of their own. ALL_GPU=1: every GPU test but the greedy
     # ones, the dispatch-vs-stock tests included (slow for the same reason).
     # fp32 comparisons without TF32, as MLX's own tests; fewer hypothesis examples than on the CPU.
+    # BREADTH=1: tests/parity/test_families.py's GPU cases (zoo_breadth's families), also apart.
     default_select="cuda and not greedy"
-    [ -n "${ALL_GPU:-}" ] && default_select="(gpu or cuda) and not greedy"
+    [ -n "${ALL_GPU:-}" ] && default_select="(gpu or cuda) and not greedy and not breadth"
     [ -n "${GREEDY:-}" ] && default_select="gpu and greedy"
+    [ -n "${BREADTH:-}" ] && default_select="gpu and breadth"
     # SHARDS=n: n pytest processes side by side (the GPU tests wait mostly on MLX's compiles, on
     # the CPU: on the H200 the whole GPU suite took 209 s in 8 shards, where the 14 greedy cases
     # alone take ~1 min each in one process).
