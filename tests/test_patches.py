@@ -235,6 +235,11 @@ class ReluGLU(nn.Module):
         return nn.relu(gate) * x
 
 
+def relu_glu(x, gate):
+    """The same as a function."""
+    return nn.relu(gate) * x
+
+
 def quantized_glu(mode="affine", bits=4, activation=None):
     from mlx_lm.models.switch_layers import SwitchGLU
 
@@ -257,9 +262,10 @@ def assert_patched_output_is_stock(layer):
     [
         (lambda: quantized_glu(mode="mxfp8", bits=8), "mxfp8"),
         (lambda: quantized_glu(bits=3), "3-bit"),
-        (lambda: quantized_glu(activation=ReluGLU()), "not recognised"),
+        (lambda: quantized_glu(activation=ReluGLU()), "activation ReluGLU is not recognised"),
+        (lambda: quantized_glu(activation=mx.compile(relu_glu)), "activation relu_glu is not recognised"),
     ],
-    ids=["mxfp8", "3-bit", "unknown-activation"],
+    ids=["mxfp8", "3-bit", "unknown-activation", "unknown-compiled-function"],
 )
 def test_unsupported_layers_fall_through_to_stock_and_say_why(make_layer, reason_part):
     assert_patched_output_is_stock(make_layer())

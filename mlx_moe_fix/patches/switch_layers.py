@@ -102,7 +102,9 @@ def _describe(layer, projection_names: tuple, gate_scale, out_scale):
     if len(projection_names) > 1:
         activation = recognise(layer.activation)
         if activation is None:
-            return None, f"activation {type(layer.activation).__qualname__} is not recognised"
+            # a module by its class, a function (compiled ones share one class) by its name
+            name = getattr(layer.activation, "__name__", None) or type(layer.activation).__qualname__
+            return None, f"activation {name} is not recognised"
     projections = tuple(
         ExpertLinear.from_module(layer[name]) if name in layer else None for name in projection_names
     )
