@@ -8,9 +8,10 @@ seven families of ``zoo.FAMILIES`` go through every test; these through that one
 Sizes as the zoo's (``zoo.VOCAB`` 256, ``zoo.HIDDEN`` 128, two to four layers, at least one of
 them MoE); no quantized projection takes a 64-wide input (zoo.K64_NOTE). Not here: hunyuan and
 mlx-vlm's cohere2_moe (their head is always the tied embedding and nothing scales their experts:
-every small config tried gave one repeated token), mlx-vlm's hy_v4 (its experts are a
-FusedSwitchGLU, not a SwitchGLU: only its quantized switch linears are patched), muse_spark (its
-attention, router and norms are Metal-only kernels)."""
+every small config tried gave one repeated token), mlx-vlm's hy_v4 and laguna (their experts
+are a fused or packed SwitchGLU of their own, not a SwitchGLU: only their quantized switch linears
+are patched, as MiniMax-M3-VL's in its default packed layout), muse_spark (its attention, router
+and norms are Metal-only kernels)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,16 @@ _GEMMA4 = {
     "global_head_dim": 64, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "sliding_window": 32,
     "layer_types": ["sliding_attention", "full_attention"], "enable_moe_block": True, "num_experts": 8,
     "top_k_experts": 2, "moe_intermediate_size": 128, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+# MiniMax-M3's text model (full and block-sparse attention), as mlx-lm's minimax_m3_vl and
+# mlx-vlm's read it (each names the sparse layer type its own way).
+_MINIMAX_M3 = {
+    "model_type": "minimax_m3", "hidden_size": 128, "intermediate_size": 128, "dense_intermediate_size": 256,
+    "shared_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "rope_theta": 5e6, "head_dim": 32, "partial_rotary_factor": 0.5, "vocab_size": 256, "tie_word_embeddings": False,
+    "routed_scaling_factor": 2.0, "use_qk_norm": True, "use_gemma_norm": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+    "index_n_heads": 2, "index_head_dim": 32, "index_block_size": 16, "index_topk_blocks": 2, "index_local_blocks": 1}
 
 # Step-3.5's layers (dense, then sliding and full attention; the last one's experts clamped), as
 # mlx-lm's step3p5 and mlx-vlm's step3p7 read them.
@@ -135,6 +146,18 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
         "norm_topk_prob": True, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
         "moe_layer_freq": 1, "first_k_dense_replace": 1, "max_position_embeddings": 4096}, (8, 2)),
+    # qk_nope / v_head 128 (as zoo's deepseek_v3): qk_nope 64 makes embed_q a 64-wide quantized
+    # input (K64_NOTE), and with v_head 32 the stream was one repeated token.
+    "deepseek_v3_vlm": BreadthFamily("mlx_vlm.models.deepseek_v3.language", {
+        "model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 128, "q_lora_rank": 128, "qk_rope_head_dim": 32,
+        "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "norm_topk_prob": True, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+        "moe_layer_freq": 1, "first_k_dense_replace": 1, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0}, (8, 2),
+        model="LanguageModel", args="mlx_vlm.models.deepseek_v3.config:ModelConfig"),
     "deepseek_v41": BreadthFamily("mlx_lm.models.deepseek_v41", {
         "model_type": "deepseek_v41", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 2, "head_dim": 128, "q_lora_rank": 128, "qk_rope_head_dim": 32,
@@ -226,6 +249,12 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "swiglu_limit": 10.0, "linear_head_dim": 32, "linear_num_heads": 4,
         "linear_conv_kernel_dim": 4, "hc_mult": 4},
         (8, 2), model="LanguageModel", args="mlx_vlm.models.glm5_next.config:TextConfig"),
+    "gpt_oss_vlm": BreadthFamily("mlx_vlm.models.gpt_oss.language", {
+        "model_type": "gpt_oss", "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 256, "rms_norm_eps": 1e-5, "hidden_size": 128, "intermediate_size": 128,
+        "head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 32,
+        "rope_theta": 150000, "layer_types": ["sliding_attention", "full_attention"]}, (8, 2),
+        model="LanguageModel", args="mlx_vlm.models.gpt_oss.config:ModelConfig"),
     "granitemoe": BreadthFamily("mlx_lm.models.granitemoe", {
         "model_type": "granitemoe", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -366,17 +395,16 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "rms_norm_eps": 1e-6, "rope_theta": 5e6, "rotary_dim": 16, "vocab_size": 256,
         "tie_word_embeddings": False, "scoring_func": "sigmoid", "head_dim": 32, "use_qk_norm": True}, (8, 2)),
     "minimax_m3_vl": BreadthFamily("mlx_lm.models.minimax_m3_vl", {
-        "model_type": "minimax_m3_vl", "text_config": {
-            "model_type": "minimax_m3", "hidden_size": 128, "intermediate_size": 128,
-            "dense_intermediate_size": 256, "shared_intermediate_size": 128, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "num_hidden_layers": 2, "num_local_experts": 8,
-            "num_experts_per_tok": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-            "rope_theta": 5e6, "head_dim": 32, "partial_rotary_factor": 0.5, "vocab_size": 256,
-            "tie_word_embeddings": False, "routed_scaling_factor": 2.0, "use_qk_norm": True,
-            "use_gemma_norm": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
-            "layer_types": ["full_attention", "sparse_attention"],
-            "index_n_heads": 2, "index_head_dim": 32, "index_block_size": 16, "index_topk_blocks": 2,
-            "index_local_blocks": 1}}, (8, 2)),
+        "model_type": "minimax_m3_vl", "text_config": {**_MINIMAX_M3, "layer_types": ["full_attention", "sparse_attention"]}},
+        (8, 2)),
+    # pack_shared_expert False: the unpacked layout (a SwitchGLU with MiniMaxSwiGLUOAI, the shared
+    # expert a separate MLP). By default (one shared expert as wide as the routed ones, as the
+    # checkpoints) the experts are a MiniMaxPackedSwitchGLU, not a SwitchGLU: there only its
+    # quantized switch linears are patched.
+    "minimax_m3_vl_vlm": BreadthFamily("mlx_vlm.models.minimax_m3_vl.language", {
+        **_MINIMAX_M3, "moe_layer_freq": [0, 1], "pack_shared_expert": False,
+        "layer_types": ["full_attention", "minimax_m3_sparse"]}, (8, 2),
+        model="LanguageModel", args="mlx_vlm.models.minimax_m3_vl.config:TextConfig"),
     "mistral4": BreadthFamily("mlx_lm.models.mistral4", {
         "model_type": "mistral4", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
         "moe_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -388,6 +416,12 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                             "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
                             "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}}, (8, 2)),
+    "mixtral_vlm": BreadthFamily("mlx_vlm.models.mixtral.language", {
+        "model_type": "mixtral", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+        "tie_word_embeddings": False}, (8, 2),
+        model="LanguageModel", args="mlx_vlm.models.mixtral.config:ModelConfig"),
     "nemotron_h": BreadthFamily("mlx_lm.models.nemotron_h", {
         "model_type": "nemotron_h", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
         "max_position_embeddings": 4096, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -401,6 +435,13 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "model_type": "olmoe", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
         "num_experts_per_tok": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}, (8, 2)),
+    "phimoe_vlm": BreadthFamily("mlx_vlm.models.phimoe.language", {
+        "model_type": "phimoe", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_scaling": None, "num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 10000.0,
+        "router_jitter_noise": 0.01}, (8, 2),
+        model="LanguageModel", args="mlx_vlm.models.phimoe.config:ModelConfig"),
     "phixtral": BreadthFamily("mlx_lm.models.phixtral", {
         "model_type": "phixtral", "num_vocab": 256, "model_dim": 128, "num_heads": 4, "num_layers": 3, "rotary_dim": 16,
         "num_experts_per_tok": 2, "num_local_experts": 8}, (8, 2)),
@@ -421,6 +462,13 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "norm_topk_prob": True, "tie_word_embeddings": False}, (8, 2),
         model="LanguageModel", args="mlx_vlm.models.qwen3_5_moe.config:TextConfig",
         outer=("ModelConfig", {"vision_config": ("VisionConfig", {}), "model_type": "qwen3_5_moe"})),
+    "qwen3_moe_vlm": BreadthFamily("mlx_vlm.models.qwen3_moe.language", {
+        "model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "moe_intermediate_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "max_position_embeddings": 4096, "norm_topk_prob": True, "tie_word_embeddings": False}, (8, 2),
+        model="LanguageModel", args="mlx_vlm.models.qwen3_moe.config:ModelConfig"),
     "qwen3_next": BreadthFamily("mlx_lm.models.qwen3_next", {
         "model_type": "qwen3_next", "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256,
         "num_attention_heads": 4, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
@@ -454,3 +502,12 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
     "step3p7_vlm": BreadthFamily("mlx_vlm.models.step3p7.language", {**_STEP3P5, "moe_layers_enum": [1, 2]}, (8, 2),
                                  model="LanguageModel", args="mlx_vlm.models.step3p7.config:TextConfig"),
 }
+
+# mlx-vlm's language models of these families, built from mlx-lm's configs above: (family, its
+# config class).
+for _family, _config_class in (("afmoe", "ModelConfig"), ("bailing_moe", "ModelConfig"), ("kimi_k3", "TextConfig"),
+                               ("longcat_flash", "ModelConfig"), ("mellum", "ModelConfig"), ("nemotron_h", "ModelConfig"),
+                               ("olmoe", "ModelConfig")):
+    BREADTH_FAMILIES[f"{_family}_vlm"] = BreadthFamily(
+        f"mlx_vlm.models.{_family}.language", BREADTH_FAMILIES[_family].config, BREADTH_FAMILIES[_family].experts,
+        model="LanguageModel", args=f"mlx_vlm.models.{_family}.config:{_config_class}")

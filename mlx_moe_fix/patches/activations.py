@@ -45,6 +45,9 @@ KNOWN_ACTIVATIONS: tuple = (
     ("mlx_vlm.models.gpt_oss.language", "SwiGLU", lambda m: Activation("swiglu_oai", limit=7.0, alpha=1.702)),
     ("mlx.nn.layers.activations", "GELU", _gelu),
     ("mlx.nn.layers.activations", "ReLU2", lambda m: Activation("relu2")),
+    # mlx-vlm's MiniMax-M3-VL: gpt-oss's SwiGLU with (up + beta), the same as SwigluOAI at beta 1
+    ("mlx_vlm.models.minimax_m3_vl.language", "MiniMaxSwiGLUOAI",
+     lambda m: Activation("swiglu_oai", limit=float(m.limit), alpha=float(m.alpha)) if m.beta == 1.0 else None),
     # DeepSeek-V4.1's clamped SwiGLU in float32 (mlx-lm's; mlx-vlm's also weights and fp8-rounds
     # its output, in its own SwitchGLU subclass)
     ("mlx_lm.models.deepseek_v41", "DeepseekV41SwiGLU",
