@@ -240,6 +240,13 @@ def relu_glu(x, gate):
     return nn.relu(gate) * x
 
 
+def minimax_swiglu(beta):
+    """mlx-vlm's MiniMax-M3-VL activation: gpt-oss's SwiGLU at beta 1, else one the ops do not know."""
+    from mlx_vlm.models.minimax_m3_vl.language import MiniMaxSwiGLUOAI
+
+    return MiniMaxSwiGLUOAI(beta=beta)
+
+
 def quantized_glu(mode="affine", bits=4, activation=None):
     from mlx_lm.models.switch_layers import SwitchGLU
 
@@ -264,8 +271,9 @@ def assert_patched_output_is_stock(layer):
         (lambda: quantized_glu(bits=3), "3-bit"),
         (lambda: quantized_glu(activation=ReluGLU()), "activation ReluGLU is not recognised"),
         (lambda: quantized_glu(activation=mx.compile(relu_glu)), "activation relu_glu is not recognised"),
+        (lambda: quantized_glu(activation=minimax_swiglu(beta=0.5)), "activation MiniMaxSwiGLUOAI is not recognised"),
     ],
-    ids=["mxfp8", "3-bit", "unknown-activation", "unknown-compiled-function"],
+    ids=["mxfp8", "3-bit", "unknown-activation", "unknown-compiled-function", "minimax-beta-not-1"],
 )
 def test_unsupported_layers_fall_through_to_stock_and_say_why(make_layer, reason_part):
     assert_patched_output_is_stock(make_layer())
@@ -287,8 +295,9 @@ def test_a_layer_quantized_with_mlx_defaults_takes_the_ops(mode):
     assert [(r.layer, r.path) for r in records] == [("SwitchGLU", "reference")], records
 
 
-def test_supported_layer_takes_the_ops_not_stock():
-    assert_patched_output_is_stock(quantized_glu())
+@pytest.mark.parametrize("make_activation", [lambda: None, lambda: minimax_swiglu(beta=1.0)], ids=["swiglu", "minimax-beta-1"])
+def test_supported_layer_takes_the_ops_not_stock(make_activation):
+    assert_patched_output_is_stock(quantized_glu(activation=make_activation()))
     records = mlx_moe_fix.path_counts()
     assert [(r.layer, r.phase, r.path) for r in records] == [("SwitchGLU", "decode", "reference")]
 
