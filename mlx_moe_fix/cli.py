@@ -117,7 +117,7 @@ def demo(family: str, bits: int, prompt_tokens: int, new_tokens: int, repeats: i
 
 
 def main(argv=None) -> int:
-    from .zoo import FAMILIES
+    from .zoo import BREADTH_FAMILIES, FAMILIES
 
     parser = argparse.ArgumentParser(prog="mlx-moe-fix", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -126,7 +126,10 @@ def main(argv=None) -> int:
     demo_parser = commands.add_parser(
         "demo", help="stock vs patched on a built-in small random MoE model: greedy-token parity and timing"
     )
-    demo_parser.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
+    demo_parser.add_argument("--family", choices=[*FAMILIES, *BREADTH_FAMILIES], default="qwen3_moe", metavar="FAMILY",
+                             help=f"the zoo's {', '.join(FAMILIES)} (default qwen3_moe), or one of "
+                             f"{len(BREADTH_FAMILIES)} more small models of mlx-lm's and mlx-vlm's MoE families: "
+                             f"{', '.join(BREADTH_FAMILIES)}")
     demo_parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
     demo_parser.add_argument("--prompt-tokens", type=int, default=128)
     demo_parser.add_argument("--new-tokens", type=int, default=32)

@@ -372,11 +372,13 @@ def test_quantized_switch_linear_called_positionally():
     assert {r.layer for r in mlx_moe_fix.path_counts()} == {"QuantizedSwitchLinear"}
 
 
-def test_demo_command_reports_parity():
+@pytest.mark.parametrize("family", [[], ["--family", "gemma4_text"]], ids=["default", "breadth-family"])
+def test_demo_command_reports_parity(family):
     # as a user runs it: MLX_MOE_FIX_REFERENCES unset, so on the CPU the demo itself asks for the
     # references (apply() alone would patch nothing there) and says so
     result = subprocess.run(
-        [sys.executable, "-m", "mlx_moe_fix", "demo", "--prompt-tokens", "64", "--new-tokens", "8", "--repeats", "1", "--cpu"],
+        [sys.executable, "-m", "mlx_moe_fix", "demo", *family, "--prompt-tokens", "64", "--new-tokens", "8", "--repeats",
+         "1", "--cpu"],
         capture_output=True, text=True, env=repo_env(MLX_MOE_FIX_REFERENCES=""), timeout=300,
     )
     assert result.returncode == 0, result.stderr
