@@ -11,12 +11,12 @@ experts.
 API::
 
     FAMILIES                                  # the 7 family names
-    BREADTH_FAMILIES                          # 61 more, mlx-lm's and mlx-vlm's (zoo_breadth.py): build and prompt_for take them
+    BREADTH_FAMILIES                          # 64 more, mlx-lm's and mlx-vlm's (zoo_breadth.py): build and prompt_for take them
     build(family, bits, *, seed=0, dtype=mx.float32) -> model
     prompt_for(family) -> list[int]           # fixed prompt, >= 64 (token, expert) pairs
     greedy_tokens(model, prompt, n=32) -> list[int]
     greedy_decode(model, prompt, n=32) -> (tokens, logits [n, vocab] float32)
-    moe_layers(model) -> [(path, SwitchGLU- or SwitchMLP-like module)]
+    moe_layers(model) -> [(path, SwitchGLU-, SwitchMLP- or packed-expert module)]
     EXPERTS[family] -> (num_experts, top_k)
 
 ``build`` draws from the global MLX PRNG (it calls ``mx.random.seed(seed)``).
@@ -640,13 +640,22 @@ def greedy_tokens(model, prompt: list[int], n: int = 32) -> list[int]:
     return greedy_decode(model, prompt, n)[0]
 
 
+# mlx-vlm's expert blocks that fuse gate and up into one switch linear of their own (called as a
+# SwitchGLU is: x, indices): the package patches their switch linears, not the block.
+PACKED_SWITCH_GLUS = (("mlx_vlm.models.minimax_m3_vl.language", "MiniMaxPackedSwitchGLU"),
+                      ("mlx_vlm.models.laguna.language", "LagunaPackedSwitchGLU"),
+                      ("mlx_vlm.models.hy_v4.fused_switch_glu", "FusedSwitchGLU"))
+
+
 def moe_layers(model) -> list[tuple[str, nn.Module]]:
-    """(path, module) of every SwitchGLU or SwitchMLP (mlx_lm or mlx_vlm, incl. InklingSwitchGLU)."""
+    """(path, module) of every SwitchGLU or SwitchMLP (mlx_lm or mlx_vlm, incl. InklingSwitchGLU),
+    and every PACKED_SWITCH_GLUS block."""
     return [
         (path, m)
         for path, m in model.named_modules()
         if any(
-            c.__name__ in ("SwitchGLU", "SwitchMLP") and c.__module__.endswith("models.switch_layers")
+            (c.__name__ in ("SwitchGLU", "SwitchMLP") and c.__module__.endswith("models.switch_layers"))
+            or (c.__module__, c.__name__) in PACKED_SWITCH_GLUS
             for c in type(m).__mro__
         )
     ]

@@ -8,10 +8,10 @@ seven families of ``zoo.FAMILIES`` go through every test; these through that one
 Sizes as the zoo's (``zoo.VOCAB`` 256, ``zoo.HIDDEN`` 128, two to four layers, at least one of
 them MoE); no quantized projection takes a 64-wide input (zoo.K64_NOTE). Not here: hunyuan and
 mlx-vlm's cohere2_moe (their head is always the tied embedding and nothing scales their experts:
-every small config tried gave one repeated token), mlx-vlm's hy_v4 and laguna (their experts
-are a fused or packed SwitchGLU of their own, not a SwitchGLU: only their quantized switch linears
-are patched, as MiniMax-M3-VL's in its default packed layout), muse_spark (its attention, router
-and norms are Metal-only kernels)."""
+every small config tried gave one repeated token), muse_spark (its attention, router and norms
+are Metal-only kernels). mlx-vlm's hy_v4, laguna and MiniMax-M3-VL (in its default layout) pack
+gate and up into one switch linear of their own expert block (zoo.PACKED_SWITCH_GLUS): there the
+package patches the switch linears, which the test follows instead."""
 
 from __future__ import annotations
 
@@ -272,6 +272,16 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_proj_bias": False, "mamba_d_state": 16,
         "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_conv_bias": True,
         "position_embedding_type": "rope", "tie_word_embeddings": False}, (8, 2)),
+    "hy_v4_vlm": BreadthFamily("mlx_vlm.models.hy_v4.language", {
+        "model_type": "hy_v4", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "n_shared_experts": 1, "n_routed_experts": 8,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 128, "q_lora_rank": 128, "qk_rope_head_dim": 32,
+        "v_head_dim": 32, "qk_nope_head_dim": 128, "index_head_dim": 64, "index_n_heads": 2,
+        "index_topk": 16, "topk_method": "noaux_tc", "norm_topk_prob": True, "n_group": 2,
+        "topk_group": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "max_position_embeddings": 4096, "rope_theta": 10000.0, "hc_mult": 4},
+        (8, 2), model="LanguageModel", args="mlx_vlm.models.hy_v4.config:ModelConfig"),
     "jamba": BreadthFamily("mlx_lm.models.jamba", {
         "model_type": "jamba", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -401,6 +411,11 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
     # expert a separate MLP). By default (one shared expert as wide as the routed ones, as the
     # checkpoints) the experts are a MiniMaxPackedSwitchGLU, not a SwitchGLU: there only its
     # quantized switch linears are patched.
+    # the default layout: the shared expert packed with the routed ones (a ninth expert, a third index
+    # a token) in a MiniMaxPackedSwitchGLU
+    "minimax_m3_vl_packed_vlm": BreadthFamily("mlx_vlm.models.minimax_m3_vl.language", {
+        **_MINIMAX_M3, "moe_layer_freq": [0, 1], "layer_types": ["full_attention", "minimax_m3_sparse"]}, (9, 3),
+        model="LanguageModel", args="mlx_vlm.models.minimax_m3_vl.config:TextConfig"),
     "minimax_m3_vl_vlm": BreadthFamily("mlx_vlm.models.minimax_m3_vl.language", {
         **_MINIMAX_M3, "moe_layer_freq": [0, 1], "pack_shared_expert": False,
         "layer_types": ["full_attention", "minimax_m3_sparse"]}, (8, 2),
@@ -506,8 +521,8 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
 # mlx-vlm's language models of these families, built from mlx-lm's configs above: (family, its
 # config class).
 for _family, _config_class in (("afmoe", "ModelConfig"), ("bailing_moe", "ModelConfig"), ("kimi_k3", "TextConfig"),
-                               ("longcat_flash", "ModelConfig"), ("mellum", "ModelConfig"), ("nemotron_h", "ModelConfig"),
-                               ("olmoe", "ModelConfig")):
+                               ("laguna", "ModelConfig"), ("longcat_flash", "ModelConfig"), ("mellum", "ModelConfig"),
+                               ("nemotron_h", "ModelConfig"), ("olmoe", "ModelConfig")):
     BREADTH_FAMILIES[f"{_family}_vlm"] = BreadthFamily(
         f"mlx_vlm.models.{_family}.language", BREADTH_FAMILIES[_family].config, BREADTH_FAMILIES[_family].experts,
         model="LanguageModel", args=f"mlx_vlm.models.{_family}.config:{_config_class}")

@@ -2,8 +2,8 @@
 models), built small from its own classes, keeps stock's greedy tokens with the package applied
 (tests/parity/test_greedy_tokens.py's check: identical where the references run, teacher-forced
 where kernels do), and its SwitchGLU (or SwitchMLP) calls went through the ops in both phases, not
-upstream's code. On a GPU (kernels, bf16; MLX compiles stock's kernels per shape for each of the
-61 models) scripts/gpu-check.sh runs these apart: BREADTH=1."""
+upstream's code (mlx-vlm's packed expert blocks: their switch linears). On a GPU (kernels, bf16; MLX compiles stock's kernels per shape for each of the
+64 models) scripts/gpu-check.sh runs these apart: BREADTH=1."""
 
 import mlx_moe_fix
 import pytest
@@ -13,16 +13,21 @@ from mlx_moe_fix import zoo
 from .test_greedy_tokens import assert_greedy_tokens_match_stock, run_dtype
 
 
+# The first expert projection of a SwitchGLU, a SwitchMLP, and a packed block (zoo.PACKED_SWITCH_GLUS).
+FIRST_PROJECTIONS = ("gate_proj", "fc1", "gate_up_proj")
+
+
 @pytest.mark.parametrize("family", zoo.BREADTH_FAMILIES)
 def test_breadth_family_keeps_stock_tokens(device, family):
     dtype = run_dtype(device)
     model = zoo.build(family, 4, dtype=dtype)
     num_experts, top_k = zoo.BREADTH_FAMILIES[family].experts
     layers = zoo.moe_layers(model)
-    first_projections = [layer.gate_proj if "gate_proj" in layer else layer.fc1 for _, layer in layers]  # SwitchGLU, SwitchMLP
+    first_projections = [next(layer[name] for name in FIRST_PROJECTIONS if name in layer) for _, layer in layers]
     assert first_projections and all(p.weight.shape[0] == num_experts for p in first_projections)
     assert_greedy_tokens_match_stock(model, family, dtype)
     ops = mlx_moe_fix.status()["ops"]
-    layer_name = type(layers[0][1]).__name__  # in path_counts, mlx-vlm's with "[vlm]" after it
+    # as path_counts names the patched calls: mlx-vlm's with "[vlm]" after; a packed block's by its switch linears
+    layer_name = "QuantizedSwitchLinear" if "gate_up_proj" in layers[0][1] else type(layers[0][1]).__name__
     paths = {(r.phase, r.path) for r in mlx_moe_fix.path_counts() if r.layer.split("[")[0] == layer_name}
     assert paths == {("prefill", ops["moe_prefill"]["path"]), ("decode", ops["moe_decode"]["path"])}, mlx_moe_fix.path_counts()
