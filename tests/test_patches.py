@@ -697,3 +697,15 @@ def test_a_restating_patch_leaves_another_version_of_its_method_as_it_is(monkeyp
     finally:
         mlx_moe_fix.revert()
     assert patches.target_state(other)[0] == "not applied"
+
+
+def test_every_known_activation_and_shared_experts_class_exists_upstream():
+    # Recognition is by exact class (or function) in upstream's modules: a rename upstream would
+    # leave those layers on stock code without a word, so the installed mlx-lm / mlx-vlm must have
+    # every one listed.
+    import importlib
+
+    from mlx_moe_fix.patches.activations import KNOWN_ACTIVATION_FUNCTIONS, KNOWN_ACTIVATIONS, KNOWN_SHARED_EXPERTS
+
+    for module_name, name, _ in KNOWN_ACTIVATIONS + KNOWN_ACTIVATION_FUNCTIONS + KNOWN_SHARED_EXPERTS:
+        assert hasattr(importlib.import_module(module_name), name), f"{module_name}.{name}"
