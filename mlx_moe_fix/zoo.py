@@ -11,7 +11,7 @@ experts.
 API::
 
     FAMILIES                                  # the 7 family names
-    BREADTH_FAMILIES                          # 64 more, mlx-lm's and mlx-vlm's (zoo_breadth.py): build and prompt_for take them
+    BREADTH_FAMILIES                          # 84 more, mlx-lm's and mlx-vlm's (zoo_breadth.py): build and prompt_for take them
     build(family, bits, *, seed=0, dtype=mx.float32) -> model
     prompt_for(family) -> list[int]           # fixed prompt, >= 64 (token, expert) pairs
     greedy_tokens(model, prompt, n=32) -> list[int]

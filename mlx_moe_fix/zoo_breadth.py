@@ -518,11 +518,16 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
                                  model="LanguageModel", args="mlx_vlm.models.step3p7.config:TextConfig"),
 }
 
-# mlx-vlm's language models of these families, built from mlx-lm's configs above: (family, its
-# config class).
-for _family, _config_class in (("afmoe", "ModelConfig"), ("bailing_moe", "ModelConfig"), ("kimi_k3", "TextConfig"),
-                               ("laguna", "ModelConfig"), ("longcat_flash", "ModelConfig"), ("mellum", "ModelConfig"),
-                               ("nemotron_h", "ModelConfig"), ("olmoe", "ModelConfig")):
+# mlx-vlm's language models of these families, built from mlx-lm's configs above (their config
+# class ModelConfig, kimi_k3's TextConfig).
+for _family in ("afmoe", "bailing_moe", "bailing_moe_linear", "deepseek", "deepseek_v2", "deepseek_v32", "dots1",
+                "ernie4_5_moe", "exaone_moe", "gemma4_text", "glm4_moe", "glm4_moe_lite", "granitemoe", "jamba", "kimi_k3",
+                "kimi_linear", "laguna", "longcat_flash", "mellum", "mimo_v2_flash", "minimax", "nemotron_h", "olmoe",
+                "phixtral", "qwen2_moe", "qwen3_next", "step3p5"):
     BREADTH_FAMILIES[f"{_family}_vlm"] = BreadthFamily(
         f"mlx_vlm.models.{_family}.language", BREADTH_FAMILIES[_family].config, BREADTH_FAMILIES[_family].experts,
-        model="LanguageModel", args=f"mlx_vlm.models.{_family}.config:{_config_class}")
+        model="LanguageModel", args=f"mlx_vlm.models.{_family}.config:{'TextConfig' if _family == 'kimi_k3' else 'ModelConfig'}")
+# mlx-vlm's asks for its rope base
+BREADTH_FAMILIES["granitemoehybrid_vlm"] = BreadthFamily(
+    "mlx_vlm.models.granitemoehybrid.language", {**BREADTH_FAMILIES["granitemoehybrid"].config, "rope_theta": 10000.0},
+    (8, 2), model="LanguageModel", args="mlx_vlm.models.granitemoehybrid.config:ModelConfig")

@@ -53,6 +53,7 @@ KNOWN_ACTIVATIONS: tuple = (
     ("mlx_lm.models.deepseek_v41", "DeepseekV41SwiGLU",
      lambda m: Activation("swiglu_fp32", limit=float(m.limit) if m.limit > 0 else None)),
     ("mlx_lm.models.step3p5", "ClampedSwiGLU", lambda m: Activation("swiglu_clamped_silu", limit=float(m.limit))),
+    ("mlx_vlm.models.step3p5.language", "ClampedSwiGLU", lambda m: Activation("swiglu_clamped_silu", limit=float(m.limit))),
     ("mlx_vlm.models.step3p7.language", "ClampedSwiGLU", lambda m: Activation("swiglu_clamped_silu", limit=float(m.limit))),
     # GLM-5-Next clamps whatever its limit (DeepSeek-V4 only for a positive one)
     ("mlx_vlm.models.glm5_next.language", "LimitedSwiGLU", lambda m: Activation("swiglu", limit=float(m.limit))),

@@ -3,7 +3,7 @@ models), built small from its own classes, keeps stock's greedy tokens with the 
 (tests/parity/test_greedy_tokens.py's check: identical where the references run, teacher-forced
 where kernels do), and its SwitchGLU (or SwitchMLP) calls went through the ops in both phases, not
 upstream's code (mlx-vlm's packed expert blocks: their switch linears). On a GPU (kernels, bf16; MLX compiles stock's kernels per shape for each of the
-64 models) scripts/gpu-check.sh runs these apart: BREADTH=1."""
+84 models) scripts/gpu-check.sh runs these apart: BREADTH=1."""
 
 import mlx_moe_fix
 import pytest
