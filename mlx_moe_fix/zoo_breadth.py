@@ -6,10 +6,11 @@ are ``SwitchGLU``s or ``SwitchMLP``s keeps stock's greedy tokens with the packag
 seven families of ``zoo.FAMILIES`` go through every test; these through that one.
 
 Sizes as the zoo's (``zoo.VOCAB`` 256, ``zoo.HIDDEN`` 128, two to four layers, at least one of
-them MoE); no quantized projection takes a 64-wide input (zoo.K64_NOTE). Not here: hunyuan and
-mlx-vlm's cohere2_moe (their head is always the tied embedding and nothing scales their experts:
-every small config tried gave one repeated token), muse_spark (its attention, router and norms
-are Metal-only kernels). mlx-vlm's hy_v4, laguna and MiniMax-M3-VL (in its default layout) pack
+them MoE); no quantized projection takes a 64-wide input (zoo.K64_NOTE). Not here: hunyuan, mlx-vlm's
+cohere2_moe and mlx-vlm's lfm2_moe (their head is always the tied embedding and nothing scales
+their experts enough: every small config tried gave one repeated token), muse_spark (its
+attention, router and norms are Metal-only kernels), mlx-vlm's deepseek_v41 (its experts a
+SwitchGLU subclass of its own, which weights and fp8-rounds; building it ended the process here). mlx-vlm's hy_v4, laguna and MiniMax-M3-VL (in its default layout) pack
 gate and up into one switch linear of their own expert block (zoo.PACKED_SWITCH_GLUS): there the
 package patches the switch linears, which the test follows instead."""
 
