@@ -44,6 +44,15 @@ class BreadthFamily(NamedTuple):
         return model(args, getattr(configs, outer)(text_config=args, **built))
 
 
+# DeepSeek-V3's MLA and grouped sigmoid routing, as mlx-vlm's deepseek_v3 and kimi_vl read them.
+_DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+    "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "n_shared_experts": 1, "n_routed_experts": 8, "routed_scaling_factor": 2.5, "kv_lora_rank": 128,
+    "qk_rope_head_dim": 32, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 2,
+    "topk_group": 1, "num_experts_per_tok": 2, "moe_layer_freq": 1, "first_k_dense_replace": 1,
+    "max_position_embeddings": 4096}
+
 # DeepSeek-V2's MLA and grouped routing, as mlx-lm's deepseek_v2 and mlx-vlm's deepseek_vl_v2 read them.
 _DEEPSEEK_V2 = {
     "model_type": "deepseek_v2", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
@@ -150,15 +159,8 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
     # qk_nope / v_head 128 (as zoo's deepseek_v3): qk_nope 64 makes embed_q a 64-wide quantized
     # input (K64_NOTE), and with v_head 32 the stream was one repeated token.
     "deepseek_v3_vlm": BreadthFamily("mlx_vlm.models.deepseek_v3.language", {
-        "model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
-        "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
-        "routed_scaling_factor": 2.5, "kv_lora_rank": 128, "q_lora_rank": 128, "qk_rope_head_dim": 32,
-        "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-        "norm_topk_prob": True, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
-        "moe_layer_freq": 1, "first_k_dense_replace": 1, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0}, (8, 2),
-        model="LanguageModel", args="mlx_vlm.models.deepseek_v3.config:ModelConfig"),
+        **_DEEPSEEK_V3, "q_lora_rank": 128, "v_head_dim": 128, "qk_nope_head_dim": 128, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0}, (8, 2), model="LanguageModel", args="mlx_vlm.models.deepseek_v3.config:ModelConfig"),
     "deepseek_v41": BreadthFamily("mlx_lm.models.deepseek_v41", {
         "model_type": "deepseek_v41", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 2, "head_dim": 128, "q_lora_rank": 128, "qk_rope_head_dim": 32,
@@ -312,15 +314,8 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "num_experts_per_token": 2, "num_shared_experts": 1, "num_expert_group": 2,
         "topk_group": 1, "tie_word_embeddings": False}, (8, 2)),
     "kimi_vl_vlm": BreadthFamily("mlx_vlm.models.kimi_vl.language", {
-        "model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
-        "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
-        "routed_scaling_factor": 2.5, "kv_lora_rank": 128, "q_lora_rank": None, "qk_rope_head_dim": 32,
-        "v_head_dim": 32, "qk_nope_head_dim": 64, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-        "norm_topk_prob": True, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
-        "moe_layer_freq": 1, "first_k_dense_replace": 1, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5, "rope_theta": 800000.0}, (8, 2),
-        model="LanguageModel", args="mlx_vlm.models.kimi_vl.config:TextConfig"),
+        **_DEEPSEEK_V3, "q_lora_rank": None, "v_head_dim": 32, "qk_nope_head_dim": 64, "rms_norm_eps": 1e-5,
+        "rope_theta": 800000.0}, (8, 2), model="LanguageModel", args="mlx_vlm.models.kimi_vl.config:TextConfig"),
     "Klear": BreadthFamily("mlx_lm.models.Klear", {
         "model_type": "Klear", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
         "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
