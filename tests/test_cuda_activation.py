@@ -7,10 +7,9 @@ points on any machine; the GPU tests check the kernels that call it."""
 
 import ctypes
 import hashlib
-import os
 import re
 import subprocess
-import tempfile
+from importlib import resources
 
 import mlx.core as mx
 import numpy as np
@@ -19,7 +18,6 @@ import pytest
 from mlx_moe_fix.kernels.experts import Activation
 from mlx_moe_fix.kernels.launch import ACTIVATION_CODES
 from mlx_moe_fix.kernels.reference import activate
-from mlx_moe_fix.kernels.sources import COMMON, _folder
 
 from .metal_emulation import CXX, SHIM
 from .parity.tolerance import relative_error
@@ -63,12 +61,11 @@ def function_source(text: str, name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def cuda_activate():
-    common = _folder("cuda").joinpath(COMMON["cuda"]).read_text()
+def cuda_activate(tmp_path_factory):
+    common = resources.files("mlx_moe_fix.kernels").joinpath("cuda/common.cuh").read_text()
     functions = "\n".join(function_source(common, f) for f in ("rnd", "sigmoid", "gelu_tanh", "activate"))
     source = SHIM + HOST + "namespace moe_common {\n" + functions + "\n}\n" + RUNNER
-    folder = tempfile.mkdtemp(prefix="cuda-activation-")
-    path = os.path.join(folder, hashlib.sha256(source.encode()).hexdigest()[:16])
+    path = str(tmp_path_factory.mktemp("cuda-activation") / hashlib.sha256(source.encode()).hexdigest()[:16])
     with open(f"{path}.cc", "w") as f:
         f.write(source)
     built = subprocess.run([CXX, "-std=c++20", "-O1", "-shared", "-fPIC", f"{path}.cc", "-o", f"{path}.so"],
