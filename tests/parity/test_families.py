@@ -1,9 +1,10 @@
 """Breadth: every further MoE family of mlx_moe_fix.zoo_breadth (mlx-lm's, and mlx-vlm's language
 models), built small from its own classes, keeps stock's greedy tokens with the package applied
 (tests/parity/test_greedy_tokens.py's check: identical where the references run, teacher-forced
-where kernels do), and its SwitchGLU (or SwitchMLP) calls went through the ops in both phases, not
-upstream's code (mlx-vlm's packed expert blocks: their switch linears). On a GPU (kernels, bf16; MLX compiles stock's kernels per shape for each of the
-84 models) scripts/gpu-check.sh runs these apart: BREADTH=1."""
+where kernels do), and its SwitchGLU or SwitchMLP calls (for mlx-vlm's packed expert blocks, their
+switch linears') went through the ops in both phases, not upstream's code. On a GPU (kernels,
+bf16; MLX compiles stock's kernels per shape for each of the 84 models) scripts/gpu-check.sh runs
+these apart: BREADTH=1."""
 
 import mlx_moe_fix
 import pytest
