@@ -63,7 +63,7 @@ def function_source(text: str, name: str) -> str:
 @pytest.fixture(scope="module")
 def cuda_activate(tmp_path_factory):
     common = resources.files("mlx_moe_fix.kernels").joinpath("cuda/common.cuh").read_text()
-    functions = "\n".join(function_source(common, f) for f in ("rnd", "sigmoid", "gelu_tanh", "activate"))
+    functions = "\n".join(function_source(common, f) for f in ("rnd", "sigmoid", "silu", "gelu_tanh", "activate"))
     source = SHIM + HOST + "namespace moe_common {\n" + functions + "\n}\n" + RUNNER
     path = str(tmp_path_factory.mktemp("cuda-activation") / hashlib.sha256(source.encode()).hexdigest()[:16])
     with open(f"{path}.cc", "w") as f:

@@ -49,6 +49,12 @@ __device__ __forceinline__ float sigmoid(float v) {
   return 1.f / (1.f + expf(-v));
 }
 
+// silu(v) as stock computes it in T: the sigmoid rounded, then the product.
+template <typename T>
+__device__ __forceinline__ float silu(float v) {
+  return rnd<T>(v * rnd<T>(sigmoid(v)));
+}
+
 __device__ __forceinline__ float gelu_tanh(float v) {
   return 0.5f * v * (1.f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
 }
@@ -67,7 +73,7 @@ __device__ __forceinline__ float activate(int act, bool has_limit, float up, flo
       gate = fminf(gate, limit);
       up = fminf(fmaxf(up, -limit), limit);
     }
-    if (act == 0) return rnd<T>(rnd<T>(gate * rnd<T>(sigmoid(gate))) * up);
+    if (act == 0) return rnd<T>(silu<T>(gate) * up);
     const float glu = rnd<T>(gate * rnd<T>(sigmoid(rnd<T>(rnd<T>(alpha) * gate))));
     return rnd<T>(rnd<T>(up + 1.f) * glu);
   } else if (act == 2) {
@@ -84,7 +90,7 @@ __device__ __forceinline__ float activate(int act, bool has_limit, float up, flo
     return gate * sigmoid(gate) * up;
   } else if (act == 6) {
     limit = rnd<T>(limit);
-    const float clamped = fminf(rnd<T>(gate * rnd<T>(sigmoid(gate))), limit);
+    const float clamped = fminf(silu<T>(gate), limit);
     return rnd<T>(clamped * fminf(fmaxf(up, -limit), limit));
   } else if (act == 7) {
     return rnd<T>(rnd<T>(gelu_tanh(gate)) * up);
@@ -96,7 +102,7 @@ __device__ __forceinline__ float activate(int act, bool has_limit, float up, flo
     return positive * positive;
   } else {
     limit = rnd<T>(limit);
-    return rnd<T>(fminf(fmaxf(rnd<T>(gate * rnd<T>(sigmoid(gate))), -limit), limit) * up);
+    return rnd<T>(fminf(fmaxf(silu<T>(gate), -limit), limit) * up);
   }
 }
 

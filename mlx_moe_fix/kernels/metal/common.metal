@@ -33,6 +33,12 @@ inline float erf_approx(float v) {
   return v < 0.f ? -y : y;
 }
 
+// silu(v) as stock computes it in T: the sigmoid rounded, then the product.
+template <typename T>
+inline float silu(float v) {
+  return rnd<T>(v * rnd<T>(sigmoid(v)));
+}
+
 inline float gelu_tanh(float v) {
   return 0.5f * v * (1.f + metal::precise::tanh(0.79788456080286536f * (v + 0.044715f * v * v * v)));
 }
@@ -51,7 +57,7 @@ inline float activate(int act, bool has_limit, float up, float gate, float limit
       gate = metal::fmin(gate, limit);
       up = metal::fmin(metal::fmax(up, -limit), limit);
     }
-    if (act == 0) return rnd<T>(rnd<T>(gate * rnd<T>(sigmoid(gate))) * up);
+    if (act == 0) return rnd<T>(silu<T>(gate) * up);
     const float glu = rnd<T>(gate * rnd<T>(sigmoid(rnd<T>(rnd<T>(alpha) * gate))));
     return rnd<T>(rnd<T>(up + 1.f) * glu);
   } else if (act == 2) {
@@ -68,7 +74,7 @@ inline float activate(int act, bool has_limit, float up, float gate, float limit
     return gate * sigmoid(gate) * up;
   } else if (act == 6) {
     limit = rnd<T>(limit);
-    const float clamped = metal::fmin(rnd<T>(gate * rnd<T>(sigmoid(gate))), limit);
+    const float clamped = metal::fmin(silu<T>(gate), limit);
     return rnd<T>(clamped * metal::fmin(metal::fmax(up, -limit), limit));
   } else if (act == 7) {
     return rnd<T>(rnd<T>(gelu_tanh(gate)) * up);
@@ -80,7 +86,7 @@ inline float activate(int act, bool has_limit, float up, float gate, float limit
     return positive * positive;
   } else {
     limit = rnd<T>(limit);
-    return rnd<T>(metal::fmin(metal::fmax(rnd<T>(gate * rnd<T>(sigmoid(gate))), -limit), limit) * up);
+    return rnd<T>(metal::fmin(metal::fmax(silu<T>(gate), -limit), limit) * up);
   }
 }
 
