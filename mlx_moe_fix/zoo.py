@@ -278,6 +278,7 @@ def _module_kinds(model: nn.Module) -> dict[str, str]:
 
 def _reinit(model: nn.Module, family: str) -> None:
     kinds = _module_kinds(model)
+    embedding_std = BREADTH_FAMILIES[family].embedding_std if family in BREADTH_FAMILIES else 1.0
     new = []
     for path, v in tree_flatten(model.parameters()):
         name = path.rsplit(".", 1)[-1]
@@ -293,7 +294,7 @@ def _reinit(model: nn.Module, family: str) -> None:
         elif kind == "norm":
             w = 0.1 * mx.random.normal(shape) + (1.0 if name == "weight" else 0.0)
         elif kind == "embed":
-            w = mx.random.normal(shape)
+            w = embedding_std * mx.random.normal(shape)
         elif kind == "conv":
             # inkling short convs: depthwise taps (C, K, 1); keep them tame.
             w = 0.3 * mx.random.normal(shape)

@@ -6,13 +6,13 @@ are ``SwitchGLU``s or ``SwitchMLP``s keeps stock's greedy tokens with the packag
 seven families of ``zoo.FAMILIES`` go through every test; these through that one.
 
 Sizes as the zoo's (``zoo.VOCAB`` 256, ``zoo.HIDDEN`` 128, two to four layers, at least one of
-them MoE); no quantized projection takes a 64-wide input (zoo.K64_NOTE). Not here: hunyuan, mlx-vlm's
-cohere2_moe and mlx-vlm's lfm2_moe (their head is always the tied embedding and nothing scales
-their experts enough: every small config tried gave one repeated token), muse_spark (its
-attention, router and norms are Metal-only kernels), mlx-vlm's deepseek_v41 (its experts a
-SwitchGLU subclass of its own, which weights and fp8-rounds; building it ended the process here). mlx-vlm's hy_v4, laguna and MiniMax-M3-VL (in its default layout) pack
-gate and up into one switch linear of their own expert block (zoo.PACKED_SWITCH_GLUS): there the
-package patches the switch linears, which the test follows instead."""
+them MoE); no quantized projection takes a 64-wide input (zoo.K64_NOTE). Not here: muse_spark
+(its attention, router and norms are Metal-only kernels). Some families call their switch linears
+themselves: mlx-vlm's hy_v4, laguna and MiniMax-M3-VL (in its default layout) pack gate and up into
+one switch linear of their own expert block (zoo.PACKED_SWITCH_GLUS), and mlx-vlm's deepseek_v41
+has a SwitchGLU subclass with a call of its own (it weights and fp8-rounds the activation before
+the down projection): there the package patches the switch linears, which the test follows
+instead."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ class BreadthFamily(NamedTuple):
     # args class's module, a field given as (class, fields) built so; the model is then built as
     # model(args, that config), as mlx-vlm's own model builds it.
     outer: tuple = ()
+    # the standard deviation of its embeddings (the zoo's unit normals elsewhere): where the head
+    # is always the tied embedding, small ones let the layers, not the last token's own embedding,
+    # choose the next token (at 1 the greedy stream repeats the prompt's last token)
+    embedding_std: float = 1.0
 
     def build(self):
         module, _, name = (self.args or f"{self.module}:ModelArgs").partition(":")
@@ -137,6 +141,14 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "routed_scaling_factor": 2.5, "layer_group_size": 2, "head_dim": 32, "q_lora_rank": 128,
         "kv_lora_rank": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 32, "v_head_dim": 32,
         "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False}, (8, 2)),
+    # a parallel block (x + attention + MoE), its head always the tied embedding
+    "cohere2_moe_vlm": BreadthFamily("mlx_vlm.models.cohere2_moe.language", {
+        "model_type": "cohere2_moe", "vocab_size": 256, "hidden_size": 128, "head_dim": 32, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 50000.0,
+        "sliding_window": 32, "sliding_window_pattern": 2, "num_experts": 8, "num_experts_per_tok": 2,
+        "norm_topk_prob": True, "moe_num_shared_experts": 1, "moe_gate_act": "sigmoid",
+        "shared_expert_combination_strategy": "average", "first_k_dense_replace": 0}, (8, 2), model="LanguageModel",
+        args="mlx_vlm.models.cohere2_moe.config:ModelConfig", embedding_std=0.03),
     "deepseek": BreadthFamily("mlx_lm.models.deepseek", {
         "model_type": "deepseek", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
         "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -167,6 +179,13 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "o_groups": 2, "o_lora_rank": 128, "moe_intermediate_size": 128, "n_routed_experts": 8,
         "num_experts_per_tok": 2, "swiglu_limit": 1.5, "rms_norm_eps": 1e-6, "sliding_window": 32,
         "max_position_embeddings": 4096}, (8, 2)),
+    # no engram layers (its default tables are 384M rows each)
+    "deepseek_v41_vlm": BreadthFamily("mlx_vlm.models.deepseek_v41.language", {
+        "vocab_size": 256, "hidden_size": 128, "moe_intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "head_dim": 128, "qk_rope_head_dim": 32, "q_lora_rank": 128, "o_lora_rank": 128,
+        "o_groups": 2, "n_routed_experts": 8, "num_experts_per_tok": 2, "swiglu_limit": 1.5, "sliding_window": 32,
+        "engram_layer_ids": [], "engram_num_embeddings": []}, (8, 2), model="LanguageModel",
+        args="mlx_vlm.models.deepseek_v41.config:ModelConfig"),
     # its rope scaling without mscale_all_dim leaves the attention without rope: none
     "deepseek_vl_v2_vlm": BreadthFamily("mlx_vlm.models.deepseek_vl_v2.language", {
         **_DEEPSEEK_V2, "num_hidden_layers": 2, "topk_method": "greedy", "first_k_dense_replace": 0, "rope_scaling": None,
@@ -275,6 +294,13 @@ BREADTH_FAMILIES: dict[str, BreadthFamily] = {
         "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_proj_bias": False, "mamba_d_state": 16,
         "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_conv_bias": True,
         "position_embedding_type": "rope", "tie_word_embeddings": False}, (8, 2)),
+    # its head always the tied embedding (tie_word_embeddings is not read)
+    "hunyuan": BreadthFamily("mlx_lm.models.hunyuan", {
+        "model_type": "hunyuan", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+        "intermediate_size": 128, "moe_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "attention_bias": False, "moe_topk": 2, "num_experts": 8, "num_shared_expert": 1, "use_mixed_mlp_moe": True,
+        "use_qk_norm": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "use_cla": False, "cla_share_factor": 2,
+        "rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"}}, (8, 2), embedding_std=0.03),
     "hy_v4_vlm": BreadthFamily("mlx_vlm.models.hy_v4.language", {
         "model_type": "hy_v4", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
         "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -527,3 +553,7 @@ for _family in ("afmoe", "bailing_moe", "bailing_moe_linear", "deepseek", "deeps
 BREADTH_FAMILIES["granitemoehybrid_vlm"] = BreadthFamily(
     "mlx_vlm.models.granitemoehybrid.language", {**BREADTH_FAMILIES["granitemoehybrid"].config, "rope_theta": 10000.0},
     (8, 2), model="LanguageModel", args="mlx_vlm.models.granitemoehybrid.config:ModelConfig")
+# mlx-vlm's reads tie_word_embeddings (mlx-lm's ties its head always)
+BREADTH_FAMILIES["lfm2_moe_vlm"] = BreadthFamily(
+    "mlx_vlm.models.lfm2_moe.language", {**BREADTH_FAMILIES["lfm2_moe"].config, "tie_word_embeddings": False},
+    (8, 2), model="LanguageModel", args="mlx_vlm.models.lfm2_moe.config:ModelConfig")

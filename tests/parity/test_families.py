@@ -28,7 +28,15 @@ def test_breadth_family_keeps_stock_tokens(device, family):
     assert first_projections and all(p.weight.shape[0] == num_experts for p in first_projections)
     assert_greedy_tokens_match_stock(model, family, dtype)
     ops = mlx_moe_fix.status()["ops"]
-    # as path_counts names the patched calls: mlx-vlm's with "[vlm]" after; a packed block's by its switch linears
-    layer_name = "QuantizedSwitchLinear" if "gate_up_proj" in layers[0][1] else type(layers[0][1]).__name__
+    layer_name = patched_layer_name(layers[0][1])
     paths = {(r.phase, r.path) for r in mlx_moe_fix.path_counts() if r.layer.split("[")[0] == layer_name}
     assert paths == {("prefill", ops["moe_prefill"]["path"]), ("decode", ops["moe_decode"]["path"])}, mlx_moe_fix.path_counts()
+
+
+def patched_layer_name(layer) -> str:
+    """The layer path_counts names for a MoE layer's patched calls (mlx-vlm's with "[vlm]" after):
+    its class's where that class's __call__ is upstream's switch layer's (the patched one), and
+    "QuantizedSwitchLinear" where the layer calls its switch linears itself (a packed block, or a
+    SwitchGLU subclass with a __call__ of its own, as mlx-vlm's DeepseekV41SwitchGLU)."""
+    owner = next(c for c in type(layer).__mro__ if "__call__" in vars(c))
+    return owner.__name__ if owner.__module__.endswith("models.switch_layers") else "QuantizedSwitchLinear"
