@@ -95,6 +95,16 @@ _STEP3P5 = {
     "moe_router_scaling_factor": 3.0, "norm_expert_weight": True, "swiglu_limits": [0.0, 0.0, 7.0],
     "swiglu_limits_shared": [0.0, 0.0, 16.0], "tie_word_embeddings": False}
 
+# Upstream model modules (mlx-lm's) and packages (mlx-vlm's) that name a switch layer and have no
+# family here or in zoo.FAMILIES, each with the reason (the breadth test checks that every one is
+# in one or the other, so a family upstream adds is not missed).
+LEFT_OUT: dict[str, str] = {
+    "mlx_lm.models.muse_spark": "its attention, router and norms are Metal-only kernels",
+    "mlx_vlm.models.muse_spark": "its attention, router and norms are Metal-only kernels",
+    "mlx_vlm.models.lfm2": "its MoE block is built only from lfm2_moe's config (its own ModelConfig drops "
+    "num_experts), as lfm2_moe_vlm, whose model is this one's subclass",
+}
+
 BREADTH_FAMILIES: dict[str, BreadthFamily] = {
     "afmoe": BreadthFamily("mlx_lm.models.afmoe", {
         "model_type": "afmoe", "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
@@ -557,3 +567,41 @@ BREADTH_FAMILIES["granitemoehybrid_vlm"] = BreadthFamily(
 BREADTH_FAMILIES["lfm2_moe_vlm"] = BreadthFamily(
     "mlx_vlm.models.lfm2_moe.language", {**BREADTH_FAMILIES["lfm2_moe"].config, "tie_word_embeddings": False},
     (8, 2), model="LanguageModel", args="mlx_vlm.models.lfm2_moe.config:ModelConfig")
+# DeepSeek-OCR's text model: DeepSeek-V2's MoE with plain multi-head attention (qk_nope_head_dim 0,
+# as the checkpoint), two shared experts, the first layer dense
+BREADTH_FAMILIES["deepseekocr_vlm"] = BreadthFamily("mlx_vlm.models.deepseekocr.language", {
+    "model_type": "deepseek_v2", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+    "moe_intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "n_shared_experts": 2, "n_routed_experts": 8, "routed_scaling_factor": 1.0, "topk_method": "greedy",
+    "scoring_func": "softmax", "num_experts_per_tok": 2, "moe_layer_freq": 1, "first_k_dense_replace": 1,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6}, (8, 2),
+    model="LanguageModel", args="mlx_vlm.models.deepseekocr.config:TextConfig")
+# sliding and full attention with learned sinks, sigmoid routing with a selection bias, a shared expert
+BREADTH_FAMILIES["flint_vlm"] = BreadthFamily("mlx_vlm.models.flint.language", {
+    "model_type": "flint", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "max_position_embeddings": 4096, "sliding_window": 32,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "mlp_only_layers": [0],
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128, "tie_word_embeddings": False}, (8, 2),
+    model="LanguageModel", args="mlx_vlm.models.flint.config:ModelConfig")
+# mlx-lm's hunyuan's code and Klear's
+BREADTH_FAMILIES["hunyuan_vlm"] = BreadthFamily(
+    "mlx_vlm.models.hunyuan.language", BREADTH_FAMILIES["hunyuan"].config, (8, 2), model="LanguageModel",
+    args="mlx_vlm.models.hunyuan.config:ModelConfig", embedding_std=BREADTH_FAMILIES["hunyuan"].embedding_std)
+BREADTH_FAMILIES["klear_vlm"] = BreadthFamily(
+    "mlx_vlm.models.klear.language", BREADTH_FAMILIES["Klear"].config, (8, 2), model="LanguageModel",
+    args="mlx_vlm.models.klear.config:ModelConfig")
+BREADTH_FAMILIES["kolibri1_vlm"] = BreadthFamily("mlx_vlm.models.kolibri1.language", {
+    "model_type": "kolibri1", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128, "sliding_window": 32, "norm_topk_prob": True,
+    "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": False}, (8, 2),
+    model="LanguageModel", args="mlx_vlm.models.kolibri1.config:ModelConfig")
+# LongCat-Flash's layers with its sparse attention's indexer (index_topk 16 < the 40-token prompt:
+# sparse in both phases)
+BREADTH_FAMILIES["longcat_flash_sparse_vlm"] = BreadthFamily("mlx_vlm.models.longcat_flash_sparse.language", {
+    **BREADTH_FAMILIES["longcat_flash"].config, "model_type": "longcat_flash_sparse", "attention_method": "LSA",
+    "index_n_heads": 2, "index_head_dim": 64, "index_topk": 16}, (8, 2),
+    model="LanguageModel", args="mlx_vlm.models.longcat_flash_sparse.config:ModelConfig")
