@@ -101,6 +101,8 @@ _STEP3P5 = {
 LEFT_OUT: dict[str, str] = {
     "mlx_lm.models.muse_spark": "its attention, router and norms are Metal-only kernels",
     "mlx_vlm.models.muse_spark": "its attention, router and norms are Metal-only kernels",
+    "mlx_vlm.models.mistral4": "its language module holds only Mistral4Model (no head, no config): mistral3's "
+    "LanguageModel builds it, as mistral3_vlm",
     "mlx_vlm.models.lfm2": "its MoE block is built only from lfm2_moe's config (its own ModelConfig drops "
     "num_experts), as lfm2_moe_vlm, whose model is this one's subclass",
 }
@@ -605,3 +607,38 @@ BREADTH_FAMILIES["longcat_flash_sparse_vlm"] = BreadthFamily("mlx_vlm.models.lon
     **BREADTH_FAMILIES["longcat_flash"].config, "model_type": "longcat_flash_sparse", "attention_method": "LSA",
     "index_n_heads": 2, "index_head_dim": 64, "index_topk": 16}, (8, 2),
     model="LanguageModel", args="mlx_vlm.models.longcat_flash_sparse.config:ModelConfig")
+# mlx-vlm's Mistral-4 (mistral4/language.py's Mistral4Model: MLA, softmax routing, a shared expert)
+# under mistral3's LanguageModel, the only head it has
+BREADTH_FAMILIES["mistral3_vlm"] = BreadthFamily(
+    "mlx_vlm.models.mistral3.language", BREADTH_FAMILIES["mistral4"].config, (8, 2),
+    model="LanguageModel", args="mlx_vlm.models.mistral3.config:TextConfig")
+# text-only Qwen3.5-MoE (its rope index reads no vision config: no outer)
+BREADTH_FAMILIES["qwen3_5_moe_text_vlm"] = BreadthFamily(
+    "mlx_vlm.models.qwen3_5_moe_text.language",
+    {**BREADTH_FAMILIES["qwen3_5_moe_vlm"].config, "model_type": "qwen3_5_moe_text"}, (8, 2),
+    model="LanguageModel", args="mlx_vlm.models.qwen3_5_moe_text.config:ModelConfig")
+# Qwen4-Exp: Qwen3.5's linear attention and MoE block under 4-stream hyper-connections, QSA sparse
+# attention (a budget of 16 in 4-token blocks, so the indexer selects from the prompt on), the
+# n-gram PLE held in memory on the linear layer (a small hashed vocab). At a hidden size a multiple
+# of 512 with a bf16 quantized head its decode calls the switch linears itself (the package's
+# switch-linear patch takes those); not at this size.
+BREADTH_FAMILIES["qwen4_exp_vlm"] = BreadthFamily("mlx_vlm.models.qwen4_exp.language", {
+    "model_type": "qwen4_exp", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_experts": 8,
+    "num_experts_per_tok": 2, "shared_expert_intermediate_size": 128, "moe_intermediate_size": 128,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "full_attention_interval": 2,
+    "hc_count": 4, "hc_lowrank": 128, "indexer_n_heads": 4, "indexer_head_dim": 128,
+    "indexer_budget": 16, "indexer_compress_ratio": 4, "ple_layer_ids": [1], "ngram_vocab_size_base": 512,
+    "split_ngram_parts": 4, "eos_token_id": 1,
+    "rope_parameters": {"type": "default", "mrope_section": [3, 3, 2], "rope_theta": 10000000.0,
+                        "partial_rotary_factor": 0.25, "mrope_interleaved": True},
+    "norm_topk_prob": True, "tie_word_embeddings": False}, (8, 2),
+    model="LanguageModel", args="mlx_vlm.models.qwen4_exp.config:TextConfig",
+    outer=("ModelConfig", {"vision_config": ("VisionConfig", {}), "model_type": "qwen4_exp"}))
+# Youtu-VL's optional MoE: DeepSeek-V3's MLA and sigmoid routing (at 3 layers deepseek_v3_vlm's
+# very stream, ending in one repeated token; 4 layers)
+BREADTH_FAMILIES["youtu_vl_vlm"] = BreadthFamily("mlx_vlm.models.youtu_vl.language", {
+    **BREADTH_FAMILIES["deepseek_v3_vlm"].config, "model_type": "youtu_vl", "num_hidden_layers": 4,
+    "tie_word_embeddings": False}, (8, 2), model="LanguageModel", args="mlx_vlm.models.youtu_vl.config:TextConfig")
