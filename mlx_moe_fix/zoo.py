@@ -645,7 +645,8 @@ def greedy_tokens(model, prompt: list[int], n: int = 32) -> list[int]:
 # SwitchGLU is: x, indices): the package patches their switch linears, not the block.
 PACKED_SWITCH_GLUS = (("mlx_vlm.models.minimax_m3_vl.language", "MiniMaxPackedSwitchGLU"),
                       ("mlx_vlm.models.laguna.language", "LagunaPackedSwitchGLU"),
-                      ("mlx_vlm.models.hy_v4.fused_switch_glu", "FusedSwitchGLU"))
+                      ("mlx_vlm.models.hy_v4.fused_switch_glu", "FusedSwitchGLU"),
+                      ("mlx_vlm.models.zaya1_vl.language", "ZayaSwitchMLP"))
 
 
 def moe_layers(model) -> list[tuple[str, nn.Module]]:

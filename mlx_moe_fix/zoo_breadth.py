@@ -8,7 +8,7 @@ seven families of ``zoo.FAMILIES`` go through every test; these through that one
 Sizes as the zoo's (``zoo.VOCAB`` 256, ``zoo.HIDDEN`` 128, two to four layers, at least one of
 them MoE); no quantized projection takes a 64-wide input (zoo.K64_NOTE). Not here: muse_spark
 (its attention, router and norms are Metal-only kernels). Some families call their switch linears
-themselves: mlx-vlm's hy_v4, laguna and MiniMax-M3-VL (in its default layout) pack gate and up into
+themselves: mlx-vlm's hy_v4, laguna, zaya1_vl and MiniMax-M3-VL (in its default layout) pack gate and up into
 one switch linear of their own expert block (zoo.PACKED_SWITCH_GLUS), and mlx-vlm's deepseek_v41
 has a SwitchGLU subclass with a call of its own (it weights and fp8-rounds the activation before
 the down projection): there the package patches the switch linears, which the test follows
@@ -642,3 +642,12 @@ BREADTH_FAMILIES["qwen4_exp_vlm"] = BreadthFamily("mlx_vlm.models.qwen4_exp.lang
 BREADTH_FAMILIES["youtu_vl_vlm"] = BreadthFamily("mlx_vlm.models.youtu_vl.language", {
     **BREADTH_FAMILIES["deepseek_v3_vlm"].config, "model_type": "youtu_vl", "num_hidden_layers": 4,
     "tie_word_embeddings": False}, (8, 2), model="LanguageModel", args="mlx_vlm.models.youtu_vl.config:TextConfig")
+# ZAYA1's experts: one gated switch linear and a down one, its own block (zoo.PACKED_SWITCH_GLUS),
+# top-1 with a skip expert; its residual scaling off (zoo's 0.1-scale draws of 1-D parameters make
+# those scales ~0 with random signs, and the stream one or two tokens)
+BREADTH_FAMILIES["zaya1_vl_vlm"] = BreadthFamily("mlx_vlm.models.zaya1_vl.language", {
+    "model_type": "zaya1_vl", "vocab_size": 256, "hidden_size": 128, "ffn_hidden_size": 256,
+    "num_hidden_layers": 2, "num_experts": 8, "num_attention_heads": 4, "head_dim": 32,
+    "num_query_groups": 2, "num_key_value_heads": 2, "zaya_mlp_expansion": 128, "moe_router_topk": 1,
+    "tie_word_embeddings": False, "scale_residual_merge": False, "max_position_embeddings": 4096},
+    (8, 1), model="LanguageModel", args="mlx_vlm.models.zaya1_vl.config:TextConfig")

@@ -6,16 +6,20 @@ switch linears') went through the ops in both phases, not upstream's code. On a 
 bf16; MLX compiles stock's kernels per shape for each of the 84 models) scripts/gpu-check.sh runs
 these apart: BREADTH=1."""
 
+import importlib.util
+import pathlib
+import re
+
 import mlx_moe_fix
 import pytest
 
-from mlx_moe_fix import zoo
+from mlx_moe_fix import zoo, zoo_breadth
 
 from .test_greedy_tokens import assert_greedy_tokens_match_stock, run_dtype
 
 
-# The first expert projection of a SwitchGLU, a SwitchMLP, and a packed block (zoo.PACKED_SWITCH_GLUS).
-FIRST_PROJECTIONS = ("gate_proj", "fc1", "gate_up_proj")
+# The first expert projection of a SwitchGLU, a SwitchMLP, and the packed blocks (zoo.PACKED_SWITCH_GLUS).
+FIRST_PROJECTIONS = ("gate_proj", "fc1", "gate_up_proj", "linear_fc1")
 
 
 @pytest.mark.parametrize("family", zoo.BREADTH_FAMILIES)
@@ -40,3 +44,29 @@ def patched_layer_name(layer) -> str:
     SwitchGLU subclass with a __call__ of its own, as mlx-vlm's DeepseekV41SwitchGLU)."""
     owner = next(c for c in type(layer).__mro__ if "__call__" in vars(c))
     return owner.__name__ if owner.__module__.endswith("models.switch_layers") else "QuantizedSwitchLinear"
+
+
+def test_every_upstream_moe_family_is_in_the_zoo_or_left_out_with_a_reason():
+    covered = {f"mlx_lm.models.{family}" for family in zoo.FAMILIES if family not in zoo.MLX_VLM_FAMILIES}
+    covered |= {f"mlx_vlm.models.{family}" for family in zoo.MLX_VLM_FAMILIES}
+    covered |= {".".join(family.module.split(".")[:3]) for family in zoo.BREADTH_FAMILIES.values()}
+    upstream = upstream_moe_modules()
+    assert len(upstream) > 50 and "mlx_lm.models.qwen3_moe" in upstream and "mlx_vlm.models.inkling" in upstream
+    missing = upstream - covered - set(zoo_breadth.LEFT_OUT)
+    assert not missing, f"upstream MoE families with neither a zoo family nor a reason in zoo_breadth.LEFT_OUT: {sorted(missing)}"
+    assert not set(zoo_breadth.LEFT_OUT) & covered, "a family both covered and left out"
+    assert set(zoo_breadth.LEFT_OUT) <= upstream, "a left-out family upstream no longer has"
+
+
+SWITCH_LAYER = re.compile(r"\bSwitch(GLU|MLP|Linear)\b|switch_layers")
+
+
+def upstream_moe_modules() -> set:
+    """mlx-lm's model modules and mlx-vlm's model packages whose source names a switch layer."""
+    found = set()
+    for package, in_folders in (("mlx_lm.models", False), ("mlx_vlm.models", True)):
+        root = pathlib.Path(importlib.util.find_spec(package).submodule_search_locations[0])
+        for path in root.glob("*/*.py" if in_folders else "*.py"):
+            if path.stem != "switch_layers" and SWITCH_LAYER.search(path.read_text()):
+                found.add(f"{package}.{path.parent.name if in_folders else path.stem}")
+    return found
