@@ -11,8 +11,9 @@ experts.
 API::
 
     FAMILIES                                  # the 7 family names
-    BREADTH_FAMILIES                          # 84 more, mlx-lm's and mlx-vlm's (zoo_breadth.py): build and prompt_for take them
+    BREADTH_FAMILIES                          # more, mlx-lm's and mlx-vlm's (zoo_breadth.py): build and prompt_for take them
     build(family, bits, *, seed=0, dtype=mx.float32) -> model
+    randomized(module, bits, *, dtype=mx.float32) -> module   # any upstream module, as build makes models
     prompt_for(family) -> list[int]           # fixed prompt, >= 64 (token, expert) pairs
     greedy_tokens(model, prompt, n=32) -> list[int]
     greedy_decode(model, prompt, n=32) -> (tokens, logits [n, vocab] float32)
@@ -390,12 +391,18 @@ def build(family: str, bits: int, *, seed: int = 0, dtype=mx.float32, experts_mo
         raise ValueError(f"experts_mode must be 'affine' or one of {tuple(EXPERT_MODES)}, got {experts_mode!r}")
     mx.random.seed(seed)
     model = BREADTH_FAMILIES[family].build() if family in BREADTH_FAMILIES else _model_class(family)(_config(family))
-    _reinit(model, family)
-    _cast(model, dtype)
-    _quantize(model, family, GROUP_SIZE, bits, experts_mode)
-    model.eval()
-    mx.eval(model.parameters())
-    return model
+    return randomized(model, bits, dtype=dtype, family=family, experts_mode=experts_mode)
+
+
+def randomized(module: nn.Module, bits: int, *, dtype=mx.float32, family: str = "", experts_mode: str = "affine"):
+    """`module` (a model of `family`, or any upstream module), re-initialised, cast to `dtype` and
+    affine-quantized to `bits` as ``build`` makes its models; drawn from the global MLX PRNG."""
+    _reinit(module, family)
+    _cast(module, dtype)
+    _quantize(module, family, GROUP_SIZE, bits, experts_mode)
+    module.eval()
+    mx.eval(module.parameters())
+    return module
 
 
 def prompt_for(family: str, length: Optional[int] = None) -> list[int]:
