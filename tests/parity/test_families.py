@@ -1,10 +1,11 @@
 """Breadth: every further MoE family of mlx_moe_fix.zoo_breadth (mlx-lm's, and mlx-vlm's language
 models), built small from its own classes, keeps stock's greedy tokens with the package applied
 (tests/parity/test_greedy_tokens.py's check: identical where the references run, teacher-forced
-where kernels do), and its SwitchGLU or SwitchMLP calls (for mlx-vlm's packed expert blocks, their
-switch linears') went through the ops in both phases, not upstream's code. On a GPU (kernels,
-bf16; MLX compiles stock's kernels per shape for each of the 84 models) scripts/gpu-check.sh runs
-these apart: BREADTH=1."""
+where kernels do), and its SwitchGLU or SwitchMLP calls (where a family calls its switch linears
+itself, their switch linears') went through the ops in both phases, not upstream's code. On a GPU
+(kernels, bf16; MLX compiles stock's kernels per shape for each of the 99 models)
+scripts/gpu-check.sh runs these apart: BREADTH=1. Every mlx-lm and mlx-vlm model that names a
+switch layer is a zoo family or in zoo_breadth.LEFT_OUT with the reason."""
 
 import importlib.util
 import pathlib
