@@ -628,18 +628,9 @@ BREADTH_FAMILIES["qwen3_5_moe_text_vlm"] = BreadthFamily(
 # of 512 with a bf16 quantized head its decode calls the switch linears itself (the package's
 # switch-linear patch takes those); not at this size.
 BREADTH_FAMILIES["qwen4_exp_vlm"] = BreadthFamily("mlx_vlm.models.qwen4_exp.language", {
-    "model_type": "qwen4_exp", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
-    "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_experts": 8,
-    "num_experts_per_tok": 2, "shared_expert_intermediate_size": 128, "moe_intermediate_size": 128,
-    "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "full_attention_interval": 2,
-    "hc_count": 4, "hc_lowrank": 128, "indexer_n_heads": 4, "indexer_head_dim": 128,
-    "indexer_budget": 16, "indexer_compress_ratio": 4, "ple_layer_ids": [1], "ngram_vocab_size_base": 512,
-    "split_ngram_parts": 4, "eos_token_id": 1,
-    "rope_parameters": {"type": "default", "mrope_section": [3, 3, 2], "rope_theta": 10000000.0,
-                        "partial_rotary_factor": 0.25, "mrope_interleaved": True},
-    "norm_topk_prob": True, "tie_word_embeddings": False}, (8, 2),
+    **BREADTH_FAMILIES["qwen3_5_moe_vlm"].config, "model_type": "qwen4_exp", "hc_count": 4, "hc_lowrank": 128,
+    "indexer_n_heads": 4, "indexer_head_dim": 128, "indexer_budget": 16, "indexer_compress_ratio": 4,
+    "ple_layer_ids": [1], "ngram_vocab_size_base": 512, "split_ngram_parts": 4, "eos_token_id": 1}, (8, 2),
     model="LanguageModel", args="mlx_vlm.models.qwen4_exp.config:TextConfig",
     outer=("ModelConfig", {"vision_config": ("VisionConfig", {}), "model_type": "qwen4_exp"}))
 # Youtu-VL's optional MoE: DeepSeek-V3's MLA and sigmoid routing (at 3 layers deepseek_v3_vlm's
