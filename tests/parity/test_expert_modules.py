@@ -7,14 +7,19 @@ activations against bf16 scales with biases (the privacy filter), a SwitchGLU be
 (ming_image). Built small from its own classes and quantized as the zoo quantizes
 (zoo.randomized), each module gives stock's output with the package applied, on many tokens and on
 one (identical where the references run, within the op tolerance where kernels do), and the
-patched layers saw both phases' calls."""
+patched layers saw both phases' calls. Under them all, the patched QuantizedSwitchLinear gives
+stock's output in every call layout upstream's callers use (hypothesis), and leaves one it does not
+take to upstream's code, saying why."""
 
 import mlx.core as mx
 import mlx_moe_fix
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mlx_moe_fix import zoo
 
+from .cases import CASES
 from .test_greedy_tokens import run_dtype
 from .tolerance import assert_matches, references_only
 
@@ -94,3 +99,70 @@ def test_expert_module_gives_stock_output_with_the_package_applied(device, name)
         assert {r.path for r in records} == {"reference"}, records
     else:
         assert all(r.path != "stock" or r.reason for r in records), records
+
+
+# How upstream's callers lay out a QuantizedSwitchLinear call, for tokens [T, D] and indices [T, k]:
+# a row per token broadcast over its k experts (SwitchGLU's gate and up), a row per (token,
+# expert) pair (its down), the pairs flattened and sorted by expert (`_gather_sort`, at 64 pairs
+# and more) or flattened unsorted, and one the patch does not take (a row broadcast over every
+# token too), which must reach upstream's code, saying why.
+LAYOUTS = ("per_token", "per_pair", "sorted", "flat", "broadcast")
+
+
+def switch_linear_call(layout: str, x: mx.array, indices: mx.array):
+    """(x, indices, sorted_indices) of `layout` for rows x [T, D] and indices [T, k]."""
+    tokens, top_k = indices.shape
+    if layout == "per_token":
+        return x[:, None, None, :], indices, False
+    if layout == "per_pair":
+        return mx.broadcast_to(x[:, None, None, :], (tokens, top_k, 1, x.shape[-1])), indices, False
+    if layout == "broadcast":
+        return x[:1, None, None, :], indices, False
+    flat = indices.flatten()
+    order = mx.argsort(flat) if layout == "sorted" else mx.arange(flat.size)
+    return x[order // top_k][:, None, :], flat[order], layout == "sorted"
+
+
+@st.composite
+def layout_cases(draw):
+    on_gpu = mx.default_device() == mx.gpu
+    return dict(
+        layout=draw(st.sampled_from(LAYOUTS)),
+        dtype=draw(st.sampled_from((mx.bfloat16, mx.float16) if on_gpu else (mx.float32, mx.float16, mx.bfloat16))),
+        quantization=draw(st.sampled_from(((4, 64), (8, 64)) if on_gpu else ((4, 32), (4, 64), (8, 64), (8, 128)))),
+        widths=draw(st.sampled_from(((128, 128),) if on_gpu else ((128, 128), (128, 256), (256, 128)))),
+        bias=draw(st.booleans()),
+        tokens=draw(st.sampled_from((1, 2, 40) if on_gpu else (1, 2, 5, 33, 40))),
+        top_k=draw(st.sampled_from((1, 2, 4))),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@CASES
+@given(case=layout_cases())
+def test_quantized_switch_linear_gives_stock_output_in_every_call_layout(device, case):
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    (bits, group_size), (input_dims, output_dims) = case["quantization"], case["widths"]
+    key = mx.random.key(case["seed"])
+    layer = SwitchLinear(input_dims, output_dims, NUM_EXPERTS, bias=case["bias"])
+    if case["bias"]:
+        layer.bias = 0.1 * mx.random.normal(layer.bias.shape, key=key)
+    layer.set_dtype(case["dtype"])
+    layer = layer.to_quantized(group_size=group_size, bits=bits)
+    x = mx.random.normal((case["tokens"], input_dims), key=key).astype(case["dtype"])
+    indices = mx.random.randint(0, NUM_EXPERTS, (case["tokens"], case["top_k"]), key=key).astype(mx.uint32)
+    args = switch_linear_call(case["layout"], x, indices)
+    stock = layer(*args)
+    mlx_moe_fix.reset_path_counts()
+    with mlx_moe_fix.patched():
+        patched = layer(*args)
+    assert patched.dtype == stock.dtype and patched.shape == stock.shape
+    assert_matches(patched, stock, references_only(), case["dtype"], f"{case}: ")
+    records = mlx_moe_fix.path_counts()
+    assert {r.layer for r in records} == {"QuantizedSwitchLinear"}, records
+    took = {r.path != "stock" for r in records}
+    if case["layout"] == "broadcast" and case["tokens"] > 1:
+        assert took == {False} and all("is not one row per token" in r.reason for r in records), records
+    elif references_only():
+        assert took == {True}, records
