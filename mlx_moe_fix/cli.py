@@ -73,14 +73,60 @@ def timed_generation(model, prompt: list, new_tokens: int, repeats: int) -> dict
     }
 
 
-def demo(family: str, bits: int, prompt_tokens: int, new_tokens: int, repeats: int) -> int:
+def demo_model(family: str, bits: int, prompt_tokens: int) -> tuple:
+    """(model, prompt, what it is) of a zoo family."""
     from .zoo import build, prompt_for
 
     started = time.perf_counter()
     model = build(family, bits)
-    prompt = prompt_for(family, prompt_tokens)
-    print(f"{family} ({bits}-bit, random weights, built in {time.perf_counter() - started:.1f} s) "
-          f"on {mlx_moe_fix.status()['backend']}: prompt {len(prompt)} tokens, {new_tokens} generated, "
+    return model, prompt_for(family, prompt_tokens), (
+        f"{family} ({bits}-bit, random weights, built in {time.perf_counter() - started:.1f} s)")
+
+
+def checkpoint_model(path: str, prompt_tokens: int) -> tuple:
+    """(model, prompt, what it is) of an MLX checkpoint (a folder, or a Hugging Face repo fetched
+    into the Hub's cache): mlx-lm's model where mlx-lm builds it, else mlx-vlm's language model. The
+    prompt is token ids spread over its vocab: the demo checks parity and speed, not text."""
+    from pathlib import Path
+
+    from .zoo import has_expert_layers, spread_tokens
+
+    started = time.perf_counter()
+    folder = Path(path)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.py"]))
+    try:
+        from mlx_lm.utils import load_model
+
+        model, config = load_model(folder)
+        library = "mlx-lm"
+    except Exception as mlx_lm_error:  # any failure of mlx-lm's is a reason to try mlx-vlm's
+        try:
+            from mlx_vlm.utils import load_config, load_model as load_vlm_model
+        except ImportError:
+            raise SystemExit(f"mlx-lm cannot load {path} ({first_line(mlx_lm_error)}) and mlx-vlm is not installed") from None
+        try:
+            model, config, library = load_vlm_model(folder).language_model, load_config(folder), "mlx-vlm"
+        except Exception as mlx_vlm_error:
+            raise SystemExit(f"neither mlx-lm ({first_line(mlx_lm_error)}) nor mlx-vlm ({first_line(mlx_vlm_error)}) "
+                             f"can load {path}") from None
+    if not has_expert_layers(model):
+        raise SystemExit(f"{path} ({library}'s {config.get('model_type')}) has no expert (switch) layers: "
+                         "nothing for the package to patch")
+    vocab_size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    return model, spread_tokens(prompt_tokens, vocab_size), (
+        f"{path} ({library}'s {config.get('model_type')}, loaded in {time.perf_counter() - started:.1f} s)")
+
+
+def first_line(error: Exception) -> str:
+    """An exception's first line of text (mlx-vlm's load errors add a page of advice)."""
+    return next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
+def demo(model, prompt: list, what: str, new_tokens: int, repeats: int) -> int:
+    print(f"{what} on {mlx_moe_fix.status()['backend']}: prompt {len(prompt)} tokens, {new_tokens} generated, "
           f"best of {repeats} runs", file=sys.stderr)
     mlx_moe_fix.revert()
     stock = timed_generation(model, prompt, new_tokens, repeats)
@@ -130,6 +176,8 @@ def main(argv=None) -> int:
                              help=f"the zoo's {', '.join(FAMILIES)} (default qwen3_moe), or one of "
                              f"{len(BREADTH_FAMILIES)} more small models of mlx-lm's and mlx-vlm's MoE families: "
                              f"{', '.join(BREADTH_FAMILIES)}")
+    demo_parser.add_argument("--model", metavar="PATH_OR_REPO",
+                             help="an MLX checkpoint (a folder, or a Hugging Face repo) instead of a built-in model")
     demo_parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
     demo_parser.add_argument("--prompt-tokens", type=int, default=128)
     demo_parser.add_argument("--new-tokens", type=int, default=32)
@@ -141,7 +189,11 @@ def main(argv=None) -> int:
         return show_status(args.json)
     if args.cpu:
         mx.set_default_device(mx.cpu)
-    return demo(args.family, args.bits, args.prompt_tokens, args.new_tokens, args.repeats)
+    if args.model:
+        model, prompt, what = checkpoint_model(args.model, args.prompt_tokens)
+    else:
+        model, prompt, what = demo_model(args.family, args.bits, args.prompt_tokens)
+    return demo(model, prompt, what, args.new_tokens, args.repeats)
 
 
 if __name__ == "__main__":

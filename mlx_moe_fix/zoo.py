@@ -14,6 +14,7 @@ API::
     BREADTH_FAMILIES                          # more, mlx-lm's and mlx-vlm's (zoo_breadth.py): build and prompt_for take them
     build(family, bits, *, seed=0, dtype=mx.float32) -> model
     randomized(module, bits, *, dtype=mx.float32) -> module   # any upstream module, as build makes models
+    save_checkpoint(family, bits, folder)     # an mlx-lm family's model written as mlx-lm's converter writes one
     prompt_for(family) -> list[int]           # fixed prompt, >= 64 (token, expert) pairs
     greedy_tokens(model, prompt, n=32) -> list[int]
     greedy_decode(model, prompt, n=32) -> (tokens, logits [n, vocab] float32)
@@ -414,8 +415,35 @@ def prompt_for(family: str, length: Optional[int] = None) -> list[int]:
     if length is None:
         top_k = BREADTH_FAMILIES[family].experts[1] if family in BREADTH_FAMILIES else EXPERTS[family][1]
         length = PROMPT_LEN * (2 if top_k == 1 else 1)
-    # Deterministic, well spread over the vocab, no repeats in the first VOCAB tokens.
-    return [(37 * i + 11) % VOCAB for i in range(length)]
+    return spread_tokens(length, VOCAB)
+
+
+def save_checkpoint(family: str, bits: int, folder) -> None:
+    """Write the zoo's ``build(family, bits)`` model of an mlx-lm family into ``folder`` as
+    mlx-lm's converter writes a checkpoint (safetensors weights; config.json with the model's
+    arguments and its quantization), so that what loads checkpoints can be tried on it."""
+    import dataclasses
+    from pathlib import Path
+
+    from mlx_lm.utils import save_config, save_model
+
+    if family not in FAMILIES or family in MLX_VLM_FAMILIES:
+        raise ValueError(f"save_checkpoint takes the zoo's mlx-lm families, not {family!r}")
+    save_model(Path(folder), build(family, bits))
+    config = {**dataclasses.asdict(_config(family)), "quantization": {"group_size": GROUP_SIZE, "bits": bits}}
+    save_config(config, Path(folder) / "config.json")
+
+
+def spread_tokens(length: int, vocab_size: int) -> list[int]:
+    """`length` token ids, deterministic, spread over a vocab of `vocab_size` (no repeats in the
+    first `vocab_size` where 37 does not divide it)."""
+    return [(37 * i + 11) % vocab_size for i in range(length)]
+
+
+def has_expert_layers(model) -> bool:
+    """Whether ``model`` has a switch layer of mlx-lm's or mlx-vlm's (quantized or not): what the
+    package patches, whichever block calls it."""
+    return any(type(m).__module__.endswith("models.switch_layers") for _, m in model.named_modules())
 
 
 def make_cache(model):

@@ -709,3 +709,56 @@ def test_every_known_activation_and_shared_experts_class_exists_upstream():
 
     for module_name, name, _ in KNOWN_ACTIVATIONS + KNOWN_ACTIVATION_FUNCTIONS + KNOWN_SHARED_EXPERTS:
         assert hasattr(importlib.import_module(module_name), name), f"{module_name}.{name}"
+
+
+def run_demo(*args: str):
+    # as a user runs it (see test_demo_command_reports_parity)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_moe_fix", "demo", *args, "--prompt-tokens", "40", "--new-tokens", "8", "--repeats",
+         "1", "--cpu"],
+        capture_output=True, text=True, env=repo_env(MLX_MOE_FIX_REFERENCES=""), timeout=300,
+    )
+
+
+def test_demo_runs_a_saved_checkpoint(tmp_path):
+    from mlx_moe_fix import zoo
+
+    zoo.save_checkpoint("mixtral", 4, tmp_path)
+    result = run_demo("--model", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"{tmp_path} (mlx-lm's mixtral, loaded in" in result.stderr
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()]
+    patched_row = next(row for row in rows if row[0] == "patched")
+    assert patched_row[3] == "yes" and patched_row[4] == "SwitchGLU decode: reference; SwitchGLU prefill: reference"
+
+
+def test_demo_says_why_a_checkpoint_cannot_run(tmp_path):
+    import json
+
+    from mlx_lm.models.llama import Model, ModelArgs
+    from mlx_lm.utils import save_config, save_model
+
+    dense = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
+             "num_attention_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 256, "num_key_value_heads": 2}
+    save_model(tmp_path / "dense", Model(ModelArgs.from_dict(dense)))
+    save_config(dense, tmp_path / "dense" / "config.json")
+    result = run_demo("--model", str(tmp_path / "dense"))
+    assert result.returncode != 0 and "(mlx-lm's llama) has no expert (switch) layers" in result.stderr
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
+    mx.save_safetensors(str(tmp_path / "unknown" / "model.safetensors"), {"weight": mx.zeros(2)})
+    result = run_demo("--model", str(tmp_path / "unknown"))
+    assert result.returncode != 0 and "neither mlx-lm (Model type no_such_model not supported.) nor mlx-vlm (" in result.stderr
+
+
+def test_demo_fetches_a_repo_that_is_not_a_folder(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from mlx_moe_fix import cli, zoo
+
+    zoo.save_checkpoint("qwen3_moe", 4, tmp_path)
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kwargs: fetched.append(repo) or str(tmp_path))
+    model, prompt, what = cli.checkpoint_model("some-org/some-moe-4bit", 40)
+    assert fetched == ["some-org/some-moe-4bit"] and "mlx-lm's qwen3_moe" in what
+    assert len(prompt) == 40 and zoo.moe_layers(model)
