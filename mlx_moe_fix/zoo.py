@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import sys
 
 from typing import Optional
@@ -366,6 +367,8 @@ def _cast(model: nn.Module, dtype) -> None:
     if dtype == mx.float32:
         return
     keep = getattr(model, "cast_predicate", None) or (lambda _: True)
+    if not inspect.signature(keep).parameters:
+        keep = keep()  # a method that returns the predicate (mlx-vlm's kimi_vl language model), not a property
     model.update(
         tree_unflatten(
             [
