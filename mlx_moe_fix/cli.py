@@ -115,7 +115,8 @@ def checkpoint_model(path: str, prompt_tokens: int) -> tuple:
     if not has_expert_layers(model):
         raise SystemExit(f"{path} ({library}'s {config.get('model_type')}) has no expert (switch) layers: "
                          "nothing for the package to patch")
-    vocab_size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    # a VLM's outer config may carry its class's default vocab_size, not its language model's
+    vocab_size = config.get("text_config", {}).get("vocab_size") or config["vocab_size"]
     return model, spread_tokens(prompt_tokens, vocab_size), (
         f"{path} ({library}'s {config.get('model_type')}, loaded in {time.perf_counter() - started:.1f} s)")
 

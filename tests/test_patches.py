@@ -732,6 +732,38 @@ def test_demo_runs_a_saved_checkpoint(tmp_path):
     assert patched_row[3] == "yes" and patched_row[4] == "SwitchGLU decode: reference; SwitchGLU prefill: reference"
 
 
+def save_vlm_checkpoint(folder):
+    """A small random glm4v_moe checkpoint (vision tower and MoE language model) written as
+    mlx-vlm's converter writes one; mlx-lm has no glm4v_moe, so the demo loads it through mlx-vlm."""
+    import dataclasses
+
+    from mlx_vlm.models.glm4v_moe import Model, ModelConfig, TextConfig, VisionConfig
+    from mlx_vlm.utils import save_config, save_weights
+
+    from mlx_moe_fix import zoo
+
+    text = {**zoo.BREADTH_FAMILIES["glm4v_moe_vlm"].config, "model_type": "glm4v_moe_text"}
+    # widths 32: the vision tower's layers stay unquantized, as mlx-vlm's loader infers per layer
+    vision = {"model_type": "glm4v_moe", "depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2,
+              "patch_size": 14, "out_hidden_size": 128, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    config = ModelConfig(text_config=TextConfig.from_dict(text), vision_config=VisionConfig.from_dict(vision),
+                         model_type="glm4v_moe")
+    save_weights(folder, zoo.randomized(Model(config), 4))
+    save_config({**dataclasses.asdict(config), "text_config": text, "vision_config": vision,
+                 "quantization": {"group_size": zoo.GROUP_SIZE, "bits": 4}}, folder / "config.json")
+
+
+def test_demo_runs_a_saved_vlm_checkpoint(tmp_path):
+    save_vlm_checkpoint(tmp_path)
+    result = run_demo("--model", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"{tmp_path} (mlx-vlm's glm4v_moe, loaded in" in result.stderr
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()]
+    patched_row = next(row for row in rows if row[0] == "patched")
+    assert patched_row[3] == "yes"
+    assert patched_row[4] == "SwitchGLU[vlm] decode: reference; SwitchGLU[vlm] prefill: reference"
+
+
 def test_demo_says_why_a_checkpoint_cannot_run(tmp_path):
     import json
 
