@@ -158,6 +158,9 @@ def demo(model, prompt: list, what: str, new_tokens: int, repeats: int) -> int:
         ],
     ]
     print(markdown_table(["", "prefill tok/s", "decode tok/s", "same greedy tokens", "paths taken"], rows))
+    for why in sorted({f"{r.layer} {r.phase}: upstream's code: {r.reason}" for r in mlx_moe_fix.path_counts()
+                       if r.path == "stock"}):
+        print(why)
     if not same:
         print(f"stock:   {stock['tokens']}\npatched: {patched['tokens']}", file=sys.stderr)
     return 0 if same else 1

@@ -730,6 +730,25 @@ def test_demo_runs_a_saved_checkpoint(tmp_path):
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()]
     patched_row = next(row for row in rows if row[0] == "patched")
     assert patched_row[3] == "yes" and patched_row[4] == "SwitchGLU decode: reference; SwitchGLU prefill: reference"
+    assert "upstream's code" not in result.stdout
+
+
+class TanhGate(nn.Module):
+    """An activation the ops do not know."""
+
+    def __call__(self, x, gate):
+        return nn.tanh(gate) * x
+
+
+def test_demo_says_why_calls_stay_on_upstreams_code(capsys):
+    from mlx_moe_fix import cli, zoo
+
+    model = zoo.build("mixtral", 4)
+    for _, layer in zoo.moe_layers(model):
+        layer.activation = TanhGate()
+    assert cli.demo(model, zoo.prompt_for("mixtral", 40), "mixtral", 8, 1) == 0
+    out = capsys.readouterr().out
+    assert "SwitchGLU prefill: upstream's code: activation" in out and "TanhGate" in out, out
 
 
 def save_vlm_checkpoint(folder):
