@@ -17,7 +17,28 @@ instead."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import pathlib
+import re
 from typing import NamedTuple
+
+
+_SWITCH_LAYER = re.compile(r"\bSwitch(GLU|MLP|Linear)\b|switch_layers")
+
+
+def upstream_moe_models() -> set:
+    """mlx-lm's model modules and mlx-vlm's model packages whose source names a switch layer, as
+    "mlx_lm.models.<module>" / "mlx_vlm.models.<package>"."""
+    found = set()
+    for package, in_folders in (("mlx_lm.models", False), ("mlx_vlm.models", True)):
+        spec = importlib.util.find_spec(package.split(".")[0])
+        if spec is None:
+            continue
+        root = pathlib.Path(importlib.util.find_spec(package).submodule_search_locations[0])
+        for path in root.glob("*/*.py" if in_folders else "*.py"):
+            if path.stem != "switch_layers" and _SWITCH_LAYER.search(path.read_text()):
+                found.add(f"{package}.{path.parent.name if in_folders else path.stem}")
+    return found
 
 
 class BreadthFamily(NamedTuple):
@@ -99,14 +120,16 @@ _STEP3P5 = {
 # family here or in zoo.FAMILIES, each with the reason (the breadth test checks that every one is
 # in one or the other, so a family upstream adds is not missed), as of these versions.
 LEFT_OUT_CHECKED_AGAINST = {"mlx-lm": "0.32.2", "mlx-vlm": "0.7.10"}
+_EXPERT_MODULE_TEST = "tests/parity/test_expert_modules.py checks its expert module's outputs instead"
 LEFT_OUT: dict[str, str] = {
     "mlx_lm.models.muse_spark": "its attention, router and norms are Metal-only kernels",
     "mlx_vlm.models.muse_spark": "its attention, router and norms are Metal-only kernels",
-    # tests/parity/test_expert_modules.py checks these four's expert modules instead
-    "mlx_vlm.models.diffusion_gemma": "a diffusion LM: no greedy token stream",
-    "mlx_vlm.models.openai_privacy_filter": "a token classifier: no greedy token stream",
-    "mlx_vlm.models.ming_image": "an image model (its text encoder has the experts): no greedy token stream",
-    "mlx_vlm.models.moondream3": "its MoE block routes inside, where the breadth test records the routes it is called with",
+    "mlx_vlm.models.diffusion_gemma": f"a diffusion LM: no greedy token stream; {_EXPERT_MODULE_TEST}",
+    "mlx_vlm.models.openai_privacy_filter": f"a token classifier: no greedy token stream; {_EXPERT_MODULE_TEST}",
+    "mlx_vlm.models.ming_image": "an image model (its text encoder has the experts): no greedy token stream; "
+    f"{_EXPERT_MODULE_TEST}",
+    "mlx_vlm.models.moondream3": "its MoE block routes inside, where the breadth test records the routes it is called "
+    f"with; {_EXPERT_MODULE_TEST}",
     "mlx_vlm.models.mistral4": "its language module holds only Mistral4Model (no head, no config): mistral3's "
     "LanguageModel builds it, as mistral3_vlm",
     "mlx_vlm.models.lfm2": "its MoE block is built only from lfm2_moe's config (its own ModelConfig drops "

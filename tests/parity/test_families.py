@@ -8,9 +8,7 @@ scripts/gpu-check.sh runs these apart: BREADTH=1. Every mlx-lm and mlx-vlm model
 switch layer is a zoo family or in zoo_breadth.LEFT_OUT with the reason."""
 
 import importlib.metadata
-import importlib.util
 import pathlib
-import re
 
 import mlx_moe_fix
 import pytest
@@ -49,10 +47,8 @@ def patched_layer_name(layer) -> str:
 
 
 def test_every_upstream_moe_family_is_in_the_zoo_or_left_out_with_a_reason():
-    covered = {f"mlx_lm.models.{family}" for family in zoo.FAMILIES if family not in zoo.MLX_VLM_FAMILIES}
-    covered |= {f"mlx_vlm.models.{family}" for family in zoo.MLX_VLM_FAMILIES}
-    covered |= {".".join(family.module.split(".")[:3]) for family in zoo.BREADTH_FAMILIES.values()}
-    upstream = upstream_moe_modules()
+    covered = set(zoo.upstream_families())
+    upstream = zoo_breadth.upstream_moe_models()
     assert len(upstream) > 50 and "mlx_lm.models.qwen3_moe" in upstream and "mlx_vlm.models.inkling" in upstream
     missing = upstream - covered - set(zoo_breadth.LEFT_OUT)
     installed = {name: importlib.metadata.version(name) for name in zoo_breadth.LEFT_OUT_CHECKED_AGAINST}
@@ -65,15 +61,12 @@ def test_every_upstream_moe_family_is_in_the_zoo_or_left_out_with_a_reason():
     assert set(zoo_breadth.LEFT_OUT) <= upstream, "a left-out family upstream no longer has"
 
 
-SWITCH_LAYER = re.compile(r"\bSwitch(GLU|MLP|Linear)\b|switch_layers")
 
-
-def upstream_moe_modules() -> set:
-    """mlx-lm's model modules and mlx-vlm's model packages whose source names a switch layer."""
-    found = set()
-    for package, in_folders in (("mlx_lm.models", False), ("mlx_vlm.models", True)):
-        root = pathlib.Path(importlib.util.find_spec(package).submodule_search_locations[0])
-        for path in root.glob("*/*.py" if in_folders else "*.py"):
-            if path.stem != "switch_layers" and SWITCH_LAYER.search(path.read_text()):
-                found.add(f"{package}.{path.parent.name if in_folders else path.stem}")
-    return found
+def test_the_families_page_lists_every_upstream_moe_model():
+    installed = {name: importlib.metadata.version(name) for name in zoo_breadth.LEFT_OUT_CHECKED_AGAINST}
+    if installed != zoo_breadth.LEFT_OUT_CHECKED_AGAINST:
+        pytest.skip(f"upstream {installed} is not the {zoo_breadth.LEFT_OUT_CHECKED_AGAINST} docs/families.md lists")
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "families.md").read_text()
+    assert page == zoo.families_markdown(), (
+        "docs/families.md is out of date: python -c 'from mlx_moe_fix import zoo; print(zoo.families_markdown(), end=\"\")' "
+        "> docs/families.md")
