@@ -176,13 +176,14 @@ def main(argv=None) -> int:
     demo_parser = commands.add_parser(
         "demo", help="stock vs patched on a built-in small random MoE model: greedy-token parity and timing"
     )
-    demo_parser.add_argument("--family", choices=[*FAMILIES, *BREADTH_FAMILIES], default="qwen3_moe", metavar="FAMILY",
+    demo_parser.add_argument("--family", choices=[*FAMILIES, *BREADTH_FAMILIES], metavar="FAMILY",
                              help=f"the zoo's {', '.join(FAMILIES)} (default qwen3_moe), or one of "
                              f"{len(BREADTH_FAMILIES)} more small models of mlx-lm's and mlx-vlm's MoE families: "
                              f"{', '.join(BREADTH_FAMILIES)}")
     demo_parser.add_argument("--model", metavar="PATH_OR_REPO",
                              help="an MLX checkpoint (a folder, or a Hugging Face repo) instead of a built-in model")
-    demo_parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    demo_parser.add_argument("--bits", type=int, choices=(4, 8),
+                             help="the built-in model's quantization bits (default 4; a checkpoint keeps its own)")
     demo_parser.add_argument("--prompt-tokens", type=int, default=128)
     demo_parser.add_argument("--new-tokens", type=int, default=32)
     demo_parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up")
@@ -194,9 +195,11 @@ def main(argv=None) -> int:
     if args.cpu:
         mx.set_default_device(mx.cpu)
     if args.model:
+        if args.family is not None or args.bits is not None:
+            parser.error("--model takes neither --family nor --bits: a checkpoint is its own family and quantization")
         model, prompt, what = checkpoint_model(args.model, args.prompt_tokens)
     else:
-        model, prompt, what = demo_model(args.family, args.bits, args.prompt_tokens)
+        model, prompt, what = demo_model(args.family or "qwen3_moe", args.bits or 4, args.prompt_tokens)
     return demo(model, prompt, what, args.new_tokens, args.repeats)
 
 

@@ -783,6 +783,12 @@ def test_demo_runs_a_saved_vlm_checkpoint(tmp_path):
     assert patched_row[4] == "SwitchGLU[vlm] decode: reference; SwitchGLU[vlm] prefill: reference"
 
 
+def test_demo_refuses_a_family_or_bits_with_a_checkpoint(tmp_path):
+    for extra in (("--family", "qwen3_moe"), ("--bits", "4")):
+        result = run_demo("--model", str(tmp_path), *extra)
+        assert result.returncode == 2 and "--model takes neither --family nor --bits" in result.stderr
+
+
 def test_demo_says_why_a_checkpoint_cannot_run(tmp_path):
     import json
 
