@@ -6,9 +6,9 @@ are ``SwitchGLU``s or ``SwitchMLP``s keeps stock's greedy tokens with the packag
 seven families of ``zoo.FAMILIES`` go through every test; these through that one.
 
 Sizes as the zoo's (``zoo.VOCAB`` 256, ``zoo.HIDDEN`` 128, two to four layers, at least one of
-them MoE); no quantized projection takes a 64-wide input (zoo.K64_NOTE). Not here: muse_spark
-(its attention, router and norms are Metal-only kernels). Some families call their switch linears
-themselves: mlx-vlm's hy_v4, laguna, zaya1_vl and MiniMax-M3-VL (in its default layout) pack gate and up into
+them MoE); no quantized projection takes a 64-wide input (zoo.K64_NOTE). Not here: the upstream
+models of LEFT_OUT, each with the reason. Some families call their switch linears themselves:
+mlx-vlm's hy_v4, laguna, zaya1_vl and MiniMax-M3-VL (in its default layout) pack gate and up into
 one switch linear of their own expert block (zoo.PACKED_SWITCH_GLUS), and mlx-vlm's deepseek_v41
 has a SwitchGLU subclass with a call of its own (it weights and fp8-rounds the activation before
 the down projection): there the package patches the switch linears, which the test follows
@@ -31,8 +31,7 @@ def upstream_moe_models() -> set:
     "mlx_lm.models.<module>" / "mlx_vlm.models.<package>"."""
     found = set()
     for package, in_folders in (("mlx_lm.models", False), ("mlx_vlm.models", True)):
-        spec = importlib.util.find_spec(package.split(".")[0])
-        if spec is None:
+        if importlib.util.find_spec(package.split(".")[0]) is None:
             continue
         root = pathlib.Path(importlib.util.find_spec(package).submodule_search_locations[0])
         for path in root.glob("*/*.py" if in_folders else "*.py"):
