@@ -28,10 +28,9 @@ import numpy as np
 
 CXX = shutil.which("g++") or shutil.which("clang++")
 
-# Metal's types and library calls on a CPU. bfloat16_t / float16_t hold GPU bits and round as the GPU
-# does; simd_sum and threadgroup_barrier meet the other threads through the barriers the launcher
-# gives each thread; `threadgroup` storage is static (shared by the threadgroup running now).
-SHIM = r"""
+# What both emulations share: bfloat16_t / float16_t (GPU bits, rounded as the GPU rounds), and each
+# thread's lane, its simdgroup's or warp's Lanes and its group's barrier (set by LAUNCHER).
+HALF_TYPES = r"""
 #include <algorithm>
 #include <barrier>
 #include <cmath>
@@ -40,11 +39,6 @@ SHIM = r"""
 #include <thread>
 #include <type_traits>
 #include <vector>
-typedef unsigned int uint;
-typedef unsigned long ulong;
-struct uint3 { uint x, y, z; };
-struct uint4 { uint x, y, z, w; uint operator[](int i) const { return (&x)[i]; } };
-template <typename To, typename From> To as_type(From f) { To t; std::memcpy(&t, &f, sizeof t); return t; }
 struct bfloat16_t {
   uint16_t bits;
   bfloat16_t() = default;
@@ -64,60 +58,74 @@ struct float16_t {
   operator float() const { return static_cast<float>(v); }
   operator float() const volatile { return static_cast<float>(v); }
 };
-struct Lanes {  // one simdgroup
+struct Lanes {  // one simdgroup / warp: what its threads exchange, each in its own slot
   std::barrier<> meet{32};
-  float values[32];
+  alignas(16) unsigned char values[32][16];
 };
-thread_local Lanes* this_simdgroup;
-thread_local uint this_lane;
-thread_local std::barrier<>* this_threadgroup;
+thread_local Lanes* this_lanes;
+thread_local unsigned this_lane;
+thread_local std::barrier<>* this_group;
+"""
+
+# Metal's types and library calls on a CPU. simd_sum and threadgroup_barrier meet the other threads
+# through the barriers the launcher gives each thread; `threadgroup` storage is static (shared by the
+# threadgroup running now).
+SHIM = HALF_TYPES + r"""
+typedef unsigned int uint;
+typedef unsigned long ulong;
+struct uint3 { uint x, y, z; };
+struct uint4 { uint x, y, z, w; uint operator[](int i) const { return (&x)[i]; } };
+template <typename To, typename From> To as_type(From f) { To t; std::memcpy(&t, &f, sizeof t); return t; }
 namespace metal {
 using std::fabs; using std::fma; using std::fmax; using std::fmin; using std::max; using std::min; using std::is_same_v;
 namespace precise { using std::exp; using std::tanh; }
 inline float simd_sum(float v) {
-  this_simdgroup->values[this_lane] = v;
-  this_simdgroup->meet.arrive_and_wait();
+  std::memcpy(this_lanes->values[this_lane], &v, 4);
+  this_lanes->meet.arrive_and_wait();
   float sum = 0.f;
-  for (int lane = 0; lane < 32; ++lane) sum += this_simdgroup->values[lane];
-  this_simdgroup->meet.arrive_and_wait();
+  for (int lane = 0; lane < 32; ++lane) sum += as_type<float>(*reinterpret_cast<const uint*>(this_lanes->values[lane]));
+  this_lanes->meet.arrive_and_wait();
   return sum;
 }
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 }
-inline void threadgroup_barrier(metal::mem_flags) { this_threadgroup->arrive_and_wait(); }
+inline void threadgroup_barrier(metal::mem_flags) { this_group->arrive_and_wait(); }
 #define device
 #define constant
 #define threadgroup static
 #define thread
 """
 
+# The grid's groups (threadgroups, blocks) one after another, on one CPU thread per GPU thread that
+# lives for the whole launch; each group gets fresh barriers, which a thread leaves
+# (arrive_and_drop) when it returns, so that it no longer holds back the others. Each emulation
+# fills in POSITION (the type of a group's position), GRID_SETUP, THREAD_SETUP, GROUP_SETUP and
+# CALL (the kernel's call, `position` and `t` in scope).
 LAUNCHER = r"""
-#undef device
-#undef constant
-#undef threadgroup
-#undef thread
 #include <memory>
-// The threadgroups one after another, on one CPU thread per Metal thread that lives for the whole
-// launch; each threadgroup gets fresh barriers, which a thread leaves (arrive_and_drop) when it
-// returns, so that it no longer holds back the others.
-extern "C" void launch(void** buffers, unsigned groups_x, unsigned groups_y, unsigned groups_z, unsigned threads) {
+extern "C" void launch(void** buffers, unsigned groups_x, unsigned groups_y, unsigned groups_z, unsigned threads,
+                       unsigned shared_bytes) {
   std::barrier<> start(threads + 1), finish(threads + 1);
   std::unique_ptr<std::barrier<>> group;
-  std::unique_ptr<Lanes[]> simdgroups;
-  uint3 position{0, 0, 0};
+  std::unique_ptr<Lanes[]> lanes;
+  std::vector<unsigned char> shared(shared_bytes + 16);
+  POSITION position{0, 0, 0};
   bool done = false;
+  GRID_SETUP
   std::vector<std::thread> running;
   for (unsigned t = 0; t < threads; ++t)
     running.emplace_back([&, t] {
       this_lane = t % 32;
+      THREAD_SETUP
       while (true) {
         start.arrive_and_wait();
         if (done) return;
-        this_simdgroup = &simdgroups[t / 32];
-        this_threadgroup = group.get();
-        kernel(ARGUMENTS, position, t % 32, t / 32);
+        this_lanes = &lanes[t / 32];
+        this_group = group.get();
+        GROUP_SETUP
+        CALL;
         group->arrive_and_drop();
-        simdgroups[t / 32].meet.arrive_and_drop();
+        lanes[t / 32].meet.arrive_and_drop();
         finish.arrive_and_wait();
       }
     });
@@ -125,8 +133,8 @@ extern "C" void launch(void** buffers, unsigned groups_x, unsigned groups_y, uns
     for (unsigned y = 0; y < groups_y; ++y)
       for (unsigned x = 0; x < groups_x; ++x) {
         group = std::make_unique<std::barrier<>>(threads);
-        simdgroups.reset(new Lanes[threads / 32]);
-        position = uint3{x, y, z};
+        lanes.reset(new Lanes[threads / 32]);
+        position = POSITION{x, y, z};
         start.arrive_and_wait();
         finish.arrive_and_wait();
       }
@@ -135,6 +143,16 @@ extern "C" void launch(void** buffers, unsigned groups_x, unsigned groups_y, uns
   for (auto& thread : running) thread.join();
 }
 """
+
+
+def launcher(position: str, call: str, grid_setup: str = "", thread_setup: str = "", group_setup: str = "") -> str:
+    """LAUNCHER filled in (see above)."""
+    text = LAUNCHER
+    for name, value in (("POSITION", position), ("GRID_SETUP", grid_setup), ("THREAD_SETUP", thread_setup),
+                        ("GROUP_SETUP", group_setup), ("CALL", call)):
+        text = text.replace(name, value)
+    return text
+
 
 ATTRIBUTES = ("uint3 threadgroup_position_in_grid", "uint thread_index_in_simdgroup", "uint simdgroup_index_in_threadgroup")
 C_TYPES = {mx.bfloat16: "bfloat16_t", mx.float16: "float16_t", mx.float32: "float", mx.uint32: "uint32_t",
@@ -170,8 +188,8 @@ def template_line(name: str, value) -> str:
     return f"  constexpr int {name} = {int(value)};"
 
 
-def _library(source: str):
-    """The compiled shared library of `source` (cached by its text)."""
+def build_library(source: str, language: str):
+    """The compiled shared library of `source` (cached by its text), with LAUNCHER's `launch`."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     with _lock:
         if digest not in _libraries:
@@ -181,11 +199,30 @@ def _library(source: str):
             built = subprocess.run([CXX, "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread", f"{path}.cc", "-o",
                                     f"{path}.so"], capture_output=True, text=True)
             if built.returncode != 0:
-                raise RuntimeError(f"the Metal source does not compile as C++:\n{built.stderr[-4000:]}")
+                raise RuntimeError(f"the {language} source does not compile as C++:\n{built.stderr[-4000:]}")
             library = ctypes.CDLL(f"{path}.so")
-            library.launch.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_uint] * 4
+            library.launch.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_uint] * 5
             _libraries[digest] = library
         return _libraries[digest]
+
+
+def run_grid(compose, language: str, inputs, input_parameters: list, output_shapes, output_dtypes,
+             output_parameters: list, grid, threadgroup, shared_bytes: int = 0) -> list:
+    """The outputs (MLX arrays) of the kernel whose whole C++ source is `compose(parameters,
+    arguments)` (its signature's parameters; the launcher's casts of its buffers to them), run over
+    `grid` (in threads) in groups of `threadgroup` threads on `inputs`."""
+    threads = threadgroup[0]
+    assert threadgroup[1:] == (1, 1) and threads % 32 == 0, "one-dimensional groups of whole simdgroups / warps only"
+    assert all(g % t == 0 for g, t in zip(grid, threadgroup)), "a grid of whole groups only"
+    arrays = [np.ascontiguousarray(np.array(a.view(STORAGE[a.dtype][0]))) for a in inputs]
+    outputs = [np.full(tuple(shape) + (dtype.size,), 0xFF, dtype=np.uint8).view(STORAGE[dtype][1]).reshape(shape)
+               for shape, dtype in zip(output_shapes, output_dtypes)]
+    parameters = input_parameters + output_parameters
+    arguments = ", ".join(f"({p.rsplit(' ', 1)[0]})buffers[{i}]" for i, p in enumerate(parameters))
+    buffers = (ctypes.c_void_p * (len(arrays) + len(outputs)))(*[b.ctypes.data for b in arrays + outputs])
+    build_library(compose(parameters, arguments), language).launch(buffers, grid[0] // threads, grid[1], grid[2],
+                                                                  threads, shared_bytes)
+    return [mx.array(o).view(dtype) if dtype == mx.bfloat16 else mx.array(o) for o, dtype in zip(outputs, output_dtypes)]
 
 
 class EmulatedMetalKernel:
@@ -198,18 +235,14 @@ class EmulatedMetalKernel:
 
     def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **unused):
         assert not unused, f"the emulation does not take {sorted(unused)}"
-        threads = threadgroup[0] * threadgroup[1] * threadgroup[2]
-        assert threadgroup[1:] == (1, 1) and threads % 32 == 0, "one-dimensional threadgroups of whole simdgroups only"
-        assert all(g % t == 0 for g, t in zip(grid, threadgroup)), "a grid of whole threadgroups only"
-        arrays = [np.ascontiguousarray(np.array(a.view(STORAGE[a.dtype][0]))) for a in inputs]
-        outputs = [np.full(tuple(shape) + (dtype.size,), 0xFF, dtype=np.uint8).view(STORAGE[dtype][1]).reshape(shape)
-                   for shape, dtype in zip(output_shapes, output_dtypes)]
-        parameters = [f"const {address_space(a)}{C_TYPES[a.dtype]}* {n}" for a, n in zip(inputs, self.input_names)]
-        parameters += [f"{C_TYPES[d]}* {n}" for d, n in zip(output_dtypes, self.output_names)]
         constants = "\n".join(template_line(name, value) for name, value in template)
-        arguments = ", ".join(f"({p.rsplit(' ', 1)[0]})buffers[{i}]" for i, p in enumerate(parameters))
-        source = (SHIM + self.header + f"\nvoid kernel({', '.join(parameters + list(ATTRIBUTES))}) {{\n{constants}\n"
-                  + self.source + "\n}\n" + LAUNCHER.replace("ARGUMENTS", arguments))
-        buffers = (ctypes.c_void_p * (len(arrays) + len(outputs)))(*[b.ctypes.data for b in arrays + outputs])
-        _library(source).launch(buffers, grid[0] // threadgroup[0], grid[1], grid[2], threads)
-        return [mx.array(o).view(dtype) if dtype == mx.bfloat16 else mx.array(o) for o, dtype in zip(outputs, output_dtypes)]
+
+        def compose(parameters, arguments):
+            return (SHIM + self.header + f"\nvoid kernel({', '.join(parameters + list(ATTRIBUTES))}) {{\n{constants}\n"
+                    + self.source + "\n}\n#undef device\n#undef constant\n#undef threadgroup\n#undef thread\n"
+                    + launcher("uint3", f"kernel({arguments}, position, t % 32, t / 32)"))
+
+        return run_grid(compose, "Metal", inputs,
+                        [f"const {address_space(a)}{C_TYPES[a.dtype]}* {n}" for a, n in zip(inputs, self.input_names)],
+                        output_shapes, output_dtypes, [f"{C_TYPES[d]}* {n}" for d, n in zip(output_dtypes, self.output_names)],
+                        grid, threadgroup)

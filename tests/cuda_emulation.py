@@ -1,0 +1,159 @@
+"""Our CUDA kernel sources run on a CPU: a stand-in for `mx.fast.cuda_kernel` objects that compiles
+a kernel as MLX 0.32.4's cuda_kernel assembles it (mlx/backend/cuda/custom_kernel.cpp: the header,
+then `namespace mlx::core::cu`, a signature of const input pointers and output pointers, the
+template arguments as constants at the top of the body) as C++ (g++ or clang++, C++20), and runs
+its grid with one CPU thread per CUDA thread, so that the CUDA decode kernel's arithmetic, indexing
+and combine can be checked against the pure-MLX reference on machines without a GPU.
+
+What the emulation is: bf16 and fp16 stored and rounded as on the GPU (tests/metal_emulation.py's
+types); a warp is 32 threads, `__shfl_xor_sync` exchanges their values after all have arrived;
+`__shared__` memory is one array for the block running now (blocks run one after another, their
+threads at once); the inline PTX the kernels use (`prmt`, `dp4a`, a streamed 16-byte load, an
+empty `asm` that hides a pointer's origin) becomes the C++ of its definition. What it is not:
+NVRTC or ptxas (CUDA's rules, registers and spills are tests/test_cuda_sources.py's), nor the
+GPU's speed or its order of additions. Outputs start as all-ones bytes (NaN in floating point),
+so an output a kernel fails to write shows as not finite."""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+
+from .metal_emulation import HALF_TYPES, launcher, run_grid
+
+CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.uint32: "uint32_t",
+              mx.int32: "int32_t", mx.uint8: "uint8_t"}
+
+# CUDA's builtins on a CPU. threadIdx / blockIdx are each thread's own; the block barrier and each
+# warp's exchange meet through the barriers metal_emulation's launcher gives each thread.
+SHIM = HALF_TYPES + r"""
+#include <algorithm>
+#include <barrier>
+#include <cstddef>
+#include <type_traits>
+#include <thread>
+#include <vector>
+namespace cuda { namespace std { using namespace ::std; } }
+#define __device__
+#define __host__
+#define __global__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __grid_constant__
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __shared__ static
+using __nv_bfloat16 = bfloat16_t;
+using __half = float16_t;
+struct dim3 { unsigned x, y, z; };
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(8) float2 { float x, y; };
+struct alignas(4) __half2 { __half x, y; };
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t bytes = (uint64_t(y) << 32) | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= unsigned((bytes >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  return r;
+}
+// PTX prmt.b32's default mode: __byte_perm, but a selector nibble with its top bit set gives the
+// selected byte's sign replicated (0xff or 0)
+inline unsigned prmt(unsigned a, unsigned b, unsigned c) {
+  const uint64_t bytes = (uint64_t(b) << 32) | a;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) {
+    const unsigned selector = (c >> (4 * i)) & 15, byte = (bytes >> (8 * (selector & 7))) & 0xff;
+    r |= (selector & 8 ? (byte & 0x80 ? 0xffu : 0u) : byte) << (8 * i);
+  }
+  return r;
+}
+inline unsigned __vmaxu2(unsigned a, unsigned b) {
+  return std::max(a & 0xffffu, b & 0xffffu) | (std::max(a >> 16, b >> 16) << 16);
+}
+inline __half __ushort_as_half(unsigned short bits) { __half h; std::memcpy(&h, &bits, 2); return h; }
+inline float __half2float(__half h) { return static_cast<float>(h); }
+inline float2 __half22float2(__half2 h) { return float2{static_cast<float>(h.x), static_cast<float>(h.y)}; }
+template <typename A, typename B> inline std::common_type_t<A, B> min(A a, B b) { return a < b ? a : b; }
+template <typename A, typename B> inline std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }
+template <typename T> inline T __ldg(const T* p) { return *p; }
+template <typename A, typename B> inline int dp4a(unsigned a, unsigned b) {
+  int sum = 0;
+  for (int i = 0; i < 4; ++i) sum += int(A(a >> (8 * i))) * int(B(b >> (8 * i)));
+  return sum;
+}
+thread_local unsigned char* dynamic_shared;
+inline void __syncthreads() { this_group->arrive_and_wait(); }
+template <typename T> T __shfl_xor_sync(unsigned, T v, int offset) {
+  static_assert(sizeof(T) <= 16);
+  std::memcpy(this_lanes->values[this_lane], &v, sizeof(T));
+  this_lanes->meet.arrive_and_wait();
+  T other;
+  std::memcpy(&other, this_lanes->values[this_lane ^ offset], sizeof(T));
+  this_lanes->meet.arrive_and_wait();
+  return other;
+}
+"""
+
+# The inline PTX of the kernels, as C++: (pattern, replacement).
+PTX = (
+    (r'asm\("prmt\.b32 %0, %1, %2, %3;" : "=r"\((\w+)\) : "r"\(([^)]*)\), "r"\(([^)]*)\), "r"\(([^;]*)\)\);',
+     r"\1 = prmt(\2, \3, \4);"),
+    (r'asm\("dp4a\.([su])32\.([su])32 %0, %1, %2, %0;" : "\+r"\((\w+)\) : "r"\(([^)]*)\), "r"\(([^;]*)\)\);',
+     lambda m: f"{m[3]} += dp4a<{'int8_t' if m[1] == 's' else 'uint8_t'}, "
+               f"{'int8_t' if m[2] == 's' else 'uint8_t'}>({m[4]}, {m[5]});"),
+    (r'asm\("ld\.global\.L1::no_allocate\.v4\.u32 \{%0, %1, %2, %3\}, \[%4\];" : "=r"\((\w+)\.x\), "=r"\(\w+\.y\), '
+     r'"=r"\(\w+\.z\), "=r"\(\w+\.w\) : "l"\((\w+)\)\);',
+     r"\1 = *reinterpret_cast<const uint4*>(\2);"),
+    (r'asm\("" : "\+l"\(\w+\)\);', ""),
+    (r"extern __shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+)\[\];", r"\1* \2 = reinterpret_cast<\1*>(dynamic_shared);"),
+    (r"#include <cuda/[^>]*>", ""),
+)
+
+
+def as_cpu_source(text: str) -> str:
+    """`text` with the kernels' inline PTX replaced by C++; any `asm` left is an error."""
+    for pattern, replacement in PTX:
+        text = re.sub(pattern, replacement, text)
+    assert "asm(" not in text, f"inline PTX the emulation does not know: {text[text.index('asm('):][:200]}"
+    return text
+
+
+def constant_line(name: str, value) -> str:
+    """A template argument as MLX's cuda_kernel writes it at the top of the body."""
+    if isinstance(value, mx.Dtype):
+        return f"  using {name} = {CUDA_TYPES[value]};"
+    if isinstance(value, bool):
+        return f"  constexpr bool {name} = {str(value).lower()};"
+    return f"  constexpr int {name} = {int(value)};"
+
+
+class EmulatedCudaKernel:
+    """Called as an `mx.fast.cuda_kernel` object is (inputs, template, grid in threads,
+    threadgroup, output shapes and dtypes); returns the outputs as MLX arrays."""
+
+    def __init__(self, input_names, output_names, source: str, header: str, shared_bytes: int):
+        self.input_names, self.output_names = list(input_names), list(output_names)
+        self.source, self.header, self.shared_bytes = source, header, shared_bytes
+
+    def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **unused):
+        assert set(unused) <= {"init_value"} and unused.get("init_value") is None, f"not emulated: {sorted(unused)}"
+        constants = "\n".join(constant_line(name, value) for name, value in template)
+
+        def compose(parameters, arguments):
+            return (SHIM + as_cpu_source(self.header) + "\nnamespace mlx::core::cu {\nvoid kernel("
+                    + ", ".join(parameters) + f") {{\n{constants}\n" + as_cpu_source(self.source) + "\n}\n}\n"
+                    + launcher("dim3", f"mlx::core::cu::kernel({arguments})",
+                               grid_setup="blockDim = dim3{threads, 1, 1}; gridDim = dim3{groups_x, groups_y, groups_z};",
+                               thread_setup="threadIdx = dim3{t, 0, 0};",
+                               group_setup="blockIdx = position; dynamic_shared = shared.data();"))
+
+        return run_grid(compose, "CUDA", inputs,
+                        [f"const {CUDA_TYPES[a.dtype]}* {n}" for a, n in zip(inputs, self.input_names)],
+                        output_shapes, output_dtypes, [f"{CUDA_TYPES[d]}* {n}" for d, n in zip(output_dtypes, self.output_names)],
+                        grid, threadgroup, self.shared_bytes)
