@@ -79,6 +79,17 @@ inline unsigned __vmaxu2(unsigned a, unsigned b) {
 inline __half __ushort_as_half(unsigned short bits) { __half h; std::memcpy(&h, &bits, 2); return h; }
 inline float __half2float(__half h) { return static_cast<float>(h); }
 inline float2 __half22float2(__half2 h) { return float2{static_cast<float>(h.x), static_cast<float>(h.y)}; }
+// the IEEE-rounded intrinsics as plain float arithmetic (C++20 does not contract them); __expf,
+// the GPU's fast approximation, as expf: the routers' weights are compared within tolerance
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __frcp_rn(float a) { return 1.f / a; }
+inline float __expf(float a) { return std::exp(a); }
+using std::isinf; using std::isnan;
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short bits) { __nv_bfloat16 b; std::memcpy(&b, &bits, 2); return b; }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { unsigned short u; std::memcpy(&u, &b, 2); return u; }
+inline unsigned short __half_as_ushort(__half h) { unsigned short u; std::memcpy(&u, &h, 2); return u; }
 template <typename A, typename B> inline std::common_type_t<A, B> min(A a, B b) { return a < b ? a : b; }
 template <typename A, typename B> inline std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
@@ -89,15 +100,31 @@ template <typename A, typename B> inline int dp4a(unsigned a, unsigned b) {
 }
 thread_local unsigned char* dynamic_shared;
 inline void __syncthreads() { this_group->arrive_and_wait(); }
-template <typename T> T __shfl_xor_sync(unsigned, T v, int offset) {
+template <typename T> T __shfl_sync(unsigned, T v, int source) {  // every lane of the warp takes part
   static_assert(sizeof(T) <= 16);
   std::memcpy(this_lanes->values[this_lane], &v, sizeof(T));
   this_lanes->meet.arrive_and_wait();
   T other;
-  std::memcpy(&other, this_lanes->values[this_lane ^ offset], sizeof(T));
+  std::memcpy(&other, this_lanes->values[source & 31], sizeof(T));
   this_lanes->meet.arrive_and_wait();
   return other;
 }
+template <typename T> T __shfl_xor_sync(unsigned mask, T v, int offset) { return __shfl_sync(mask, v, this_lane ^ offset); }
+template <typename Reduce> unsigned reduce_lanes(unsigned v, Reduce reduce) {
+  std::memcpy(this_lanes->values[this_lane], &v, 4);
+  this_lanes->meet.arrive_and_wait();
+  unsigned r;
+  std::memcpy(&r, this_lanes->values[0], 4);
+  for (int lane = 1; lane < 32; ++lane) {
+    unsigned other;
+    std::memcpy(&other, this_lanes->values[lane], 4);
+    r = reduce(r, other);
+  }
+  this_lanes->meet.arrive_and_wait();
+  return r;
+}
+inline unsigned __reduce_max_sync(unsigned, unsigned v) { return reduce_lanes(v, [](unsigned a, unsigned b) { return std::max(a, b); }); }
+inline unsigned __reduce_min_sync(unsigned, unsigned v) { return reduce_lanes(v, [](unsigned a, unsigned b) { return std::min(a, b); }); }
 """
 
 # The inline PTX of the kernels, as C++: (pattern, replacement).

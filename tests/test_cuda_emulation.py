@@ -1,24 +1,28 @@
-"""The CUDA decode kernel (kernels/cuda/moe_decode.cu), run on a CPU through tests/cuda_emulation.py:
-the launches moe_decode plans for CUDA (grids, template constants, source constants, inputs, the
-dynamic shared memory of the split activation rows) and the kernel's arithmetic, indexing, fixed-
-point GEMV, FP4 reads, activations and combine, against the float32 oracle of its pure-MLX
-reference, on the cases tests/test_metal_emulation.py gives the Metal kernel. Not NVRTC and not a
-GPU (see the emulation's docstring): tests/parity's GPU tests stay the check on an NVIDIA GPU;
-this one lets a machine without one check a change to the CUDA source's logic."""
+"""The CUDA decode and router kernels (kernels/cuda/moe_decode.cu, moe_router.cu), run on a CPU
+through tests/cuda_emulation.py. The decode kernel: the launches moe_decode plans for CUDA (grids,
+template constants, source constants, inputs, the dynamic shared memory of the split activation
+rows) and the kernel's arithmetic, indexing, fixed-point GEMV, FP4 reads, activations and combine,
+against the float32 oracle of its pure-MLX reference, on the cases tests/test_metal_emulation.py
+gives the Metal kernel. The router kernel: its routings (mlx-lm's softmax ones, Inkling's sigmoid,
+DeepSeek-V4's sqrt-softplus) against the reference's experts and weights. Not NVRTC and not a GPU
+(see the emulation's docstring): tests/parity's GPU tests stay the check on an NVIDIA GPU; these
+let a machine without one check a change to the CUDA sources' logic."""
 
 import sys
 
 import mlx.core as mx
 import pytest
 
-from mlx_moe_fix.kernels import moe_decode_reference
+from mlx_moe_fix.kernels import moe_decode_reference, moe_router_reference
 from mlx_moe_fix.kernels.experts import FP4_GROUP_SIZES
+from mlx_moe_fix.kernels.moe_router import Routing
 from mlx_moe_fix.kernels.sources import sections
 
 from .cuda_emulation import EmulatedCudaKernel
 from .metal_emulation import CXX
 from .parity.cases import make_case
 from .parity.test_ops import check, every_fp4_code, float32_oracle
+from .parity.tolerance import assert_close
 from .test_metal_emulation import CASES
 
 DECODE = sys.modules["mlx_moe_fix.kernels.moe_decode"]  # the package's name is the dispatcher's
@@ -87,3 +91,42 @@ def test_the_emulation_finds_a_wrong_cuda_kernel(monkeypatch):
     case = make_case(*arguments, **keywords)
     with pytest.raises(AssertionError, match="relative error"):
         check(DECODE.moe_decode_kernel, case, float32_oracle(moe_decode_reference, case))
+
+
+ROUTER = sys.modules["mlx_moe_fix.kernels.moe_router"]  # the package's name is the dispatcher's
+ROUTINGS = {
+    "softmax then top-2": (Routing("softmax_topk", 2), ()),
+    "softmax then top-8, normalised": (Routing("softmax_topk", 8, True), ()),
+    "top-4 then softmax": (Routing("topk_softmax", 4), ()),
+    "top-2 then softmax, last k": (Routing("topk_softmax_last", 2), ()),
+    "Inkling's sigmoid top-4, a shared expert": (Routing("sigmoid_topk", 4, shared=1, shared_width=3, scale=2.5),
+                                                 ("correction", "global_scale")),
+    "DeepSeek-V4's sqrt-softplus top-6": (Routing("sqrtsoftplus_topk", 6, normalize=True, scale=1.5), ("correction",)),
+}
+
+
+def by_expert(indices, weights):
+    """A token's experts in index order with their weights: MLX's CPU argpartition orders a top-k
+    otherwise than its CUDA one, which the kernel reproduces (the GPU test compares the order)."""
+    order = mx.argsort(indices.astype(mx.int32), axis=-1)
+    return mx.take_along_axis(indices.astype(mx.uint32), order, -1), mx.take_along_axis(weights, order, -1)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("name", ROUTINGS)
+def test_emulated_cuda_router_kernel_matches_ref(monkeypatch, name, dtype):
+    monkeypatch.setattr(ROUTER, "cuda_kernel_object", emulated_kernel())
+    monkeypatch.setattr(ROUTER, "current_backend", lambda: "cuda")
+    routing, extras = ROUTINGS[name]
+    experts = 64
+    logits = mx.random.normal((5, experts + routing.shared), key=mx.random.key(7)).astype(dtype)
+    arrays = {"correction": 0.2 * mx.random.normal((experts,), key=mx.random.key(8)),
+              "global_scale": mx.array([0.75], mx.float32)}
+    assert ROUTER.cuda_unsupported_reason(logits.dtype, logits.shape[-1], routing) is None
+    out = ROUTER.moe_router_kernel(logits, routing, *(arrays[e] for e in extras))
+    expected = moe_router_reference(logits, routing, *(arrays[e] for e in extras))
+    (indices, weights), (expected_indices, expected_weights) = by_expert(*out[:2]), by_expert(*expected[:2])
+    assert indices.tolist() == expected_indices.tolist()
+    for got, ref in zip((weights, *out[2:]), (expected_weights, *expected[2:])):
+        assert got.dtype == ref.dtype
+        assert_close(got, ref, dtype)
