@@ -21,7 +21,7 @@ from mlx_moe_fix.kernels.sources import sections
 from .cuda_emulation import EmulatedCudaKernel
 from .metal_emulation import CXX
 from .parity.cases import make_case
-from .parity.test_ops import check, every_fp4_code, float32_oracle
+from .parity.test_ops import assert_kernel_reads_every_fp4_code, check, float32_oracle
 from .parity.tolerance import assert_close
 from .test_metal_emulation import CASES
 
@@ -68,11 +68,7 @@ def test_emulated_cuda_decode_kernel_matches_ref(emulated_cuda, name):
 def test_emulated_cuda_decode_kernel_reads_every_fp4_code_and_scale_exactly(emulated_cuda, mode):
     # test_ops' GPU check on the emulation: one-hot activation rows read each weight out of the
     # GEMV unrounded (codes summed as signed bytes of twice their values, PRMT lookups)
-    moe, expected, in_dim = every_fp4_code(mode)
-    for dtype in (mx.bfloat16, mx.float16):
-        assert DECODE.cuda_unsupported_reason(moe, dtype) is None
-        out = DECODE.moe_decode_kernel(mx.eye(in_dim, dtype=dtype), mx.ones((in_dim, 1), dtype=mx.uint32), moe)[:, 0, :]
-        assert mx.array_equal(out, expected.astype(dtype)).item(), (dtype, mx.abs(out.astype(mx.float32) - expected).max())
+    assert_kernel_reads_every_fp4_code(DECODE, "moe_decode", mode, (mx.bfloat16, mx.float16))
 
 
 def test_the_emulation_finds_a_wrong_cuda_kernel(monkeypatch):

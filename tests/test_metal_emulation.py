@@ -19,7 +19,7 @@ from mlx_moe_fix.kernels.sources import sections
 from .metal_emulation import CXX, EmulatedMetalKernel
 from .parity.cases import make_case
 from .parity.test_greedy_tokens import MOE_LAYER, N_TOKENS, assert_tokens_match_stock
-from .parity.test_ops import check, every_fp4_code, float32_oracle
+from .parity.test_ops import assert_kernel_reads_every_fp4_code, check, float32_oracle
 from .parity.tolerance import references_only
 
 DECODE = sys.modules["mlx_moe_fix.kernels.moe_decode"]  # the package's name is the dispatcher's
@@ -96,11 +96,7 @@ def test_emulated_metal_decode_kernel_reads_every_fp4_code_and_scale_exactly(emu
     # tests/parity/test_ops.py's check of the CUDA kernels: one-hot activation rows read each
     # weight out of the kernel unrounded (Metal's loop: twice the code's value times half the
     # scale, in fp32), against every activation dtype it takes.
-    moe, expected, in_dim = every_fp4_code(mode)
-    for dtype in (mx.bfloat16, mx.float16, mx.float32):
-        assert DECODE.cuda_unsupported_reason(moe, dtype) is None
-        out = DECODE.moe_decode_kernel(mx.eye(in_dim, dtype=dtype), mx.ones((in_dim, 1), dtype=mx.uint32), moe)[:, 0, :]
-        assert mx.array_equal(out, expected.astype(dtype)).item(), (dtype, mx.abs(out.astype(mx.float32) - expected).max())
+    assert_kernel_reads_every_fp4_code(DECODE, "moe_decode", mode, (mx.bfloat16, mx.float16, mx.float32))
 
 
 def test_the_emulation_finds_a_wrong_metal_kernel(emulated_metal, monkeypatch):

@@ -374,18 +374,28 @@ def test_quantized_switch_linear_called_positionally():
 
 @pytest.mark.parametrize("family", [[], ["--family", "gemma4_text"]], ids=["default", "breadth-family"])
 def test_demo_command_reports_parity(family):
+    result = run_demo(*family)
+    assert result.returncode == 0, result.stderr
+    same_tokens, paths = patched_row(result.stdout)
+    assert same_tokens == "yes" and "reference" in paths
+    assert "apply() alone patches nothing here" in result.stderr
+
+
+def run_demo(*args: str, prompt_tokens: int = 64):
     # as a user runs it: MLX_MOE_FIX_REFERENCES unset, so on the CPU the demo itself asks for the
     # references (apply() alone would patch nothing there) and says so
-    result = subprocess.run(
-        [sys.executable, "-m", "mlx_moe_fix", "demo", *family, "--prompt-tokens", "64", "--new-tokens", "8", "--repeats",
-         "1", "--cpu"],
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_moe_fix", "demo", *args, "--prompt-tokens", str(prompt_tokens), "--new-tokens", "8",
+         "--repeats", "1", "--cpu"],
         capture_output=True, text=True, env=repo_env(MLX_MOE_FIX_REFERENCES=""), timeout=300,
     )
-    assert result.returncode == 0, result.stderr
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()]
-    patched_row = next(row for row in rows if row[0] == "patched")
-    assert patched_row[3] == "yes" and "reference" in patched_row[4]
-    assert "apply() alone patches nothing here" in result.stderr
+
+
+def patched_row(table: str) -> tuple:
+    """(same greedy tokens, paths taken) of the demo table's patched row."""
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()]
+    row = next(row for row in rows if row[0] == "patched")
+    return row[3], row[4]
 
 
 def test_env_switches_are_read_at_apply(monkeypatch):
@@ -711,25 +721,14 @@ def test_every_known_activation_and_shared_experts_class_exists_upstream():
         assert hasattr(importlib.import_module(module_name), name), f"{module_name}.{name}"
 
 
-def run_demo(*args: str):
-    # as a user runs it (see test_demo_command_reports_parity)
-    return subprocess.run(
-        [sys.executable, "-m", "mlx_moe_fix", "demo", *args, "--prompt-tokens", "40", "--new-tokens", "8", "--repeats",
-         "1", "--cpu"],
-        capture_output=True, text=True, env=repo_env(MLX_MOE_FIX_REFERENCES=""), timeout=300,
-    )
-
-
 def test_demo_runs_a_saved_checkpoint(tmp_path):
     from mlx_moe_fix import zoo
 
     zoo.save_checkpoint("mixtral", 4, tmp_path)
-    result = run_demo("--model", str(tmp_path))
+    result = run_demo("--model", str(tmp_path), prompt_tokens=40)
     assert result.returncode == 0, result.stderr
     assert f"{tmp_path} (mlx-lm's mixtral, loaded in" in result.stderr
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()]
-    patched_row = next(row for row in rows if row[0] == "patched")
-    assert patched_row[3] == "yes" and patched_row[4] == "SwitchGLU decode: reference; SwitchGLU prefill: reference"
+    assert patched_row(result.stdout) == ("yes", "SwitchGLU decode: reference; SwitchGLU prefill: reference")
     assert "upstream's code" not in result.stdout
 
 
@@ -774,13 +773,10 @@ def save_vlm_checkpoint(folder):
 
 def test_demo_runs_a_saved_vlm_checkpoint(tmp_path):
     save_vlm_checkpoint(tmp_path)
-    result = run_demo("--model", str(tmp_path))
+    result = run_demo("--model", str(tmp_path), prompt_tokens=40)
     assert result.returncode == 0, result.stderr
     assert f"{tmp_path} (mlx-vlm's glm4v_moe, loaded in" in result.stderr
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()]
-    patched_row = next(row for row in rows if row[0] == "patched")
-    assert patched_row[3] == "yes"
-    assert patched_row[4] == "SwitchGLU[vlm] decode: reference; SwitchGLU[vlm] prefill: reference"
+    assert patched_row(result.stdout) == ("yes", "SwitchGLU[vlm] decode: reference; SwitchGLU[vlm] prefill: reference")
 
 
 def test_demo_refuses_a_family_or_bits_with_a_checkpoint(tmp_path):

@@ -505,7 +505,12 @@ def test_cuda_kernels_read_every_fp4_code_and_scale_exactly(cuda_device, op, mod
     # 2^(e - 1) that one product would need, which overflows bf16 from e = 129; nvfp4's e4m3 scales
     # through fp16's bits); the decode GEMV sums codes as signed bytes of twice their values (PRMT
     # lookups) in fixed point, nvfp4's two groups a vector apart.
-    module = sys.modules[f"mlx_moe_fix.kernels.{op}"]  # the package's names are the dispatchers'
+    assert_kernel_reads_every_fp4_code(sys.modules[f"mlx_moe_fix.kernels.{op}"], op, mode, dtypes)
+
+
+def assert_kernel_reads_every_fp4_code(module, op: str, mode: str, dtypes) -> None:
+    """`module`'s `<op>_kernel` reads every_fp4_code's weights out exactly: one-hot activation rows
+    of each of `dtypes` routed to its expert 1."""
     moe, expected, in_dim = every_fp4_code(mode)
     for dtype in dtypes:
         assert module.cuda_unsupported_reason(moe, dtype) is None
