@@ -45,7 +45,6 @@ def main(argv=None):
     stock, stock_logits, stock_routes = run(model, prompt, None)
     # Progress as it goes: a first run on a fresh GPU machine can spend minutes compiling.
     print(f"stock: {len(stock)} tokens after {time.perf_counter() - started:.0f} s", flush=True)
-    layers = len(zoo.moe_layers(model))
     columns = ["step", "stock top-2 margin"]
     top_two = mx.sort(stock_logits, axis=-1)[:, -2:].tolist()
     table = [[step, f"{top[1] - top[0]:.3g}"] for step, top in enumerate(top_two)]
@@ -58,7 +57,7 @@ def main(argv=None):
             with mlx_moe_fix.patched():
                 choices, logits, routes = run(model, prompt, stock)
         columns += [f"{name}: rel err", "rerouted", "same token"]
-        rerouted = zoo.rerouted_steps(routes, stock_routes, layers)
+        rerouted = zoo.rerouted_steps(routes, stock_routes, len(stock))
         errors = [relative_error(logits[step], stock_logits[step]) for step in range(len(stock))]
         for step, error in enumerate(errors):
             table[step] += [f"{error:.2e}", rerouted[step], choices[step] == stock[step]]

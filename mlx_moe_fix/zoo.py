@@ -559,8 +559,8 @@ def clear_steps(logits: mx.array) -> list[bool]:
 
 # Routers whose weights jump without any expert changing: phimoe's sparsemixer masks, for each
 # pick, the gates more than 2 * jitter_eps below the top one, so a gate crossing that band moves
-# the softmax. Recorded beside the indices: {module: function name}.
-WEIGHT_ROUTERS = {"mlx_lm.models.phimoe": "sparsemixer"}
+# the softmax (mlx-lm's and mlx-vlm's copies). Recorded beside the indices: {module: function name}.
+WEIGHT_ROUTERS = {"mlx_lm.models.phimoe": "sparsemixer", "mlx_vlm.models.phimoe.language": "sparsemixer"}
 REWEIGHTED = 5e-2  # a routing weight that moved by more than this (relative) moved by a jump
 
 
@@ -682,14 +682,16 @@ def replayed_layer_calls(model, prompt: list[int], n: int) -> tuple[int, list[tu
     return len(calls), replayed
 
 
-def rerouted_steps(routes: list[tuple], other: list[tuple], layers: int, by_row: bool = False) -> list:
-    """Per forward (prefill, then each decode step): whether any of the ``layers`` MoE layers
-    routed some token to other experts in ``routes`` than in ``other``, or moved a recorded
-    routing weight by more than REWEIGHTED (recording_routes). With ``by_row``, per forward a
-    list over the batch's rows (the first axis of the recorded indices): whether that row's
-    tokens were."""
-    if len(routes) != len(other) or len(routes) % layers:
-        raise ValueError(f"routes of {len(routes)} and {len(other)} layer calls for {layers} MoE layers")
+def rerouted_steps(routes: list[tuple], other: list[tuple], forwards: int, by_row: bool = False) -> list:
+    """Per forward of the ``forwards`` recorded (prefill, then each decode step): whether any MoE
+    layer call of that forward routed some token to other experts in ``routes`` than in
+    ``other``, or moved a recorded routing weight by more than REWEIGHTED (recording_routes).
+    Counted in forwards, not layers: a model may hold MoE layers that a forward does not call
+    (ernie4_5_moe_vl's vision experts on a text prompt). With ``by_row``, per forward a list over
+    the batch's rows (the first axis of the recorded indices): whether that row's tokens were."""
+    if len(routes) != len(other) or not routes or len(routes) % forwards:
+        raise ValueError(f"routes of {len(routes)} and {len(other)} layer calls for {forwards} forwards")
+    layers = len(routes) // forwards
 
     def differ(a, b, row):
         (experts, weights), (other_experts, other_weights) = a, b

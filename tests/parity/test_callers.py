@@ -123,9 +123,9 @@ def test_batch_generator_tokens_match_stock(device, family):
     # call s of a stream comes from forward s + 1 of the batch (forward 0 prefills the prompts
     # but their last tokens); a stream's step is excused where that forward, or for step 0 the
     # prefill, routed one of the stream's tokens elsewhere than stock.
-    forwards = zoo.rerouted_steps(routes, stock_routes, len(zoo.moe_layers(model)), by_row=True)
     steps = stock_logits[0].shape[0]
-    assert len(forwards) == steps + 1 and len(forwards[0]) == len(prompts), (len(forwards), steps)
+    forwards = zoo.rerouted_steps(routes, stock_routes, steps + 1, by_row=True)
+    assert len(forwards[0]) == len(prompts) and len(routes) == (steps + 1) * len(zoo.moe_layers(model))
     rerouted = [forwards[s + 1][row] or (s == 0 and forwards[0][row]) for row in range(len(prompts)) for s in range(steps)]
     assert_clear_choices_match(sum(forced, []), mx.concatenate(stock_logits),
                                mx.argmax(mx.concatenate(logits), axis=-1).tolist(), mx.concatenate(logits),

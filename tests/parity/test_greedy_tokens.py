@@ -163,7 +163,7 @@ def assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, 
     if exact:
         assert patched == stock, first_difference(stock, stock_logits, patched, patched_logits)
     else:
-        rerouted = zoo.rerouted_steps(routes, stock_routes, len(zoo.moe_layers(model)))
+        rerouted = zoo.rerouted_steps(routes, stock_routes, len(stock))
         assert_clear_choices_match(stock, stock_logits, choices, logits, rerouted, LOGITS_TOLERANCE[dtype])
 
 

@@ -99,12 +99,14 @@ def test_recording_routes_sees_every_layer_call_and_restores_the_layers():
     assert [type(layer) for _, layer in layers] == classes
     assert len(first) == 3 * len(layers)
     assert first[0][0].shape == (1, len(prompt), zoo.EXPERTS["qwen3_moe"][1]) and first[0][1] is None
-    assert zoo.rerouted_steps(first, second, len(layers)) == [False] * 3
+    assert zoo.rerouted_steps(first, second, 3) == [False] * 3
     moved = list(first)
     moved[len(layers)] = (moved[len(layers)][0] + 1, None)  # layer 0 of the first decode step
-    assert zoo.rerouted_steps(moved, first, len(layers)) == [False, True, False]
+    assert zoo.rerouted_steps(moved, first, 3) == [False, True, False]
     with pytest.raises(ValueError):
-        zoo.rerouted_steps(first[:-1], second, len(layers))
+        zoo.rerouted_steps(first[:-1], second, 3)
+    with pytest.raises(ValueError):
+        zoo.rerouted_steps(first, second, 4)
 
 
 def test_recording_routes_sees_phimoe_weights_and_their_jumps():
@@ -114,13 +116,13 @@ def test_recording_routes_sees_phimoe_weights_and_their_jumps():
     with zoo.recording_routes(model) as routes:
         zoo.greedy_tokens(model, prompt, 2)
     assert all(w is not None and w.shape == e.shape for e, w in routes)
-    assert zoo.rerouted_steps(routes, routes, layers) == [False, False]
+    assert zoo.rerouted_steps(routes, routes, 2) == [False, False]
     nudged = [(e, w * (1 + zoo.REWEIGHTED / 2)) for e, w in routes]
-    assert zoo.rerouted_steps(nudged, routes, layers) == [False, False]
+    assert zoo.rerouted_steps(nudged, routes, 2) == [False, False]
     jumped = list(routes)
     experts, weights = jumped[layers]
     jumped[layers] = (experts, weights * (1 + 2 * zoo.REWEIGHTED))
-    assert zoo.rerouted_steps(jumped, routes, layers) == [False, True]
+    assert zoo.rerouted_steps(jumped, routes, 2) == [False, True]
     import mlx_lm.models.phimoe as phimoe
 
     assert phimoe.sparsemixer.__name__ == "sparsemixer"  # put back
@@ -129,8 +131,8 @@ def test_recording_routes_sees_phimoe_weights_and_their_jumps():
 def test_rerouted_steps_by_row_tells_which_rows_moved():
     same = (mx.array([[[0, 1]], [[2, 3]]]), None)
     moved = (mx.array([[[0, 1]], [[2, 4]]]), None)
-    assert zoo.rerouted_steps([same, moved], [same, same], 1, by_row=True) == [[False, False], [False, True]]
-    assert zoo.rerouted_steps([same, moved], [same, same], 1) == [False, True]
+    assert zoo.rerouted_steps([same, moved], [same, same], 2, by_row=True) == [[False, False], [False, True]]
+    assert zoo.rerouted_steps([same, moved], [same, same], 2) == [False, True]
 
 
 # Projections whose input `model.shard(group)` splits across the ranks (upstream's "sharded-to-all"
@@ -149,3 +151,21 @@ def test_no_quantized_projection_takes_a_64_wide_input_sharded_or_not(family):
             width = module.weight.shape[-1] * 32 // module.bits
             widths[name] = width // ranks if name.endswith(INPUT_SHARDED) else width
     assert widths and min(widths.values()) > zoo.GROUP_SIZE, {n: w for n, w in widths.items() if w <= zoo.GROUP_SIZE}
+
+
+def test_recording_routes_sees_mlx_vlm_phimoe_weights():
+    # mlx-vlm's phimoe has its own copy of the sparsemixer: without its weights a jump there
+    # (a gate crossing the jitter band) would read as a kernel's error on a GPU
+    model = zoo.build("phimoe_vlm", 4)
+    with zoo.recording_routes(model) as routes:
+        zoo.greedy_tokens(model, zoo.prompt_for("phimoe_vlm"), 2)
+    assert routes and all(w is not None and w.shape == e.shape for e, w in routes)
+
+
+def test_rerouted_steps_counts_forwards_where_a_forward_skips_some_moe_layers():
+    # ernie4_5_moe_vl's vision experts are MoE layers that a text prompt's forwards never call
+    model = zoo.build("ernie4_5_moe_vl_vlm", 4)
+    with zoo.recording_routes(model) as routes:
+        zoo.greedy_tokens(model, zoo.prompt_for("ernie4_5_moe_vl_vlm"), 3)
+    assert len(routes) < 3 * len(zoo.moe_layers(model))
+    assert zoo.rerouted_steps(routes, routes, 3) == [False] * 3
