@@ -31,7 +31,7 @@ import importlib
 import inspect
 import sys
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -421,10 +421,12 @@ def prompt_for(family: str, length: Optional[int] = None) -> list[int]:
     return spread_tokens(length, VOCAB)
 
 
-def save_checkpoint(family: str, bits: int, folder) -> None:
-    """Write the zoo's ``build(family, bits)`` model of an mlx-lm family into ``folder`` as
-    mlx-lm's converter writes a checkpoint (safetensors weights; config.json with the model's
-    arguments and its quantization), so that what loads checkpoints can be tried on it."""
+def save_checkpoint(family: str, bits: int, folder, dtype=mx.bfloat16) -> None:
+    """Write the zoo's ``build(family, bits, dtype=dtype)`` model of an mlx-lm family into
+    ``folder`` as mlx-lm's converter writes a checkpoint (safetensors weights; config.json with the
+    model's arguments and its quantization), so that what loads checkpoints can be tried on it.
+    bf16 by default, as the checkpoints of MoE models ship (a loaded model runs in its weights'
+    dtype, and on CUDA the grouped prefill kernel takes bf16 / fp16 activations only)."""
     import dataclasses
     from pathlib import Path
 
@@ -432,7 +434,7 @@ def save_checkpoint(family: str, bits: int, folder) -> None:
 
     if family not in FAMILIES or family in MLX_VLM_FAMILIES:
         raise ValueError(f"save_checkpoint takes the zoo's mlx-lm families, not {family!r}")
-    save_model(Path(folder), build(family, bits))
+    save_model(Path(folder), build(family, bits, dtype=dtype))
     config = {**dataclasses.asdict(_config(family)), "quantization": {"group_size": GROUP_SIZE, "bits": bits}}
     save_config(config, Path(folder) / "config.json")
 
@@ -563,21 +565,69 @@ def clear_steps(logits: mx.array) -> list[bool]:
 WEIGHT_ROUTERS = {"mlx_lm.models.phimoe": "sparsemixer", "mlx_vlm.models.phimoe.language": "sparsemixer"}
 REWEIGHTED = 5e-2  # a routing weight that moved by more than this (relative) moved by a jump
 
+# Sparse attentions that pick a query's keys (or key blocks) by a top-k of an indexer's scores:
+# a near-tie there, which a rounding difference in the layers before tips, moves a step's logits
+# as far as a router's does (on the H200, up to 0.13 relative in deepseek_v32_vlm's 32 bf16
+# steps). {module: qualified names of the functions whose mx.argpartition picks the keys}.
+KEY_SELECTORS = {
+    "mlx_lm.models.deepseek_v32": {"Indexer.__call__"},
+    "mlx_lm.models.deepseek_v41": {"Indexer.__call__"},
+    "mlx_lm.models.minimax_m3_vl": {"Attention._block_mask"},
+    "mlx_vlm.models.deepseek_v32.language": {"Indexer.__call__"},
+    "mlx_vlm.models.glm5_next.language": {"_exact_pool_select"},
+    "mlx_vlm.models.longcat_flash_sparse.language": {"Indexer.__call__"},
+    "mlx_vlm.models.minimax_m3_vl.language": {"_build_sparse_causal_mask_compiled",
+                                              "_select_sparse_block_indices_compiled"},
+    "mlx_vlm.models.qwen4_exp.language": {"Qwen4ExpQSAIndexer.select_from_projected"},
+}
+
+
+class Route(NamedTuple):
+    """One MoE layer call, as recording_routes records it."""
+
+    experts: mx.array  # each token's top-k experts, sorted
+    weights: Optional[mx.array] = None  # their routing weights in that order (WEIGHT_ROUTERS only)
+    # the KEY_SELECTORS' picks since the previous MoE layer call: (the indices below the
+    # partition's kth, sorted; the index at kth), which fix the set on either side
+    keys: tuple = ()
+
+
+def _qualified_name(frame) -> str:
+    code = frame.f_code
+    if hasattr(code, "co_qualname"):  # Python 3.11
+        return code.co_qualname
+    owner = frame.f_locals.get("self")
+    return code.co_name if owner is None else f"{type(owner).__name__}.{code.co_name}"
+
 
 @contextlib.contextmanager
 def recording_routes(model):
     """Within the block, every MoE layer of ``model`` appends what it is called with to the yielded
-    list: (each token's top-k experts, sorted; their routing weights in that order where the
-    router is one of WEIGHT_ROUTERS, else None), one entry per layer and forward, in call order.
-    Two runs of a model on the same tokens can then be told apart where a router's near-tie sent
-    a token to another expert or jumped a weight (that moves the output far more than any
-    rounding)."""
-    routes: list[tuple] = []
+    list a Route, one per layer and forward, in call order: each token's top-k experts, their
+    routing weights where the router is one of WEIGHT_ROUTERS, and the keys that the
+    KEY_SELECTORS' sparse attentions picked since the previous layer call (those after a forward's
+    last MoE layer go with that call). Two runs of a model on the same tokens can then be told
+    apart where a router's near-tie sent a token to another expert or jumped a weight, or an
+    attention's near-tie picked other keys (each moves the output far more than any rounding)."""
+    routes: list[Route] = []
     weights: list[Optional[mx.array]] = [None]  # the last recorded router's, for the next layer call
+    keys: list[tuple] = []  # the key selections since the last layer call
 
     def record(layer, x, indices, *args, **kwargs):
-        routes.append((mx.sort(indices, axis=-1), weights[0]))
+        routes.append(Route(mx.sort(indices, axis=-1), weights[0], tuple(keys)))
         weights[0] = None
+        keys.clear()
+
+    argpartition = mx.argpartition
+
+    def selecting_keys(a, kth, axis=-1, **kwargs):
+        picked = argpartition(a, kth, axis=axis, **kwargs)
+        caller = sys._getframe(1)
+        if _qualified_name(caller) in KEY_SELECTORS.get(caller.f_globals.get("__name__"), ()):
+            last = mx.moveaxis(picked, axis, -1)
+            kth %= last.shape[-1]
+            keys.append((mx.sort(last[..., :kth], axis=-1), last[..., kth]))
+        return picked
 
     routers = []
     for name, function in WEIGHT_ROUTERS.items():
@@ -593,10 +643,14 @@ def recording_routes(model):
 
         routers.append((module, function, router))
         setattr(module, function, recorded)
+    mx.argpartition = selecting_keys
     try:
         with intercepting_moe_layers(model, record):
             yield routes
+        if keys and routes:
+            routes[-1] = routes[-1]._replace(keys=routes[-1].keys + tuple(keys))
     finally:
+        mx.argpartition = argpartition
         for module, function, router in routers:
             setattr(module, function, router)
 
@@ -685,7 +739,8 @@ def replayed_layer_calls(model, prompt: list[int], n: int) -> tuple[int, list[tu
 def rerouted_steps(routes: list[tuple], other: list[tuple], forwards: int, by_row: bool = False) -> list:
     """Per forward of the ``forwards`` recorded (prefill, then each decode step): whether any MoE
     layer call of that forward routed some token to other experts in ``routes`` than in
-    ``other``, or moved a recorded routing weight by more than REWEIGHTED (recording_routes).
+    ``other``, moved a recorded routing weight by more than REWEIGHTED, or a sparse attention
+    picked other keys (recording_routes).
     Counted in forwards, not layers: a model may hold MoE layers that a forward does not call
     (ernie4_5_moe_vl's vision experts on a text prompt). With ``by_row``, per forward a list over
     the batch's rows (the first axis of the recorded indices): whether that row's tokens were."""
@@ -694,12 +749,18 @@ def rerouted_steps(routes: list[tuple], other: list[tuple], forwards: int, by_ro
     layers = len(routes) // forwards
 
     def differ(a, b, row):
-        (experts, weights), (other_experts, other_weights) = a, b
+        (experts, weights, keys), (other_experts, other_weights, other_keys) = a, b
         if row is not None:
             experts, other_experts = experts[row], other_experts[row]
             weights = None if weights is None else weights[row]
             other_weights = None if other_weights is None else other_weights[row]
+            keys = [[k[row] for k in pick] for pick in keys]
+            other_keys = [[k[row] for k in pick] for pick in other_keys]
         if not mx.array_equal(experts, other_experts).item():
+            return True
+        if len(keys) != len(other_keys) or any(not mx.array_equal(k, o).item()
+                                               for pick, other_pick in zip(keys, other_keys)
+                                               for k, o in zip(pick, other_pick)):
             return True
         if weights is None or other_weights is None:
             return False

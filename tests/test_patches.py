@@ -725,6 +725,8 @@ def test_demo_runs_a_saved_checkpoint(tmp_path):
     from mlx_moe_fix import zoo
 
     zoo.save_checkpoint("mixtral", 4, tmp_path)
+    weights = mx.load(str(next(tmp_path.glob("*.safetensors"))))
+    assert {a.dtype for name, a in weights.items() if name.endswith((".scales", "norm.weight"))} == {mx.bfloat16}
     result = run_demo("--model", str(tmp_path), prompt_tokens=40)
     assert result.returncode == 0, result.stderr
     assert f"{tmp_path} (mlx-lm's mixtral, loaded in" in result.stderr

@@ -98,10 +98,11 @@ def test_recording_routes_sees_every_layer_call_and_restores_the_layers():
         zoo.forced_decode(model, prompt, tokens)
     assert [type(layer) for _, layer in layers] == classes
     assert len(first) == 3 * len(layers)
-    assert first[0][0].shape == (1, len(prompt), zoo.EXPERTS["qwen3_moe"][1]) and first[0][1] is None
+    assert first[0].experts.shape == (1, len(prompt), zoo.EXPERTS["qwen3_moe"][1]) and first[0].weights is None
+    assert all(route.keys == () for route in first)  # full attention picks no keys
     assert zoo.rerouted_steps(first, second, 3) == [False] * 3
     moved = list(first)
-    moved[len(layers)] = (moved[len(layers)][0] + 1, None)  # layer 0 of the first decode step
+    moved[len(layers)] = moved[len(layers)]._replace(experts=moved[len(layers)].experts + 1)  # layer 0, first decode step
     assert zoo.rerouted_steps(moved, first, 3) == [False, True, False]
     with pytest.raises(ValueError):
         zoo.rerouted_steps(first[:-1], second, 3)
@@ -115,13 +116,12 @@ def test_recording_routes_sees_phimoe_weights_and_their_jumps():
     prompt = zoo.prompt_for("phimoe")
     with zoo.recording_routes(model) as routes:
         zoo.greedy_tokens(model, prompt, 2)
-    assert all(w is not None and w.shape == e.shape for e, w in routes)
+    assert all(r.weights is not None and r.weights.shape == r.experts.shape for r in routes)
     assert zoo.rerouted_steps(routes, routes, 2) == [False, False]
-    nudged = [(e, w * (1 + zoo.REWEIGHTED / 2)) for e, w in routes]
+    nudged = [r._replace(weights=r.weights * (1 + zoo.REWEIGHTED / 2)) for r in routes]
     assert zoo.rerouted_steps(nudged, routes, 2) == [False, False]
     jumped = list(routes)
-    experts, weights = jumped[layers]
-    jumped[layers] = (experts, weights * (1 + 2 * zoo.REWEIGHTED))
+    jumped[layers] = jumped[layers]._replace(weights=jumped[layers].weights * (1 + 2 * zoo.REWEIGHTED))
     assert zoo.rerouted_steps(jumped, routes, 2) == [False, True]
     import mlx_lm.models.phimoe as phimoe
 
@@ -129,8 +129,8 @@ def test_recording_routes_sees_phimoe_weights_and_their_jumps():
 
 
 def test_rerouted_steps_by_row_tells_which_rows_moved():
-    same = (mx.array([[[0, 1]], [[2, 3]]]), None)
-    moved = (mx.array([[[0, 1]], [[2, 4]]]), None)
+    same = zoo.Route(mx.array([[[0, 1]], [[2, 3]]]))
+    moved = zoo.Route(mx.array([[[0, 1]], [[2, 4]]]))
     assert zoo.rerouted_steps([same, moved], [same, same], 2, by_row=True) == [[False, False], [False, True]]
     assert zoo.rerouted_steps([same, moved], [same, same], 2) == [False, True]
 
@@ -159,7 +159,7 @@ def test_recording_routes_sees_mlx_vlm_phimoe_weights():
     model = zoo.build("phimoe_vlm", 4)
     with zoo.recording_routes(model) as routes:
         zoo.greedy_tokens(model, zoo.prompt_for("phimoe_vlm"), 2)
-    assert routes and all(w is not None and w.shape == e.shape for e, w in routes)
+    assert routes and all(r.weights is not None and r.weights.shape == r.experts.shape for r in routes)
 
 
 def test_rerouted_steps_counts_forwards_where_a_forward_skips_some_moe_layers():
@@ -169,3 +169,21 @@ def test_rerouted_steps_counts_forwards_where_a_forward_skips_some_moe_layers():
         zoo.greedy_tokens(model, zoo.prompt_for("ernie4_5_moe_vl_vlm"), 3)
     assert len(routes) < 3 * len(zoo.moe_layers(model))
     assert zoo.rerouted_steps(routes, routes, 3) == [False] * 3
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "longcat_flash_sparse_vlm", "minimax_m3_vl"])
+def test_recording_routes_sees_a_sparse_attentions_key_picks_and_their_moves(family):
+    model = zoo.build(family, 4)
+    prompt = zoo.prompt_for(family)
+    with zoo.recording_routes(model) as routes:
+        zoo.greedy_tokens(model, prompt, 3)
+    assert mx.argpartition.__name__ == "argpartition"  # put back
+    picks = [pick for route in routes for pick in route.keys]
+    # a pick per sparse layer and forward, each the indices below kth and the one at kth
+    assert len(picks) >= 3 and all(below.ndim == at.ndim + 1 for below, at in picks)
+    assert zoo.rerouted_steps(routes, routes, 3) == [False] * 3
+    last = len(routes) - 1
+    below, at = routes[last].keys[-1]
+    moved = list(routes)
+    moved[last] = moved[last]._replace(keys=moved[last].keys[:-1] + ((below, at + 1),))
+    assert zoo.rerouted_steps(moved, routes, 3) == [False, False, True]
