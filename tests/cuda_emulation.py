@@ -6,7 +6,7 @@ its grid with one CPU thread per CUDA thread, so that the CUDA decode kernel's a
 and combine can be checked against the pure-MLX reference on machines without a GPU.
 
 What the emulation is: bf16 and fp16 stored and rounded as on the GPU (tests/metal_emulation.py's
-types); a warp is 32 threads, `__shfl_xor_sync` exchanges their values after all have arrived;
+types; bf16x2 arithmetic rounded once a lane, as the hardware does); a warp is 32 threads, `__shfl_xor_sync` exchanges their values after all have arrived;
 `__shared__` memory is one array for the block running now (blocks run one after another, their
 threads at once); the inline PTX the kernels use (`prmt`, `dp4a`, a streamed 16-byte load, an
 empty `asm` that hides a pointer's origin) becomes the C++ of its definition. What it is not:
@@ -53,6 +53,32 @@ struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(8) uint2 { unsigned x, y; };
 struct alignas(8) float2 { float x, y; };
 struct alignas(4) __half2 { __half x, y; };
+struct alignas(4) __nv_bfloat162 { __nv_bfloat16 x, y; };
+// bf16x2 arithmetic (the fused router's matmul): each lane rounds once, as the hardware does. An
+// fma's exact value comes to bf16 through a float rounded to odd (24 bits, then 8: one rounding).
+inline __nv_bfloat16 bfloat16_of_exact(double exact) {
+  float f = static_cast<float>(exact);
+  if (static_cast<double>(f) != exact) {
+    uint32_t u; std::memcpy(&u, &f, 4);
+    if (std::fabs(static_cast<double>(f)) > std::fabs(exact)) --u;  // truncated, then made odd
+    u |= 1u;
+    std::memcpy(&f, &u, 4);
+  }
+  return __nv_bfloat16(f);
+}
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__nv_bfloat16(a), __nv_bfloat16(b)}; }
+inline __nv_bfloat162 __bfloat162bfloat162(__nv_bfloat16 a) { return {a, a}; }
+inline __nv_bfloat162 __hfma2(__nv_bfloat162 a, __nv_bfloat162 b, __nv_bfloat162 c) {
+  const auto lane = [](__nv_bfloat16 p, __nv_bfloat16 q, __nv_bfloat16 r) {
+    return bfloat16_of_exact(double(float(p)) * double(float(q)) + double(float(r)));  // exact below 2^-1000
+  };
+  return {lane(a.x, b.x, c.x), lane(a.y, b.y, c.y)};
+}
+inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
+  return {bfloat16_of_exact(double(float(a.x)) - double(float(b.x))), bfloat16_of_exact(double(float(a.y)) - double(float(b.y)))};
+}
+inline float __low2float(__nv_bfloat162 a) { return float(a.x); }
+inline float __high2float(__nv_bfloat162 a) { return float(a.y); }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }

@@ -1,13 +1,17 @@
-"""The CUDA decode and router kernels (kernels/cuda/moe_decode.cu, moe_router.cu), run on a CPU
-through tests/cuda_emulation.py. The decode kernel: the launches moe_decode plans for CUDA (grids,
+"""The CUDA decode, router and routed decode kernels (kernels/cuda/moe_decode.cu, moe_router.cu,
+moe_routed_decode.cu), run on a CPU through tests/cuda_emulation.py. The decode kernel: the launches moe_decode plans for CUDA (grids,
 template constants, source constants, inputs, the dynamic shared memory of the split activation
 rows) and the kernel's arithmetic, indexing, fixed-point GEMV, FP4 reads, activations and combine,
 against the float32 oracle of its pure-MLX reference, on the cases tests/test_metal_emulation.py
 gives the Metal kernel. The router kernel: its routings (mlx-lm's softmax ones, Inkling's sigmoid,
-DeepSeek-V4's sqrt-softplus) against the reference's experts and weights. Not NVRTC and not a GPU
+DeepSeek-V4's sqrt-softplus) against the reference's experts and weights. The routed decode kernels
+(kernels/cuda/moe_routed_decode.cu): the routing inside the gate+up launch, the router's logits
+computed there too (router_gate_up's bf16x2 matmul) and Inkling's block with its shared experts,
+each against the router and decode kernels apart, bit for bit, as on the GPU. Not NVRTC and not a GPU
 (see the emulation's docstring): tests/parity's GPU tests stay the check on an NVIDIA GPU; these
 let a machine without one check a change to the CUDA sources' logic."""
 
+import dataclasses
 import sys
 
 import mlx.core as mx
@@ -15,6 +19,7 @@ import pytest
 
 from mlx_moe_fix.kernels import moe_decode_reference, moe_router_reference
 from mlx_moe_fix.kernels.experts import FP4_GROUP_SIZES
+from mlx_moe_fix.kernels.experts import RouterLinear
 from mlx_moe_fix.kernels.moe_router import Routing
 from mlx_moe_fix.kernels.sources import sections
 
@@ -22,7 +27,7 @@ from .cuda_emulation import EmulatedCudaKernel
 from .metal_emulation import CXX
 from .parity.cases import make_case
 from .parity.test_ops import assert_kernel_reads_every_fp4_code, check, float32_oracle
-from .parity.tolerance import assert_close
+from .parity.tolerance import assert_close, relative_error
 from .test_metal_emulation import CASES
 
 DECODE = sys.modules["mlx_moe_fix.kernels.moe_decode"]  # the package's name is the dispatcher's
@@ -126,3 +131,87 @@ def test_emulated_cuda_router_kernel_matches_ref(monkeypatch, name, dtype):
     for got, ref in zip((weights, *out[2:]), (expected_weights, *expected[2:])):
         assert got.dtype == ref.dtype
         assert_close(got, ref, dtype)
+
+
+ROUTED = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]  # the package's name is the dispatcher's
+BACKEND = sys.modules["mlx_moe_fix.kernels.backend"]
+
+
+@pytest.fixture
+def emulated_cuda_kernels(monkeypatch):
+    """Every CUDA kernel of the decode path (decode, router, routed decode) emulated, as on an
+    sm_90 GPU of 132 SMs (the fused router sizes its waves by them)."""
+    for module in (DECODE, ROUTER, ROUTED):
+        monkeypatch.setattr(module, "cuda_kernel_object", emulated_kernel())
+    for module in (DECODE, ROUTER, ROUTED, BACKEND):
+        monkeypatch.setattr(module, "current_backend", lambda: "cuda")
+    monkeypatch.setattr(ROUTED, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(ROUTED, "multiprocessor_count", lambda: 132)
+
+
+ROUTED_CASES = {
+    "bf16 4-bit/64, softmax then top-2": (mx.bfloat16, (4, 64), Routing("softmax_topk", 2), 3),
+    "fp16 8-bit/32, softmax then top-4, normalised": (mx.float16, (8, 32), Routing("softmax_topk", 4, True), 1),
+    "bf16 4-bit/128, top-3 then softmax": (mx.bfloat16, (4, 128), Routing("topk_softmax", 3), 2),
+    "fp32 4-bit/64, top-2 then softmax, last k": (mx.float32, (4, 64), Routing("topk_softmax_last", 2), 1),
+}
+
+
+@pytest.mark.parametrize("name", ROUTED_CASES)
+def test_emulated_cuda_routed_decode_kernel_is_the_router_and_decode_kernels(emulated_cuda_kernels, name):
+    # test_router's GPU check on the emulation: the routing inside the gate+up launch (its experts
+    # and weights carried in the hidden output's tail to the combining down) gives the router and
+    # decode kernels' output bit for bit, and the float32 oracle's within tolerance
+    dtype, quantization, routing, tokens = ROUTED_CASES[name]
+    case = make_case(dtype, quantization, True, "swiglu", None, False, 128, 128, 16, routing.top_k, 1, tokens, seed=3)
+    logits = mx.round(mx.random.normal((1, tokens, 16), key=mx.random.key(5)) * 4).astype(dtype) / 4  # ties too
+    assert ROUTED.cuda_unsupported_reason(case.experts, routing, dtype, dtype) is None
+    fused = ROUTED.moe_routed_decode_kernel(case.x, logits, routing, case.experts)
+    indices, weights = ROUTER.moe_router_kernel(logits, routing)
+    assert mx.array_equal(fused, DECODE.moe_decode_kernel(case.x, indices, case.experts, weights)).item()
+    routed_case = dataclasses.replace(case, indices=indices, weights=weights)
+    assert_close(fused, float32_oracle(moe_decode_reference, routed_case), dtype, f"{name}: ")
+    residual = mx.random.normal(fused.shape, key=mx.random.key(6)).astype(dtype)
+    assert mx.array_equal(ROUTED.moe_routed_decode_kernel(case.x, logits, routing, case.experts, residual),
+                          residual + fused).item()  # added inside the down launch, as MLX adds
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_emulated_cuda_fused_router_kernel_is_the_routed_kernel_on_its_logits(emulated_cuda_kernels, bits):
+    # router_gate_up computes each block's token's logits itself, as MLX's CUDA qmv does (each
+    # weight dequantised to bf16, then multiplied: MLX's CPU matmul keeps it in float32 and its
+    # logits differ), then routes and computes as routed_gate_up does on logits given
+    from .parity.test_router import quantized_router
+
+    case = make_case(mx.bfloat16, (4, 64), True, "swiglu", None, False, 256, 128, 16, 2, 1, 1, seed=4)
+    router = RouterLinear.from_module(quantized_router(256, 16, bits, 64, 1))
+    routing = Routing("softmax_topk", 2, True)
+    assert ROUTED.fused_router_reason(case.x, router, case.experts, 2) is None
+    fused = ROUTED.moe_routed_decode_kernel(case.x, router, routing, case.experts)
+    weights = mx.dequantize(router.weight, router.scales, router.biases, router.group_size, bits).astype(mx.bfloat16)
+    logits = (case.x.astype(mx.float32) @ weights.astype(mx.float32).T).astype(mx.bfloat16)
+    on_logits = ROUTED.moe_routed_decode_kernel(case.x, logits, routing, case.experts)
+    assert mx.array_equal(fused, on_logits).item(), relative_error(fused, on_logits)
+
+
+@pytest.mark.parametrize("dtype, quantization", [(mx.bfloat16, (4, 64)), (mx.float16, (4, 16, "nvfp4"))])
+def test_emulated_cuda_routed_shared_decode_kernel_is_the_router_and_shared_decode_kernels(emulated_cuda_kernels, dtype,
+                                                                                           quantization):
+    # Inkling's block in two launches (sigmoid_shared_gate_up, routed_shared_down): test_shared_decode's
+    # GPU check on the emulation, its per-expert scales and ties in the routing included
+    from mlx_moe_fix.kernels.moe_shared_decode import moe_shared_decode_kernel
+
+    from .parity.test_shared_decode import RoutedSharedCase, make_shared_case, shared_float32_oracle
+
+    case = make_shared_case("inkling", dtype, quantization, 128, 64, 8, 3, 2, 2, scaled=True, seed=9)
+    logits = mx.round(mx.random.normal((2, 8 + 2), key=mx.random.key(10)) * 3).astype(dtype)
+    correction = mx.round(mx.random.uniform(-0.5, 0.5, (8,), key=mx.random.key(11)) * 4) / 4
+    routed = RoutedSharedCase(case, logits, Routing("sigmoid_topk", 3, shared=2, shared_width=1, scale=2.5), correction,
+                              mx.array([0.75]))
+    assert ROUTED.cuda_unsupported_reason(case.experts, routed.routing, dtype, dtype, case.shared) is None
+    out = routed.call(ROUTED.moe_routed_decode_kernel)
+    indices, weights, shared_weights = ROUTER.moe_router_kernel(logits, routed.routing, correction, routed.global_scale)
+    apart = moe_shared_decode_kernel(case.x, indices, case.experts, weights, case.shared, shared_weights)
+    assert mx.array_equal(out, apart).item(), relative_error(out, apart)
+    routed_case = dataclasses.replace(case, indices=indices, weights=weights, shared_weights=shared_weights)
+    assert_close(out, shared_float32_oracle(routed_case), dtype, "inkling: ")
