@@ -215,3 +215,17 @@ def test_emulated_cuda_routed_shared_decode_kernel_is_the_router_and_shared_deco
     assert mx.array_equal(out, apart).item(), relative_error(out, apart)
     routed_case = dataclasses.replace(case, indices=indices, weights=weights, shared_weights=shared_weights)
     assert_close(out, shared_float32_oracle(routed_case), dtype, "inkling: ")
+
+
+def test_emulated_cuda_shared_decode_kernel_matches_ref_on_deepseek_v4s_block(emulated_cuda_kernels):
+    # DeepSeek-V4's shared experts: unweighted, SwiGLU clamped at its limit in both the routed and
+    # the shared rows (shared_gate_up, shared_down), float32 routing weights
+    from mlx_moe_fix.kernels.moe_shared_decode import cuda_unsupported_reason, moe_shared_decode_kernel
+
+    from .parity.test_shared_decode import call, make_shared_case, shared_float32_oracle
+
+    case = make_shared_case("deepseek_v4", mx.bfloat16, (4, 64), 128, 64, 8, 3, 2, 2, limit=0.25, seed=12)
+    assert cuda_unsupported_reason(case.experts, case.shared, case.dtype) is None
+    out = call(moe_shared_decode_kernel, case)
+    assert out.dtype == case.dtype and out.shape == (*case.x.shape[:-1], case.experts.output_dims)
+    assert_close(out, shared_float32_oracle(case), case.dtype, "deepseek_v4: ")
