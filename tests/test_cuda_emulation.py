@@ -17,6 +17,9 @@ import sys
 import mlx.core as mx
 import pytest
 
+import mlx_moe_fix
+from mlx_moe_fix import zoo
+
 from mlx_moe_fix.kernels import moe_decode_reference, moe_router_reference
 from mlx_moe_fix.kernels.experts import FP4_GROUP_SIZES
 from mlx_moe_fix.kernels.experts import RouterLinear
@@ -26,6 +29,7 @@ from mlx_moe_fix.kernels.sources import sections
 from .cuda_emulation import EmulatedCudaKernel
 from .metal_emulation import CXX
 from .parity.cases import make_case
+from .parity.test_greedy_tokens import LOGITS_TOLERANCE, N_TOKENS, assert_clear_choices_match
 from .parity.test_ops import assert_kernel_reads_every_fp4_code, check, float32_oracle
 from .parity.tolerance import assert_close, relative_error
 from .test_metal_emulation import CASES
@@ -229,3 +233,56 @@ def test_emulated_cuda_shared_decode_kernel_matches_ref_on_deepseek_v4s_block(em
     out = call(moe_shared_decode_kernel, case)
     assert out.dtype == case.dtype and out.shape == (*case.x.shape[:-1], case.experts.output_dims)
     assert_close(out, shared_float32_oracle(case), case.dtype, "deepseek_v4: ")
+
+
+@pytest.fixture
+def emulated_cuda_backend(monkeypatch, switch):
+    """The whole package as on an H200 (sm_90, 132 SMs): every module's current_backend() says
+    "cuda" and the decode path's kernels are the emulated ones. The prefill kernel is off (its
+    tensor-core PTX is not emulated: the prefill runs upstream's code, as any call no kernel of
+    ours takes on CUDA), and so are the compiled decode steps (the emulation evaluates its inputs,
+    which a compiled function's trace cannot) and the PTX cache (NVRTC's, not ours)."""
+    original = BACKEND.current_backend
+    for module in [m for name, m in sys.modules.items() if name.startswith("mlx_moe_fix")]:
+        if getattr(module, "current_backend", None) is original:
+            monkeypatch.setattr(module, "current_backend", lambda: "cuda")
+    for module in (DECODE, ROUTER, ROUTED):
+        monkeypatch.setattr(module, "cuda_kernel_object", emulated_kernel())
+    monkeypatch.setattr(ROUTED, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(ROUTED, "multiprocessor_count", lambda: 132)
+    for name, value in (("MLX_MOE_FIX_CUDA_PREFILL", "0"), ("MLX_MOE_FIX_COMPILED_DECODE", "0"),
+                        ("MLX_MOE_FIX_KERNEL_CACHE", "0"), ("MLX_MOE_FIX_REFERENCES", "")):
+        switch(name, value)
+
+
+# The zoo's families whose blocks the routed decode kernel takes (moe_router knows their routing);
+# deepseek_v3's grouped routing, phimoe's sparsemixer and DeepSeek-V4's sqrt-softplus route apart.
+ROUTED_FAMILIES = {"qwen3_moe", "mixtral", "gpt_oss", "inkling"}
+
+
+@pytest.mark.parametrize("family", zoo.FAMILIES)
+def test_emulated_cuda_greedy_tokens_match_stock(emulated_cuda_backend, family):
+    # tests/parity/test_greedy_tokens.py's check (teacher-forced, as for any kernel that sums in
+    # another order than stock) with the package applied as on a GPU, the patched blocks' CUDA
+    # decode wiring on the emulated kernels. Recording a run's routes intercepts its switch
+    # layers, so that run's blocks route apart from their experts; a run not recorded takes the
+    # routed decode where it can (the routing inside the gate+up launch, the decoder layer's
+    # residual in the down launch, Inkling's shared experts in the decode launches), checked on
+    # the recorded run's rerouted steps. In float32, as the CPU runs stock: in bf16 the CPU's own
+    # expert layers come out 2.6-3.2% (relative) off their float32 values in the zoo's qwen3_moe,
+    # where the emulated kernel's are 0.4% off, so bf16 stock on the CPU is no yardstick for a
+    # bf16 kernel (the fused router, bf16 only, has its own test above).
+    model = zoo.build(family, 4)
+    prompt = zoo.prompt_for(family)
+    with zoo.recording_routes(model) as stock_routes:
+        stock, stock_logits = zoo.greedy_decode(model, prompt, N_TOKENS // 4)  # each step ~1 s of emulation
+    with mlx_moe_fix.patched():
+        with zoo.recording_routes(model) as routes:
+            choices, logits = zoo.forced_decode(model, prompt, stock)
+        mlx_moe_fix.reset_path_counts()
+        routed_choices, routed_logits = zoo.forced_decode(model, prompt, stock)
+        decode_paths = {r.reason for r in mlx_moe_fix.path_counts() if r.phase == "decode" and r.path == "kernel"}
+    assert decode_paths and any("moe_routed_decode" in p for p in decode_paths) == (family in ROUTED_FAMILIES), decode_paths
+    rerouted = zoo.rerouted_steps(routes, stock_routes, len(stock))
+    for run_choices, run_logits in ((choices, logits), (routed_choices, routed_logits)):
+        assert_clear_choices_match(stock, stock_logits, run_choices, run_logits, rerouted, LOGITS_TOLERANCE[mx.float32])
