@@ -567,8 +567,10 @@ REWEIGHTED = 5e-2  # a routing weight that moved by more than this (relative) mo
 
 # Sparse attentions that pick a query's keys (or key blocks) by a top-k of an indexer's scores:
 # a near-tie there, which a rounding difference in the layers before tips, moves a step's logits
-# as far as a router's does (on the H200, up to 0.13 relative in deepseek_v32_vlm's 32 bf16
-# steps). {module: qualified names of the functions whose mx.argpartition picks the keys}.
+# as far as a router's does (stock bf16 on the CPU, its MoE outputs nudged by ~1e-3 relative
+# noise: 0.05-0.36 at the steps whose picks moved, at most 0.032 elsewhere; the H200's first
+# breadth run failed five such families at one step each, 0.05-0.13; docs/benchmarks.md,
+# sixtieth stop). {module: qualified names of the functions whose mx.argpartition picks the keys}.
 KEY_SELECTORS = {
     "mlx_lm.models.deepseek_v32": {"Indexer.__call__"},
     "mlx_lm.models.deepseek_v41": {"Indexer.__call__"},
