@@ -565,19 +565,24 @@ def clear_steps(logits: mx.array) -> list[bool]:
 WEIGHT_ROUTERS = {"mlx_lm.models.phimoe": "sparsemixer", "mlx_vlm.models.phimoe.language": "sparsemixer"}
 REWEIGHTED = 5e-2  # a routing weight that moved by more than this (relative) moved by a jump
 
-# Sparse attentions that pick a query's keys (or key blocks) by a top-k of an indexer's scores:
-# a near-tie there, which a rounding difference in the layers before tips, moves a step's logits
-# as far as a router's does (stock bf16 on the CPU, its MoE outputs nudged by ~1e-3 relative
-# noise: 0.05-0.36 at the steps whose picks moved, at most 0.032 elsewhere; the H200's first
-# breadth run failed five such families at one step each, 0.05-0.13; docs/benchmarks.md,
-# sixtieth stop). {module: qualified names of the functions whose mx.argpartition picks the keys}.
-KEY_SELECTORS = {
+# Top-k picks that the recorded routes would not show, each a discrete choice whose near-tie, which
+# a rounding difference in the layers before tips, moves a step's logits as far as a router's
+# does: sparse attentions' picks of a query's keys (or key blocks) by an indexer's scores (stock
+# bf16 on the CPU, its MoE outputs nudged by ~1e-3 relative noise: 0.05-0.36 at the steps whose
+# picks moved, at most 0.032 elsewhere; the H200's first breadth run failed five such families at
+# one step each, 0.05-0.13; docs/benchmarks.md, sixtieth stop), and LongCat-Flash's router, whose
+# zero (identity) experts reach its SwitchGLU as expert 0 at weight 0, so that a pick moving
+# between expert 0 and a zero expert leaves the recorded indices as they were.
+# {module: qualified names of the functions whose mx.argpartition picks}.
+TOP_K_PICKERS = {
     "mlx_lm.models.deepseek_v32": {"Indexer.__call__"},
     "mlx_lm.models.deepseek_v41": {"Indexer.__call__"},
+    "mlx_lm.models.longcat_flash": {"LongcatFlashTopkRouter.__call__"},
     "mlx_lm.models.minimax_m3_vl": {"Attention._block_mask"},
     "mlx_vlm.models.deepseek_v32.language": {"Indexer.__call__"},
     "mlx_vlm.models.glm5_next.language": {"_exact_pool_select"},
-    "mlx_vlm.models.longcat_flash_sparse.language": {"Indexer.__call__"},
+    "mlx_vlm.models.longcat_flash.language": {"LongcatFlashTopkRouter.__call__"},
+    "mlx_vlm.models.longcat_flash_sparse.language": {"Indexer.__call__", "LongcatFlashTopkRouter.__call__"},
     "mlx_vlm.models.minimax_m3_vl.language": {"_build_sparse_causal_mask_compiled",
                                               "_select_sparse_block_indices_compiled"},
     "mlx_vlm.models.qwen4_exp.language": {"Qwen4ExpQSAIndexer.select_from_projected"},
@@ -589,9 +594,9 @@ class Route(NamedTuple):
 
     experts: mx.array  # each token's top-k experts, sorted
     weights: Optional[mx.array] = None  # their routing weights in that order (WEIGHT_ROUTERS only)
-    # the KEY_SELECTORS' picks since the previous MoE layer call: (the indices below the
+    # the TOP_K_PICKERS' picks since the previous MoE layer call: (the indices below the
     # partition's kth, sorted; the index at kth), which fix the set on either side
-    keys: tuple = ()
+    picks: tuple = ()
 
 
 def _qualified_name(frame) -> str:
@@ -606,29 +611,30 @@ def _qualified_name(frame) -> str:
 def recording_routes(model):
     """Within the block, every MoE layer of ``model`` appends what it is called with to the yielded
     list a Route, one per layer and forward, in call order: each token's top-k experts, their
-    routing weights where the router is one of WEIGHT_ROUTERS, and the keys that the
-    KEY_SELECTORS' sparse attentions picked since the previous layer call (those after a forward's
-    last MoE layer go with that call). Two runs of a model on the same tokens can then be told
-    apart where a router's near-tie sent a token to another expert or jumped a weight, or an
-    attention's near-tie picked other keys (each moves the output far more than any rounding)."""
+    routing weights where the router is one of WEIGHT_ROUTERS, and the TOP_K_PICKERS' picks since
+    the previous layer call (those after a forward's last MoE layer call, as LongCat-Flash's
+    second attention, go with that call: ``model``'s own calls mark the forwards). Two runs of
+    a model on the same tokens can then be told apart where a router's near-tie sent a token to
+    another expert or jumped a weight, or a sparse attention's near-tie picked other keys (each
+    moves the output far more than any rounding)."""
     routes: list[Route] = []
     weights: list[Optional[mx.array]] = [None]  # the last recorded router's, for the next layer call
-    keys: list[tuple] = []  # the key selections since the last layer call
+    picks: list[tuple] = []  # the TOP_K_PICKERS' picks since the last layer call
 
     def record(layer, x, indices, *args, **kwargs):
-        routes.append(Route(mx.sort(indices, axis=-1), weights[0], tuple(keys)))
+        routes.append(Route(mx.sort(indices, axis=-1), weights[0], tuple(picks)))
         weights[0] = None
-        keys.clear()
+        picks.clear()
 
     argpartition = mx.argpartition
 
-    def selecting_keys(a, kth, axis=-1, **kwargs):
+    def recording_picks(a, kth, axis=-1, **kwargs):
         picked = argpartition(a, kth, axis=axis, **kwargs)
         caller = sys._getframe(1)
-        if _qualified_name(caller) in KEY_SELECTORS.get(caller.f_globals.get("__name__"), ()):
+        if _qualified_name(caller) in TOP_K_PICKERS.get(caller.f_globals.get("__name__"), ()):
             last = mx.moveaxis(picked, axis, -1)
             kth %= last.shape[-1]
-            keys.append((mx.sort(last[..., :kth], axis=-1), last[..., kth]))
+            picks.append((mx.sort(last[..., :kth], axis=-1), last[..., kth]))
         return picked
 
     routers = []
@@ -645,12 +651,20 @@ def recording_routes(model):
 
         routers.append((module, function, router))
         setattr(module, function, recorded)
-    mx.argpartition = selecting_keys
+    def close_forward():
+        if picks and routes:
+            routes[-1] = routes[-1]._replace(picks=routes[-1].picks + tuple(picks))
+        picks.clear()
+
+    def forward(_, call, *args, **kwargs):
+        close_forward()  # the picks left belong to the forward before
+        return call(*args, **kwargs)
+
+    mx.argpartition = recording_picks
     try:
-        with intercepting_moe_layers(model, record):
+        with intercepting([model], forward), intercepting_moe_layers(model, record):
             yield routes
-        if keys and routes:
-            routes[-1] = routes[-1]._replace(keys=routes[-1].keys + tuple(keys))
+        close_forward()
     finally:
         mx.argpartition = argpartition
         for module, function, router in routers:
@@ -741,8 +755,8 @@ def replayed_layer_calls(model, prompt: list[int], n: int) -> tuple[int, list[tu
 def rerouted_steps(routes: list[tuple], other: list[tuple], forwards: int, by_row: bool = False) -> list:
     """Per forward of the ``forwards`` recorded (prefill, then each decode step): whether any MoE
     layer call of that forward routed some token to other experts in ``routes`` than in
-    ``other``, moved a recorded routing weight by more than REWEIGHTED, or a sparse attention
-    picked other keys (recording_routes).
+    ``other``, moved a recorded routing weight by more than REWEIGHTED, or one of the
+    TOP_K_PICKERS picked otherwise (recording_routes).
     Counted in forwards, not layers: a model may hold MoE layers that a forward does not call
     (ernie4_5_moe_vl's vision experts on a text prompt). With ``by_row``, per forward a list over
     the batch's rows (the first axis of the recorded indices): whether that row's tokens were."""
@@ -751,18 +765,18 @@ def rerouted_steps(routes: list[tuple], other: list[tuple], forwards: int, by_ro
     layers = len(routes) // forwards
 
     def differ(a, b, row):
-        (experts, weights, keys), (other_experts, other_weights, other_keys) = a, b
+        (experts, weights, picks), (other_experts, other_weights, other_picks) = a, b
         if row is not None:
             experts, other_experts = experts[row], other_experts[row]
             weights = None if weights is None else weights[row]
             other_weights = None if other_weights is None else other_weights[row]
-            keys = [[k[row] for k in pick] for pick in keys]
-            other_keys = [[k[row] for k in pick] for pick in other_keys]
+            picks = [[part[row] for part in pick] for pick in picks]
+            other_picks = [[part[row] for part in pick] for pick in other_picks]
         if not mx.array_equal(experts, other_experts).item():
             return True
-        if len(keys) != len(other_keys) or any(not mx.array_equal(k, o).item()
-                                               for pick, other_pick in zip(keys, other_keys)
-                                               for k, o in zip(pick, other_pick)):
+        if len(picks) != len(other_picks) or any(not mx.array_equal(part, other_part).item()
+                                                 for pick, other_pick in zip(picks, other_picks)
+                                                 for part, other_part in zip(pick, other_pick)):
             return True
         if weights is None or other_weights is None:
             return False

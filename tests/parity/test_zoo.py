@@ -4,6 +4,7 @@ deterministically, and really routes through quantized switch layers."""
 import importlib
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from mlx_moe_fix import zoo
@@ -99,7 +100,7 @@ def test_recording_routes_sees_every_layer_call_and_restores_the_layers():
     assert [type(layer) for _, layer in layers] == classes
     assert len(first) == 3 * len(layers)
     assert first[0].experts.shape == (1, len(prompt), zoo.EXPERTS["qwen3_moe"][1]) and first[0].weights is None
-    assert all(route.keys == () for route in first)  # full attention picks no keys
+    assert all(route.picks == () for route in first)  # full attention and a plain router: nothing to pick
     assert zoo.rerouted_steps(first, second, 3) == [False] * 3
     moved = list(first)
     moved[len(layers)] = moved[len(layers)]._replace(experts=moved[len(layers)].experts + 1)  # layer 0, first decode step
@@ -171,19 +172,71 @@ def test_rerouted_steps_counts_forwards_where_a_forward_skips_some_moe_layers():
     assert zoo.rerouted_steps(routes, routes, 3) == [False] * 3
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "longcat_flash_sparse_vlm", "minimax_m3_vl"])
-def test_recording_routes_sees_a_sparse_attentions_key_picks_and_their_moves(family):
+@pytest.mark.parametrize("family", ["deepseek_v32", "longcat_flash", "longcat_flash_sparse_vlm", "minimax_m3_vl"])
+def test_recording_routes_sees_the_top_k_picks_the_routes_hide_and_their_moves(family):
     model = zoo.build(family, 4)
     prompt = zoo.prompt_for(family)
     with zoo.recording_routes(model) as routes:
         zoo.greedy_tokens(model, prompt, 3)
     assert mx.argpartition.__name__ == "argpartition"  # put back
-    picks = [pick for route in routes for pick in route.keys]
-    # a pick per sparse layer and forward, each the indices below kth and the one at kth
+    picks = [pick for route in routes for pick in route.picks]
+    # a pick per sparse layer (or LongCat-Flash's router) and forward: the indices below kth, the one at kth
     assert len(picks) >= 3 and all(below.ndim == at.ndim + 1 for below, at in picks)
     assert zoo.rerouted_steps(routes, routes, 3) == [False] * 3
     last = len(routes) - 1
-    below, at = routes[last].keys[-1]
+    below, at = routes[last].picks[-1]
     moved = list(routes)
-    moved[last] = moved[last]._replace(keys=moved[last].keys[:-1] + ((below, at + 1),))
+    moved[last] = moved[last]._replace(picks=moved[last].picks[:-1] + ((below, at + 1),))
     assert zoo.rerouted_steps(moved, routes, 3) == [False, False, True]
+
+
+def test_longcat_flash_routes_hide_a_zero_expert_pick():
+    # its router's zero (identity) experts reach the SwitchGLU as expert 0 at weight 0: the picks
+    # tell a token sent to a zero expert from one sent to expert 0, its indices do not
+    model = zoo.build("longcat_flash", 4)
+    n_routed = model.args.n_routed_experts
+    with zoo.recording_routes(model) as routes:
+        zoo.greedy_tokens(model, zoo.prompt_for("longcat_flash"), 2)
+    hidden = 0
+    for route in routes:
+        below, _ = route.picks[-1]  # the router's last: the experts it did not pick, below its kth
+        total = below.shape[-1] + route.experts.shape[-1]
+        for unpicked, experts in zip(below.reshape(-1, below.shape[-1]).tolist(),
+                                     route.experts.reshape(-1, route.experts.shape[-1]).tolist()):
+            picked = set(range(total)) - set(unpicked)
+            assert len(picked) == len(experts)
+            if any(e >= n_routed for e in picked):
+                assert 0 in experts  # the zero expert, as the switch layer sees it
+                hidden += 1
+    assert hidden > 0, "no token picked a zero expert: the case proves nothing"
+
+
+def pick_after(h):
+    return mx.argpartition(h, kth=-2, axis=-1)[..., -2:]
+
+
+class PicksAfterItsMoE(nn.Module):
+    """A model whose top-k pick (pick_after) runs after its MoE layer, as an attention after the
+    MoE block would."""
+
+    def __init__(self):
+        super().__init__()
+        from mlx_lm.models.switch_layers import SwitchGLU
+
+        self.moe = SwitchGLU(8, 16, 4)
+
+    def __call__(self, x):
+        h = self.moe(x, mx.array([[[0, 1]]], mx.uint32))
+        pick_after(h)
+        return h
+
+
+def test_recording_routes_gives_each_forward_its_own_picks(monkeypatch):
+    # the picks after a forward's last MoE layer call are that forward's, not the next one's
+    # (where a move would excuse the wrong step); the model's own calls mark the forwards
+    monkeypatch.setitem(zoo.TOP_K_PICKERS, __name__, {"pick_after"})
+    model = PicksAfterItsMoE()
+    with zoo.recording_routes(model) as routes:
+        for _ in range(3):
+            model(mx.ones((1, 1, 8)))
+    assert [len(route.picks) for route in routes] == [1, 1, 1]
