@@ -612,9 +612,9 @@ def recording_routes(model):
     """Within the block, every MoE layer of ``model`` appends what it is called with to the yielded
     list a Route, one per layer and forward, in call order: each token's top-k experts, their
     routing weights where the router is one of WEIGHT_ROUTERS, and the TOP_K_PICKERS' picks since
-    the previous layer call (those after a forward's last MoE layer call, as LongCat-Flash's
-    second attention, go with that call: ``model``'s own calls mark the forwards). Two runs of
-    a model on the same tokens can then be told apart where a router's near-tie sent a token to
+    the previous layer call (those after a forward's last MoE layer call, as an attention after its
+    MoE block would make, go with that call: ``model``'s own calls mark the forwards). Two runs of a
+    model on the same tokens can then be told apart where a router's near-tie sent a token to
     another expert or jumped a weight, or a sparse attention's near-tie picked other keys (each
     moves the output far more than any rounding)."""
     routes: list[Route] = []
@@ -637,6 +637,15 @@ def recording_routes(model):
             picks.append((mx.sort(last[..., :kth], axis=-1), last[..., kth]))
         return picked
 
+    def close_forward():
+        if picks and routes:
+            routes[-1] = routes[-1]._replace(picks=routes[-1].picks + tuple(picks))
+        picks.clear()
+
+    def forward(_, call, *args, **kwargs):
+        close_forward()  # the picks left belong to the forward before
+        return call(*args, **kwargs)
+
     routers = []
     for name, function in WEIGHT_ROUTERS.items():
         module = sys.modules.get(name)
@@ -651,15 +660,6 @@ def recording_routes(model):
 
         routers.append((module, function, router))
         setattr(module, function, recorded)
-    def close_forward():
-        if picks and routes:
-            routes[-1] = routes[-1]._replace(picks=routes[-1].picks + tuple(picks))
-        picks.clear()
-
-    def forward(_, call, *args, **kwargs):
-        close_forward()  # the picks left belong to the forward before
-        return call(*args, **kwargs)
-
     mx.argpartition = recording_picks
     try:
         with intercepting([model], forward), intercepting_moe_layers(model, record):
@@ -752,7 +752,7 @@ def replayed_layer_calls(model, prompt: list[int], n: int) -> tuple[int, list[tu
     return len(calls), replayed
 
 
-def rerouted_steps(routes: list[tuple], other: list[tuple], forwards: int, by_row: bool = False) -> list:
+def rerouted_steps(routes: list[Route], other: list[Route], forwards: int, by_row: bool = False) -> list:
     """Per forward of the ``forwards`` recorded (prefill, then each decode step): whether any MoE
     layer call of that forward routed some token to other experts in ``routes`` than in
     ``other``, moved a recorded routing weight by more than REWEIGHTED, or one of the

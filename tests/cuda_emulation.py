@@ -2,14 +2,15 @@
 a kernel as MLX 0.32.4's cuda_kernel assembles it (mlx/backend/cuda/custom_kernel.cpp: the header,
 then `namespace mlx::core::cu`, a signature of const input pointers and output pointers, the
 template arguments as constants at the top of the body) as C++ (g++ or clang++, C++20), and runs
-its grid with one CPU thread per CUDA thread, so that the CUDA decode kernel's arithmetic, indexing
+its grid with one CPU thread per CUDA thread, so that the CUDA decode kernels' arithmetic, indexing
 and combine can be checked against the pure-MLX reference on machines without a GPU.
 
 What the emulation is: bf16 and fp16 stored and rounded as on the GPU (tests/metal_emulation.py's
-types; bf16x2 arithmetic rounded once a lane, as the hardware does); a warp is 32 threads, `__shfl_xor_sync` exchanges their values after all have arrived;
-`__shared__` memory is one array for the block running now (blocks run one after another, their
-threads at once); the inline PTX the kernels use (`prmt`, `dp4a`, a streamed 16-byte load, an
-empty `asm` that hides a pointer's origin) becomes the C++ of its definition. What it is not:
+types; bf16x2 arithmetic rounded once a lane, as the hardware does); a warp is 32 threads,
+`__shfl_xor_sync` exchanges their values after all have arrived; `__shared__` memory is one array
+for the block running now (blocks run one after another, their threads at once); the inline PTX
+the kernels use (`prmt`, `dp4a`, a streamed 16-byte load, an empty `asm` that hides a pointer's
+origin) becomes the C++ of its definition. What it is not:
 NVRTC or ptxas (CUDA's rules, registers and spills are tests/test_cuda_sources.py's), nor the
 GPU's speed or its order of additions. Outputs start as all-ones bytes (NaN in floating point),
 so an output a kernel fails to write shows as not finite."""

@@ -35,7 +35,12 @@ from .parity.test_ops import assert_kernel_reads_every_fp4_code, check, float32_
 from .parity.tolerance import assert_close, relative_error
 from .test_metal_emulation import CASES
 
-DECODE = sys.modules["mlx_moe_fix.kernels.moe_decode"]  # the package's name is the dispatcher's
+# the package's names are the dispatchers'
+DECODE = sys.modules["mlx_moe_fix.kernels.moe_decode"]
+ROUTER = sys.modules["mlx_moe_fix.kernels.moe_router"]
+ROUTED = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
+BACKEND = sys.modules["mlx_moe_fix.kernels.backend"]
+CURRENT_BACKEND = BACKEND.current_backend  # the function every module imported, before any test patches it
 
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++ or clang++) to emulate the CUDA kernels with")
 
@@ -60,14 +65,19 @@ def emulated_kernel(header_edit=lambda header: header):
 
 
 @pytest.fixture
-def emulated_cuda(monkeypatch):
-    """moe_decode's kernels as on a CUDA device, each the emulated kernel of its CUDA section."""
-    monkeypatch.setattr(DECODE, "cuda_kernel_object", emulated_kernel())
-    monkeypatch.setattr(DECODE, "current_backend", lambda: "cuda")
+def emulated_cuda_kernels(monkeypatch):
+    """Every CUDA kernel of the decode path (decode, router, routed decode) emulated, as on an
+    sm_90 GPU of 132 SMs (the fused router sizes its waves by them)."""
+    for module in (DECODE, ROUTER, ROUTED):
+        monkeypatch.setattr(module, "cuda_kernel_object", emulated_kernel())
+    for module in (DECODE, ROUTER, ROUTED, BACKEND):
+        monkeypatch.setattr(module, "current_backend", lambda: "cuda")
+    monkeypatch.setattr(ROUTED, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(ROUTED, "multiprocessor_count", lambda: 132)
 
 
 @pytest.mark.parametrize("name", CUDA_CASES)
-def test_emulated_cuda_decode_kernel_matches_ref(emulated_cuda, name):
+def test_emulated_cuda_decode_kernel_matches_ref(emulated_cuda_kernels, name):
     arguments, keywords = CUDA_CASES[name]
     case = make_case(*arguments, **keywords)
     assert DECODE.cuda_unsupported_reason(case.experts, case.dtype) is None
@@ -75,7 +85,7 @@ def test_emulated_cuda_decode_kernel_matches_ref(emulated_cuda, name):
 
 
 @pytest.mark.parametrize("mode", ["mxfp4", "nvfp4"])
-def test_emulated_cuda_decode_kernel_reads_every_fp4_code_and_scale_exactly(emulated_cuda, mode):
+def test_emulated_cuda_decode_kernel_reads_every_fp4_code_and_scale_exactly(emulated_cuda_kernels, mode):
     # test_ops' GPU check on the emulation: one-hot activation rows read each weight out of the
     # GEMV unrounded (codes summed as signed bytes of twice their values, PRMT lookups)
     assert_kernel_reads_every_fp4_code(DECODE, "moe_decode", mode, (mx.bfloat16, mx.float16))
@@ -99,7 +109,6 @@ def test_the_emulation_finds_a_wrong_cuda_kernel(monkeypatch):
         check(DECODE.moe_decode_kernel, case, float32_oracle(moe_decode_reference, case))
 
 
-ROUTER = sys.modules["mlx_moe_fix.kernels.moe_router"]  # the package's name is the dispatcher's
 ROUTINGS = {
     "softmax then top-2": (Routing("softmax_topk", 2), ()),
     "softmax then top-8, normalised": (Routing("softmax_topk", 8, True), ()),
@@ -120,9 +129,7 @@ def by_expert(indices, weights):
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("name", ROUTINGS)
-def test_emulated_cuda_router_kernel_matches_ref(monkeypatch, name, dtype):
-    monkeypatch.setattr(ROUTER, "cuda_kernel_object", emulated_kernel())
-    monkeypatch.setattr(ROUTER, "current_backend", lambda: "cuda")
+def test_emulated_cuda_router_kernel_matches_ref(emulated_cuda_kernels, name, dtype):
     routing, extras = ROUTINGS[name]
     experts = 64
     logits = mx.random.normal((5, experts + routing.shared), key=mx.random.key(7)).astype(dtype)
@@ -136,22 +143,6 @@ def test_emulated_cuda_router_kernel_matches_ref(monkeypatch, name, dtype):
     for got, ref in zip((weights, *out[2:]), (expected_weights, *expected[2:])):
         assert got.dtype == ref.dtype
         assert_close(got, ref, dtype)
-
-
-ROUTED = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]  # the package's name is the dispatcher's
-BACKEND = sys.modules["mlx_moe_fix.kernels.backend"]
-
-
-@pytest.fixture
-def emulated_cuda_kernels(monkeypatch):
-    """Every CUDA kernel of the decode path (decode, router, routed decode) emulated, as on an
-    sm_90 GPU of 132 SMs (the fused router sizes its waves by them)."""
-    for module in (DECODE, ROUTER, ROUTED):
-        monkeypatch.setattr(module, "cuda_kernel_object", emulated_kernel())
-    for module in (DECODE, ROUTER, ROUTED, BACKEND):
-        monkeypatch.setattr(module, "current_backend", lambda: "cuda")
-    monkeypatch.setattr(ROUTED, "compute_capability", lambda: (9, 0))
-    monkeypatch.setattr(ROUTED, "multiprocessor_count", lambda: 132)
 
 
 ROUTED_CASES = {
@@ -237,20 +228,15 @@ def test_emulated_cuda_shared_decode_kernel_matches_ref_on_deepseek_v4s_block(em
 
 
 @pytest.fixture
-def emulated_cuda_backend(monkeypatch, switch):
-    """The whole package as on an H200 (sm_90, 132 SMs): every module's current_backend() says
-    "cuda" and the decode path's kernels are the emulated ones. The prefill kernel is off (its
-    tensor-core PTX is not emulated: the prefill runs upstream's code, as any call no kernel of
-    ours takes on CUDA), and so are the compiled decode steps (the emulation evaluates its inputs,
-    which a compiled function's trace cannot) and the PTX cache (NVRTC's, not ours)."""
-    original = BACKEND.current_backend
+def emulated_cuda_backend(emulated_cuda_kernels, monkeypatch, switch):
+    """The whole package as on an H200: the decode path's kernels emulated and every module's
+    current_backend() saying "cuda". The prefill kernel is off (its tensor-core PTX is not
+    emulated: the prefill runs upstream's code, as any call no kernel of ours takes on CUDA), and
+    so are the compiled decode steps (the emulation evaluates its inputs, which a compiled
+    function's trace cannot) and the PTX cache (NVRTC's, not ours)."""
     for module in [m for name, m in sys.modules.items() if name.startswith("mlx_moe_fix")]:
-        if getattr(module, "current_backend", None) is original:
+        if getattr(module, "current_backend", None) is CURRENT_BACKEND:
             monkeypatch.setattr(module, "current_backend", lambda: "cuda")
-    for module in (DECODE, ROUTER, ROUTED):
-        monkeypatch.setattr(module, "cuda_kernel_object", emulated_kernel())
-    monkeypatch.setattr(ROUTED, "compute_capability", lambda: (9, 0))
-    monkeypatch.setattr(ROUTED, "multiprocessor_count", lambda: 132)
     for name, value in (("MLX_MOE_FIX_CUDA_PREFILL", "0"), ("MLX_MOE_FIX_COMPILED_DECODE", "0"),
                         ("MLX_MOE_FIX_KERNEL_CACHE", "0"), ("MLX_MOE_FIX_REFERENCES", "")):
         switch(name, value)
