@@ -6,9 +6,10 @@ Every call is counted (`path_counts()`); with MLX_MOE_FIX_TRACE=1 the first call
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 from .env import flag
 
@@ -81,3 +82,28 @@ def reset_path_counts() -> None:
     _replayed.clear()
     _counts.clear()
     _logged.clear()
+
+
+# The experts of the routings made inside kernel launches (the routed decode kernels route in their
+# gate+up launch, where no layer call shows them), for checks of a run's routing: a list while
+# observing_routing() is on, else None.
+_observed_routing: Optional[list] = None
+
+
+@contextlib.contextmanager
+def observing_routing():
+    """Within the block, each routing that a kernel launch makes appends its experts ([..., k]
+    uint32, in the launch's order) to the yielded list. Only calls built in Python are seen, not a
+    compiled step's replay (patches.compiled.suspended() builds every call)."""
+    global _observed_routing
+    outer, _observed_routing = _observed_routing, []
+    try:
+        yield _observed_routing
+    finally:
+        _observed_routing = outer
+
+
+def observe_routing(experts: Callable) -> None:
+    """`experts()`'s array into the observing_routing() list, where one is on."""
+    if _observed_routing is not None:
+        _observed_routing.append(experts())

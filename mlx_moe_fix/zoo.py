@@ -27,6 +27,7 @@ API::
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import inspect
 import sys
@@ -37,6 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from . import trace
 from .kernels.experts import FP4_GROUP_SIZES
 from .patches import compiled
 from .zoo_breadth import BREADTH_FAMILIES
@@ -514,9 +516,12 @@ def prompt_logits(model, family: str) -> mx.array:
     return logits_of(model(prompt, cache=make_cache(model)))[0, -1].astype(mx.float32)
 
 
-def _decode(model, prompt: list[int], n: int, forced: Optional[list[int]] = None):
+def _decode(model, prompt: list[int], n: int, forced: Optional[list[int]] = None, caches: Optional[list] = None,
+            snapshots: Optional[list] = None):
     """Prefill ``prompt`` in one call, then one token per call; also times the two phases.
-    With ``forced``, step i + 1 is fed forced[i] instead of the model's own choice."""
+    With ``forced``, step i + 1 is fed forced[i] instead of the model's own choice; with
+    ``caches`` (another run's ``snapshots``), it starts from a copy of caches[i] instead of this
+    run's own cache; ``snapshots`` gets a copy of the cache each decode step starts from."""
     import time
 
     cache = make_cache(model)
@@ -527,24 +532,33 @@ def _decode(model, prompt: list[int], n: int, forced: Optional[list[int]] = None
     prefilled = time.perf_counter()
     for i in range(n - 1):
         fed = tokens[-1] if forced is None else forced[i]
+        if caches is not None:
+            cache = copy.deepcopy(caches[i])
+        if snapshots is not None:
+            snapshots.append(copy.deepcopy(cache))
         logits = logits_of(model(mx.array([[fed]]), cache=cache))[0, -1]
         rows.append(logits.astype(mx.float32))
         tokens.append(mx.argmax(logits, axis=-1).item())
     return tokens, mx.stack(rows), prefilled - started, time.perf_counter() - prefilled
 
 
-def greedy_decode(model, prompt: list[int], n: int = 32) -> tuple[list[int], mx.array]:
+def greedy_decode(model, prompt: list[int], n: int = 32, snapshots: Optional[list] = None) -> tuple[list[int], mx.array]:
     """The ``n`` greedy tokens and the ``[n, vocab]`` float32 logits each was the argmax of
-    (for tolerance-based comparisons; near-ties do occur)."""
-    tokens, logits, _, _ = _decode(model, prompt, n)
+    (for tolerance-based comparisons; near-ties do occur); ``snapshots``, a list, gets a copy of
+    the cache each decode step starts from (forced_decode's ``caches``)."""
+    tokens, logits, _, _ = _decode(model, prompt, n, snapshots=snapshots)
     return tokens, logits
 
 
-def forced_decode(model, prompt: list[int], tokens: list[int]) -> tuple[list[int], mx.array]:
+def forced_decode(model, prompt: list[int], tokens: list[int], caches: Optional[list] = None) -> tuple[list[int], mx.array]:
     """Teacher forcing: the model's own choice and logits at each step of ``tokens`` (another
     run's greedy stream), fed those tokens rather than its choices, so two models can be
-    compared at every step, past a first difference."""
-    choices, logits, _, _ = _decode(model, prompt, len(tokens), forced=tokens)
+    compared at every step, past a first difference. With ``caches`` (that run's snapshots) each
+    decode step also starts from that run's cache, so that a step's difference (a router's
+    near-tie that sent a token to other experts) stays in that step: in this run's own cache it
+    would move the steps after it too (on the H200, one in zoo inkling's 8-bit bf16 run moved the
+    next three steps' logits by 0.09-0.12, relative)."""
+    choices, logits, _, _ = _decode(model, prompt, len(tokens), forced=tokens, caches=caches)
     return choices, logits
 
 
@@ -790,6 +804,31 @@ def rerouted_steps(routes: list[Route], other: list[Route], forwards: int, by_ro
     if by_row:
         return [[forward(step, row) for row in range(routes[step][0].shape[0])] for step in steps]
     return [forward(step) for step in steps]
+
+
+@contextlib.contextmanager
+def observing_routing():
+    """Within the block, the experts of each routing that a kernel launch makes (the routed
+    decode kernels route inside their gate+up launch, where recording_routes cannot look without
+    sending the block apart from them) are appended to the yielded list, in call order
+    (trace.observing_routing); compiled steps are suspended meanwhile (a replay is not seen)."""
+    with compiled.suspended(), trace.observing_routing() as observed:
+        yield observed
+
+
+def observed_rerouted_steps(observed: list, routes: list[Route], forwards: int) -> Optional[list]:
+    """For a run of ``forwards`` forwards whose decode steps routed every MoE layer call inside a
+    kernel launch (observing_routing's ``observed``): per decode step (forwards 1 to forwards - 1),
+    whether one of its calls chose other experts than ``routes`` (recording_routes' of another run
+    on the same tokens) did (rerouted_steps). None where the run cannot be told so: a decode call
+    routed otherwise (not observed), a prefill call observed, or ``routes`` holding weights or
+    picks (WEIGHT_ROUTERS, TOP_K_PICKERS) that the launches do not show."""
+    decode = routes[len(routes) // forwards:]
+    if (len(observed) != len(decode) or any(route.weights is not None or route.picks for route in routes)
+            or any(experts.size != route.experts.size for experts, route in zip(observed, decode))):
+        return None
+    seen = [Route(mx.sort(experts.reshape(route.experts.shape), axis=-1)) for experts, route in zip(observed, decode)]
+    return rerouted_steps(seen, decode, forwards - 1)
 
 
 def greedy_decode_timed(model, prompt: list[int], n: int = 32) -> tuple[list[int], float, float]:

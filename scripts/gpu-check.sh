@@ -94,12 +94,12 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     if [ -n "${REFERENCES_TOO:-}" ]; then
         MLX_MOE_FIX_CUDA_DECODE=0 MLX_MOE_FIX_CUDA_PREFILL=0 MLX_MOE_FIX_CUDA_ROUTER=0 MLX_ENABLE_TF32=0 \
             MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} timeout -s INT -k 15 "$TESTS_TIMEOUT" \
-            scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rs -p no:cacheprovider --tb=short \
+            scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rfEs -p no:cacheprovider --tb=short \
             -k "${TESTS_SELECT:-$default_select}" >"$out/tests-references.log" 2>&1 &
         references_pid=$!
     fi
     MLX_ENABLE_TF32=0 MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} run_part tests "$TESTS_TIMEOUT" \
-        scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rs -p no:cacheprovider --tb=short \
+        scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rfEs -p no:cacheprovider --tb=short \
         -k "${TESTS_SELECT:-$default_select}"
     if [ -n "${REFERENCES_TOO:-}" ]; then
         wait "$references_pid"

@@ -138,10 +138,11 @@ def test_emulated_metal_greedy_tokens_match_stock(emulated_metal_backend, family
     # reached the emulated kernel. gpt-oss's and Inkling's experts also as their checkpoints ship.
     model = zoo.build(family, 4, experts_mode=experts_mode)
     prompt = zoo.prompt_for(family)
+    stock_caches = []
     with zoo.recording_routes(model) as stock_routes:
-        stock, stock_logits = zoo.greedy_decode(model, prompt, N_TOKENS // 4)  # each step ~0.3 s of emulation
+        stock, stock_logits = zoo.greedy_decode(model, prompt, N_TOKENS // 4, snapshots=stock_caches)  # ~0.3 s a step
     assert mlx_moe_fix.status()["ops"]["moe_decode"]["path"] == "kernel" and not references_only()
     mlx_moe_fix.reset_path_counts()
-    assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, False, mx.float32)
+    assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, stock_caches, False, mx.float32)
     layer = MOE_LAYER.get(family, "SwitchGLU")
     assert ("decode", "kernel") in {(r.phase, r.path) for r in mlx_moe_fix.path_counts() if r.layer == layer}

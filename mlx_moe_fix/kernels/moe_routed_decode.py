@@ -45,6 +45,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .. import trace
 from ..env import flag
 from .backend import Implementation, choose, compute_capability, current_backend, multiprocessor_count
 from .experts import SUPPORTED_GROUP_SIZES, MoEExperts, RouterLinear, SharedExperts
@@ -167,8 +168,18 @@ def moe_routed_decode_kernel(x: mx.array, logits, routing: Routing, experts: MoE
         (hidden,) = gate_up(x, logits, correction_bias, global_scale)
     else:
         (hidden,) = gate_up(x, logits)
+    trace.observe_routing(lambda: routed_experts(hidden, leading_shape, routing.top_k))
     out = down(hidden, *passed_residual)[0]
     return out if fused_residual else add_residual(out, residual)
+
+
+def routed_experts(hidden: mx.array, leading_shape: tuple, top_k: int) -> mx.array:
+    """The experts [*leading_shape, top_k] (uint32) that a routed gate+up launch chose, from the
+    RoutingTail at the end of its output `hidden` (each pair's expert, then its weight)."""
+    pairs = math.prod(leading_shape) * top_k
+    itemsize = hidden.dtype.size
+    start = hidden.shape[0] - pairs * (4 + itemsize) // itemsize
+    return mx.view(hidden[start:start + pairs * 4 // itemsize], mx.uint32).reshape(*leading_shape, top_k)
 
 
 def moe_routed_decode(x: mx.array, logits, routing: Routing, experts: MoEExperts,

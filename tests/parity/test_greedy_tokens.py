@@ -133,14 +133,15 @@ def moe_layer_paths(family) -> set:
 
 def assert_greedy_tokens_match_stock(model, family, dtype):
     prompt = zoo.prompt_for(family)
+    stock_caches = []
     with zoo.recording_routes(model) as stock_routes:
-        stock, stock_logits = zoo.greedy_decode(model, prompt, N_TOKENS)
+        stock, stock_logits = zoo.greedy_decode(model, prompt, N_TOKENS, snapshots=stock_caches)
     unreproducible = stock_run_to_run(model, prompt, stock, stock_logits)
     exact = references_only()
     if not unreproducible:
         assert len(set(stock)) >= 4, f"degenerate stream, parity would prove little: {stock}"
         try:
-            assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, exact, dtype)
+            assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, stock_caches, exact, dtype)
         except AssertionError as failure:
             # Two equal stock runs do not make a reproducible stock: one that sometimes differs
             # explains the failure only if it differs again within a few more runs.
@@ -153,27 +154,43 @@ def assert_greedy_tokens_match_stock(model, family, dtype):
         assert_layer_calls_match_stock(model, prompt, exact, dtype)
 
 
-def assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, exact, dtype):
-    """Where kernels run, teacher-forced. Recording a run's routes intercepts its switch layers, so
-    that run's blocks route apart from their experts and its compiled decode steps are suspended:
-    on CUDA, where the routed decode kernels and compiled steps are, a second run not recorded
-    takes what a user's run takes, checked on the recorded run's rerouted steps."""
+def assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, stock_caches, exact, dtype):
+    """Where kernels run, teacher-forced, each decode step from stock's cache (zoo.forced_decode),
+    its routing recorded. Recording a run's routes intercepts its switch layers, so that run's
+    blocks route apart from their experts and its compiled decode steps are suspended. On CUDA,
+    where the routed decode kernels and compiled steps are, the run again as a user's takes it:
+    with compiled steps suspended and the routing made inside the routed kernels' launches
+    observed (zoo.observing_routing), checked on its own rerouted steps where every decode call was
+    so observed; and with compiled steps, equal to that bit for bit. Returns that run's rerouted
+    decode steps, or None where it was not checked so."""
     from mlx_moe_fix.kernels import backend
 
+    on_cuda = backend.current_backend() == "cuda"
     with mlx_moe_fix.patched():
         if exact:
             patched, patched_logits = zoo.greedy_decode(model, prompt, len(stock))
         else:
             with zoo.recording_routes(model) as routes:
-                runs = [zoo.forced_decode(model, prompt, stock)]
-            if backend.current_backend() == "cuda":
-                runs.append(zoo.forced_decode(model, prompt, stock))
+                recorded = zoo.forced_decode(model, prompt, stock, stock_caches)
+            if on_cuda:
+                with zoo.observing_routing() as observed:
+                    built = zoo.forced_decode(model, prompt, stock, stock_caches)
+                replayed = zoo.forced_decode(model, prompt, stock, stock_caches)
     if exact:
         assert patched == stock, first_difference(stock, stock_logits, patched, patched_logits)
-    else:
-        rerouted = zoo.rerouted_steps(routes, stock_routes, len(stock))
-        for choices, logits in runs:
-            assert_clear_choices_match(stock, stock_logits, choices, logits, rerouted, LOGITS_TOLERANCE[dtype])
+        return None
+    tolerance = LOGITS_TOLERANCE[dtype]
+    assert_clear_choices_match(stock, stock_logits, *recorded, zoo.rerouted_steps(routes, stock_routes, len(stock)),
+                               tolerance)
+    if not on_cuda:
+        return None
+    assert mx.array_equal(replayed[1], built[1]).item(), (
+        f"compiled steps moved the logits by {relative_error(replayed[1], built[1]):.3g} (relative)")
+    rerouted = zoo.observed_rerouted_steps(observed, stock_routes, len(stock))
+    if rerouted is not None:
+        # its prefill is the recorded run's (no routed decode kernel), checked above
+        assert_clear_choices_match(stock, stock_logits, *built, [True] + rerouted, tolerance)
+    return rerouted
 
 
 def assert_layer_calls_match_stock(model, prompt, exact, dtype):
