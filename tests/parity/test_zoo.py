@@ -172,7 +172,7 @@ def test_rerouted_steps_counts_forwards_where_a_forward_skips_some_moe_layers():
     assert zoo.rerouted_steps(routes, routes, 3) == [False] * 3
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "longcat_flash", "longcat_flash_sparse_vlm", "minimax_m3_vl"])
+@pytest.mark.parametrize("family", ["qwen4_exp_vlm", "longcat_flash", "longcat_flash_sparse_vlm", "minimax_m3_vl"])
 def test_recording_routes_sees_the_top_k_picks_the_routes_hide_and_their_moves(family):
     model = zoo.build(family, 4)
     prompt = zoo.prompt_for(family)
