@@ -172,6 +172,24 @@ def test_rerouted_steps_counts_forwards_where_a_forward_skips_some_moe_layers():
     assert zoo.rerouted_steps(routes, routes, 3) == [False] * 3
 
 
+def test_observed_rerouted_steps_reads_the_decode_calls_and_refuses_what_it_cannot_see():
+    # 3 forwards of 2 MoE layers: a 4-token prefill, then 2 decode steps of 1 token, top-2
+    prefill = [zoo.Route(mx.array([[[0, 1], [2, 3], [1, 2], [0, 3]]]))] * 2
+    decode = [zoo.Route(mx.array([[[1, 4]]])), zoo.Route(mx.array([[[0, 2]]]))] * 2
+    routes = prefill + decode
+    observed = [mx.array([4, 1], mx.uint32), mx.array([2, 0], mx.uint32)] * 2  # a launch's own order and shape
+    assert zoo.observed_rerouted_steps(observed, routes, 3) == [False, False]
+    moved = observed[:3] + [mx.array([2, 5], mx.uint32)]
+    assert zoo.observed_rerouted_steps(moved, routes, 3) == [False, True]
+    assert zoo.observed_rerouted_steps(observed[:3], routes, 3) is None  # a decode call routed elsewhere
+    assert zoo.observed_rerouted_steps(observed + observed[:2], routes, 3) is None  # a prefill call too
+    assert zoo.observed_rerouted_steps([mx.array([1, 4, 0], mx.uint32)] + observed[1:], routes, 3) is None
+    picked = routes[:-1] + [routes[-1]._replace(picks=((mx.array([0]), mx.array(1)),))]
+    assert zoo.observed_rerouted_steps(observed, picked, 3) is None
+    weighed = routes[:2] + [routes[2]._replace(weights=mx.array([[[0.5, 0.5]]]))] + routes[3:]
+    assert zoo.observed_rerouted_steps(observed, weighed, 3) is None
+
+
 @pytest.mark.parametrize("family", ["qwen4_exp_vlm", "longcat_flash", "longcat_flash_sparse_vlm", "minimax_m3_vl"])
 def test_recording_routes_sees_the_top_k_picks_the_routes_hide_and_their_moves(family):
     model = zoo.build(family, 4)
