@@ -7,12 +7,13 @@ in another order than stock, random models have near-ties, of two kinds: steps w
 top-2 logits are within a few ulps (stock's own CPU and CUDA paths split on them), and router
 near-ties, where a rounding difference sends a token to another expert (or, in phimoe's
 sparsemixer, jumps a routing weight) and moves that step's logits far. There the patched model
-is fed stock's tokens (teacher forcing) and, at every step that every MoE layer routed and
+is fed stock's tokens (teacher forcing), each decode step from stock's own cache, and, at every step that every MoE layer routed and
 weighted as stock did, must produce logits within a bf16 / fp16 tolerance of stock's and pick
-stock's token wherever stock's choice is clear (zoo.clear_steps: top-2 margin above 4 bf16 ulps).
+stock's token wherever stock's choice is clear (zoo.clear_steps: top-2 margin above 8 bf16 ulps).
 So that the check cannot go vacuous, at most 1/4 of the steps may be excused as rerouted (a
 kernel that moved the routing would exceed it) and at least half must be clear and routed as
-stock (the zoo's random heads leave 1-6 of 32 steps within 4 ulps on the CPU, up to 9 on the H200).
+stock (the zoo's random heads leave 1-6 of 32 steps within 4 ulps on the CPU, up to 9 on the H200;
+within 8 ulps up to 15 of 32 on the CPU).
 
 Where stock's whole model does not reproduce itself (two unpatched runs differ: on MLX's CUDA
 backend the zoo's deepseek_v3 / deepseek_v4 / inkling do, outside their MoE layers, per
