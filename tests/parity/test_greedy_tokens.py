@@ -7,9 +7,10 @@ in another order than stock, random models have near-ties, of two kinds: steps w
 top-2 logits are within a few ulps (stock's own CPU and CUDA paths split on them), and router
 near-ties, where a rounding difference sends a token to another expert (or, in phimoe's
 sparsemixer, jumps a routing weight) and moves that step's logits far. There the patched model
-is fed stock's tokens (teacher forcing), each decode step from stock's own cache, and, at every step that every MoE layer routed and
-weighted as stock did, must produce logits within a bf16 / fp16 tolerance of stock's and pick
-stock's token wherever stock's choice is clear (zoo.clear_steps: top-2 margin above 8 bf16 ulps).
+is fed stock's tokens (teacher forcing), each decode step from stock's own cache, and, at every
+step that every MoE layer routed and weighted as stock did, must produce logits within a bf16 /
+fp16 tolerance of stock's and pick stock's token wherever stock's choice is clear
+(zoo.clear_steps: top-2 margin above 8 bf16 ulps).
 So that the check cannot go vacuous, at most 1/4 of the steps may be excused as rerouted (a
 kernel that moved the routing would exceed it) and at least half must be clear and routed as
 stock (the zoo's random heads leave 1-6 of 32 steps within 4 ulps on the CPU, up to 9 on the H200;
@@ -162,9 +163,9 @@ def assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, 
     blocks route apart from their experts and its compiled decode steps are suspended. On CUDA,
     where the routed decode kernels and compiled steps are, the run again as a user's takes it:
     with compiled steps suspended and the routing made inside the routed kernels' launches
-    observed (zoo.observing_routing), checked on its own rerouted steps where every decode call was
-    so observed; and with compiled steps (where they are on), equal to that bit for bit. Returns that run's rerouted
-    decode steps, or None where it was not checked so."""
+    observed (zoo.observing_routing), checked on its own rerouted decode steps where every decode
+    call was so observed; and with compiled steps (where they are on), equal to that bit for bit.
+    Returns that run's rerouted decode steps, or None where it was not checked so."""
     from mlx_moe_fix.kernels import backend
 
     on_cuda = backend.current_backend() == "cuda"
@@ -191,7 +192,7 @@ def assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, 
         f"compiled steps moved the logits by {relative_error(replayed[1], built[1]):.3g} (relative)")
     rerouted = zoo.observed_rerouted_steps(observed, stock_routes, len(stock))
     if rerouted is not None:
-        # its prefill is the recorded run's (no routed decode kernel), checked above
+        # its prefill, which no routed decode kernel routes (unobserved), excused: the recorded run's is checked above
         assert_clear_choices_match(stock, stock_logits, *built, [True] + rerouted, tolerance)
     return rerouted
 
