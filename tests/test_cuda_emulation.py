@@ -30,7 +30,7 @@ from mlx_moe_fix.kernels.sources import sections
 from .cuda_emulation import EmulatedCudaKernel
 from .metal_emulation import CXX
 from .parity.cases import make_case
-from .parity.test_greedy_tokens import N_TOKENS, assert_tokens_match_stock
+from .parity.test_greedy_tokens import N_TOKENS, assert_tokens_match_stock, record_stock_run
 from .parity.test_ops import assert_kernel_reads_every_fp4_code, check, float32_oracle
 from .parity.tolerance import assert_close, relative_error
 from .test_metal_emulation import CASES
@@ -260,12 +260,10 @@ def test_emulated_cuda_greedy_tokens_match_stock(emulated_cuda_backend, family):
     # its own test above).
     model = zoo.build(family, 4)
     prompt = zoo.prompt_for(family)
-    stock_caches = []
-    with zoo.recording_routes(model) as stock_routes:
-        stock, stock_logits = zoo.greedy_decode(model, prompt, N_TOKENS // 4, snapshots=stock_caches)  # ~1 s a step
+    stock = record_stock_run(model, prompt, N_TOKENS // 4, teacher_forced=True)  # each step ~1 s of emulation
     mlx_moe_fix.reset_path_counts()
-    rerouted = assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, stock_caches, False, mx.float32)
+    rerouted = assert_tokens_match_stock(model, prompt, stock, False, mx.float32)
     decode_paths = {r.reason for r in mlx_moe_fix.path_counts() if r.phase == "decode" and r.path == "kernel"}
     assert decode_paths and any("moe_routed_decode" in p for p in decode_paths) == (family in ROUTED_FAMILIES), decode_paths
     # the routed kernels' routing was read back from their launches at every decode step, and matched stock's
-    assert (rerouted == [False] * (len(stock) - 1)) if family in ROUTED_FAMILIES else rerouted is None, rerouted
+    assert (rerouted == [False] * (len(stock.tokens) - 1)) if family in ROUTED_FAMILIES else rerouted is None, rerouted

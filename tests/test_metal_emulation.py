@@ -18,7 +18,7 @@ from mlx_moe_fix.kernels.sources import sections
 
 from .metal_emulation import CXX, EmulatedMetalKernel
 from .parity.cases import make_case
-from .parity.test_greedy_tokens import MOE_LAYER, N_TOKENS, assert_tokens_match_stock
+from .parity.test_greedy_tokens import MOE_LAYER, N_TOKENS, assert_tokens_match_stock, record_stock_run
 from .parity.test_ops import assert_kernel_reads_every_fp4_code, check, float32_oracle
 from .parity.tolerance import references_only
 
@@ -138,11 +138,9 @@ def test_emulated_metal_greedy_tokens_match_stock(emulated_metal_backend, family
     # reached the emulated kernel. gpt-oss's and Inkling's experts also as their checkpoints ship.
     model = zoo.build(family, 4, experts_mode=experts_mode)
     prompt = zoo.prompt_for(family)
-    stock_caches = []
-    with zoo.recording_routes(model) as stock_routes:
-        stock, stock_logits = zoo.greedy_decode(model, prompt, N_TOKENS // 4, snapshots=stock_caches)  # ~0.3 s a step
+    stock = record_stock_run(model, prompt, N_TOKENS // 4, teacher_forced=True)  # each step ~0.3 s of emulation
     assert mlx_moe_fix.status()["ops"]["moe_decode"]["path"] == "kernel" and not references_only()
     mlx_moe_fix.reset_path_counts()
-    assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, stock_caches, False, mx.float32)
+    assert_tokens_match_stock(model, prompt, stock, False, mx.float32)
     layer = MOE_LAYER.get(family, "SwitchGLU")
     assert ("decode", "kernel") in {(r.phase, r.path) for r in mlx_moe_fix.path_counts() if r.layer == layer}

@@ -26,6 +26,7 @@ one reproduces the first; otherwise the layer calls are replayed as above."""
 
 import contextlib
 import warnings
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import pytest
@@ -82,19 +83,37 @@ def assert_clear_choices_match(stock, stock_logits, choices, logits, rerouted, t
         "an ill-conditioned model")
 
 
-def stock_run_to_run(model, prompt, stock, stock_logits, runs=1):
+class StockRun(NamedTuple):
+    """Stock's greedy run, as the checks compare a patched one with it."""
+
+    tokens: list[int]
+    logits: mx.array  # [steps, vocab] float32
+    routes: list  # zoo.recording_routes'
+    caches: Optional[list]  # the cache each decode step started from (teacher forcing's), or None
+
+
+def record_stock_run(model, prompt, n, teacher_forced: bool) -> StockRun:
+    """Stock's `n` greedy tokens with their logits and routes; the caches where a patched run is
+    to be teacher-forced on them."""
+    caches = [] if teacher_forced else None
+    with zoo.recording_routes(model) as routes:
+        tokens, logits = zoo.greedy_decode(model, prompt, n, snapshots=caches)
+    return StockRun(tokens, logits, routes, caches)
+
+
+def stock_run_to_run(model, prompt, stock: StockRun, runs=1):
     """Why stock's own greedy run does not reproduce itself on this backend in `runs` more runs,
     or None. Parity with stock means nothing where two unpatched runs differ (an upstream kernel
     reading memory it did not write, or summing in a varying order)."""
     for _ in range(runs):
         again, again_logits = zoo.greedy_decode(model, prompt, N_TOKENS)
-        if mx.array_equal(again_logits, stock_logits).item():
+        if mx.array_equal(again_logits, stock.logits).item():
             continue
-        step = next(i for i in range(len(stock)) if not mx.array_equal(again_logits[i], stock_logits[i]).item())
+        step = next(i for i in range(len(stock.tokens)) if not mx.array_equal(again_logits[i], stock.logits[i]).item())
         finite = mx.isfinite(again_logits[step]).all().item()
-        error = f"relative error {relative_error(again_logits[step], stock_logits[step]):.2e}" if finite else "non-finite logits"
+        error = f"relative error {relative_error(again_logits[step], stock.logits[step]):.2e}" if finite else "non-finite logits"
         return (f"stock is not reproducible here: two unpatched runs' logits differ from step {step} on ({error}; "
-                f"tokens {'equal' if again == stock else 'differ'})")
+                f"tokens {'equal' if again == stock.tokens else 'differ'})")
     return None
 
 
@@ -137,18 +156,16 @@ def moe_layer_paths(family) -> set:
 def assert_greedy_tokens_match_stock(model, family, dtype):
     prompt = zoo.prompt_for(family)
     exact = references_only()
-    stock_caches = None if exact else []  # the teacher-forced runs' start of each step
-    with zoo.recording_routes(model) as stock_routes:
-        stock, stock_logits = zoo.greedy_decode(model, prompt, N_TOKENS, snapshots=stock_caches)
-    unreproducible = stock_run_to_run(model, prompt, stock, stock_logits)
+    stock = record_stock_run(model, prompt, N_TOKENS, teacher_forced=not exact)
+    unreproducible = stock_run_to_run(model, prompt, stock)
     if not unreproducible:
-        assert len(set(stock)) >= 4, f"degenerate stream, parity would prove little: {stock}"
+        assert len(set(stock.tokens)) >= 4, f"degenerate stream, parity would prove little: {stock.tokens}"
         try:
-            assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, stock_caches, exact, dtype)
+            assert_tokens_match_stock(model, prompt, stock, exact, dtype)
         except AssertionError as failure:
             # Two equal stock runs do not make a reproducible stock: one that sometimes differs
             # explains the failure only if it differs again within a few more runs.
-            unreproducible = stock_run_to_run(model, prompt, stock, stock_logits, runs=STOCK_RECHECKS)
+            unreproducible = stock_run_to_run(model, prompt, stock, runs=STOCK_RECHECKS)
             if not unreproducible:
                 raise
             unreproducible += f" (found after the patched run failed: {failure})"
@@ -157,7 +174,7 @@ def assert_greedy_tokens_match_stock(model, family, dtype):
         assert_layer_calls_match_stock(model, prompt, exact, dtype)
 
 
-def assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, stock_caches, exact, dtype):
+def assert_tokens_match_stock(model, prompt, stock: StockRun, exact, dtype):
     """Where kernels run, teacher-forced, each decode step from stock's cache (zoo.forced_decode),
     its routing recorded. Recording a run's routes intercepts its switch layers, so that run's
     blocks route apart from their experts and its compiled decode steps are suspended. On CUDA,
@@ -169,31 +186,32 @@ def assert_tokens_match_stock(model, prompt, stock, stock_logits, stock_routes, 
     from mlx_moe_fix.kernels import backend
 
     on_cuda = backend.current_backend() == "cuda"
+    steps = len(stock.tokens)
     with mlx_moe_fix.patched():
         if exact:
-            patched, patched_logits = zoo.greedy_decode(model, prompt, len(stock))
+            patched, patched_logits = zoo.greedy_decode(model, prompt, steps)
         else:
             with zoo.recording_routes(model) as routes:
-                recorded = zoo.forced_decode(model, prompt, stock, stock_caches)
+                recorded = zoo.forced_decode(model, prompt, stock.tokens, stock.caches)
             if on_cuda:
                 with zoo.observing_routing() as observed:
-                    built = zoo.forced_decode(model, prompt, stock, stock_caches)
+                    built = zoo.forced_decode(model, prompt, stock.tokens, stock.caches)
                 compiled_steps = compiled.why_not_compiled("decode") is None
-                replayed = zoo.forced_decode(model, prompt, stock, stock_caches) if compiled_steps else built
+                replayed = zoo.forced_decode(model, prompt, stock.tokens, stock.caches) if compiled_steps else built
     if exact:
-        assert patched == stock, first_difference(stock, stock_logits, patched, patched_logits)
+        assert patched == stock.tokens, first_difference(stock.tokens, stock.logits, patched, patched_logits)
         return None
     tolerance = LOGITS_TOLERANCE[dtype]
-    assert_clear_choices_match(stock, stock_logits, *recorded, zoo.rerouted_steps(routes, stock_routes, len(stock)),
+    assert_clear_choices_match(stock.tokens, stock.logits, *recorded, zoo.rerouted_steps(routes, stock.routes, steps),
                                tolerance)
     if not on_cuda:
         return None
     assert mx.array_equal(replayed[1], built[1]).item(), (
         f"compiled steps moved the logits by {relative_error(replayed[1], built[1]):.3g} (relative)")
-    rerouted = zoo.observed_rerouted_steps(observed, stock_routes, len(stock))
+    rerouted = zoo.observed_rerouted_steps(observed, stock.routes, steps)
     if rerouted is not None:
         # its prefill, which no routed decode kernel routes (unobserved), excused: the recorded run's is checked above
-        assert_clear_choices_match(stock, stock_logits, *built, [True] + rerouted, tolerance)
+        assert_clear_choices_match(stock.tokens, stock.logits, *built, [True] + rerouted, tolerance)
     return rerouted
 
 
@@ -256,19 +274,20 @@ def test_clear_choices_check_fails(case):
 
 
 def test_stock_run_to_run_tells_an_unreproducible_stock(monkeypatch):
-    stock, logits = synthetic_stream([1.0] * 4)
-    monkeypatch.setattr(zoo, "greedy_decode", lambda model, prompt, n: (list(stock), mx.array(logits)))
-    assert stock_run_to_run(None, [], stock, logits) is None
+    tokens, logits = synthetic_stream([1.0] * 4)
+    stock = StockRun(tokens, logits, [], None)
+    monkeypatch.setattr(zoo, "greedy_decode", lambda model, prompt, n: (list(tokens), mx.array(logits)))
+    assert stock_run_to_run(None, [], stock) is None
     moved = mx.array(logits)
     moved[2] = moved[2] + 0.5
-    monkeypatch.setattr(zoo, "greedy_decode", lambda model, prompt, n: (list(stock), moved))
-    reason = stock_run_to_run(None, [], stock, logits)
+    monkeypatch.setattr(zoo, "greedy_decode", lambda model, prompt, n: (list(tokens), moved))
+    reason = stock_run_to_run(None, [], stock)
     assert "from step 2" in reason and "tokens equal" in reason
     moved[1] = mx.array([float("nan")] * 4)
-    assert "from step 1 on (non-finite logits" in stock_run_to_run(None, [], stock, logits)
-    runs = iter([(list(stock), mx.array(logits))] * 2 + [(list(stock), moved)])
+    assert "from step 1 on (non-finite logits" in stock_run_to_run(None, [], stock)
+    runs = iter([(list(tokens), mx.array(logits))] * 2 + [(list(tokens), moved)])
     monkeypatch.setattr(zoo, "greedy_decode", lambda model, prompt, n: next(runs))
-    assert "from step 1" in stock_run_to_run(None, [], stock, logits, runs=3)
+    assert "from step 1" in stock_run_to_run(None, [], stock, runs=3)
 
 
 @contextlib.contextmanager
