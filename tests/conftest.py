@@ -145,13 +145,33 @@ def pytest_report_header(config):
     return f"decode block shapes: {text}" if text else None
 
 
+def kernel_cache_report(config) -> tuple[int, list]:
+    """This process's kernel-cache fills (how many variants written, the failures), plus those
+    that pytest-xdist's workers reported (pytest_testnodedown), where the tests ran in them."""
+    from mlx_moe_fix.kernels import kernel_cache
+
+    written, failures = getattr(config, "worker_kernel_cache", (0, []))
+    return written + len(kernel_cache.written), failures + kernel_cache.failures
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the report to the controller
+        session.config.workeroutput["kernel_cache"] = kernel_cache_report(session.config)
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent without pytest-xdist
+def pytest_testnodedown(node, error):
+    """xdist's controller: add a finished worker's kernel-cache report to its own."""
+    written, failures = node.workeroutput.get("kernel_cache", (0, [])) if hasattr(node, "workeroutput") else (0, [])
+    before_written, before_failures = getattr(node.config, "worker_kernel_cache", (0, []))
+    node.config.worker_kernel_cache = (before_written + written, before_failures + list(failures))
+
+
 def pytest_terminal_summary(terminalreporter):
     """Where the kernel cache (MLX_MOE_FIX_KERNEL_CACHE) filled MLX's PTX cache: how many variants
     it wrote and which it left to MLX's own compile (a GPU run's proof that the fill worked)."""
-    from mlx_moe_fix.kernels import kernel_cache
-
-    if kernel_cache.written or kernel_cache.failures:
-        terminalreporter.write_line(f"kernel cache: {len(kernel_cache.written)} variants written, "
-                                    f"{len(kernel_cache.failures)} left to MLX's compile")
-        for failure in kernel_cache.failures:
+    written, failures = kernel_cache_report(terminalreporter.config)
+    if written or failures:
+        terminalreporter.write_line(f"kernel cache: {written} variants written, {len(failures)} left to MLX's compile")
+        for failure in failures:
             terminalreporter.write_line(f"  {failure[:400]}")
