@@ -2,16 +2,20 @@
 a kernel as MLX 0.32.4's cuda_kernel assembles it (mlx/backend/cuda/custom_kernel.cpp: the header,
 then `namespace mlx::core::cu`, a signature of const input pointers and output pointers, the
 template arguments as constants at the top of the body) as C++ (g++ or clang++, C++20), and runs
-its grid with one CPU thread per CUDA thread, so that the CUDA decode kernels' arithmetic, indexing
-and combine can be checked against the pure-MLX reference on machines without a GPU.
+its grid with one CPU thread per CUDA thread, so that the CUDA kernels' arithmetic, indexing and
+combine (the decode GEMVs, the routers, the grouped prefill's mma.sync GEMM, routing and combine)
+can be checked against the pure-MLX reference on machines without a GPU.
 
 What the emulation is: bf16 and fp16 stored and rounded as on the GPU (tests/metal_emulation.py's
 types; bf16x2 arithmetic rounded once a lane, as the hardware does); a warp is 32 threads,
 `__shfl_xor_sync` exchanges their values after all have arrived; `__shared__` memory is one array
 for the block running now (blocks run one after another, their threads at once); the inline PTX
 the kernels use (`prmt`, `dp4a`, a streamed 16-byte load, an empty `asm` that hides a pointer's
-origin) becomes the C++ of its definition. What it is not:
-NVRTC or ptxas (CUDA's rules, registers and spills are tests/test_cuda_sources.py's), nor the
+origin, `cp.async` into dynamic shared memory, `mma.sync` m16n8k16 on its fragment layout) becomes
+the C++ of its definition; MLX's grid in threads is rounded up to whole blocks, as MLX launches
+it. What it is not: NVRTC or ptxas (CUDA's rules, registers and spills are
+tests/test_cuda_sources.py's), Hopper's wgmma (grouped_wgmma is the GPU suite's alone), the
+ordering of a cp.async pipeline (each copy lands at once, so a missing wait goes unseen), nor the
 GPU's speed or its order of additions. Outputs start as all-ones bytes (NaN in floating point),
 so an output a kernel fails to write shows as not finite."""
 
@@ -30,6 +34,7 @@ CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "f
 # warp's exchange meet through the barriers metal_emulation's launcher gives each thread.
 SHIM = HALF_TYPES + r"""
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cstddef>
 #include <type_traits>
@@ -150,6 +155,68 @@ template <typename Reduce> unsigned reduce_lanes(unsigned v, Reduce reduce) {
   this_lanes->meet.arrive_and_wait();
   return r;
 }
+// The grouped prefill GEMM's (moe_prefill.cu): fp16 pairs, shared memory addresses, cp.async,
+// mma.sync and the route kernel's shared-memory atomics.
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
+inline __half2 __floats2half2_rn(float a, float b) { return {__half(a), __half(b)}; }
+inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
+  return {bfloat16_of_exact(double(float(a.x)) * double(float(b.x))), bfloat16_of_exact(double(float(a.y)) * double(float(b.y)))};
+}
+// fp16 lanes: the exact result (a double holds a product of two halves and a sum exactly at
+// these magnitudes) rounded once to fp16
+inline __half2 __hsub2(__half2 a, __half2 b) {
+  return {__half(float(double(float(a.x)) - double(float(b.x)))), __half(float(double(float(a.y)) - double(float(b.y))))};
+}
+inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
+  const auto lane = [](__half p, __half q, __half r) { return __half(static_cast<float>(double(float(p)) * double(float(q)) + double(float(r)))); };
+  return {lane(a.x, b.x, c.x), lane(a.y, b.y, c.y)};
+}
+inline int atomicAdd(int* address, int value) { return std::atomic_ref<int>(*address).fetch_add(value); }
+// A shared-memory address is its offset in the block's dynamic shared memory (the GEMM's
+// cp.async destinations all lie there).
+inline unsigned __cvta_generic_to_shared(const void* p) {
+  return unsigned(static_cast<const unsigned char*>(p) - dynamic_shared);
+}
+// cp.async.cg of 16 bytes: `bytes` of them copied, the rest zero-filled; done at once, so the
+// commit / wait of its groups have nothing to order (the pipeline's races are not emulated)
+inline void cp_async_16(unsigned shared_address, const void* source, unsigned bytes) {
+  std::memset(dynamic_shared + shared_address, 0, 16);
+  std::memcpy(dynamic_shared + shared_address, source, bytes);
+}
+// mma.sync.m16n8k16.row.col with fp32 accumulators: D[16 x 8] += A[16 x 16] B[16 x 8], each lane
+// (g = lane / 4, t = lane % 4) holding A rows g, g + 8 at k 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9
+// (a2, a3), B column g at k 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1), D rows g, g + 8 at columns
+// 2t, 2t + 1. The warp's operands meet in a buffer of its own, two of them taken in turn, so one
+// meeting a call suffices: a lane writes a buffer again only after every lane has met past the
+// other buffer's call, which they reach after reading this one. Each output sums its 16 exact
+// products and the accumulator in float, in k order (the tensor core's order and rounding differ).
+struct MmaOperands { unsigned a[32][4], b[32][2]; };
+struct MmaLanes { MmaOperands operands[2]; };
+inline MmaLanes mma_lanes[32];  // per warp of the block running now
+thread_local unsigned mma_calls;
+template <typename T>
+void mma_m16n8k16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  MmaOperands& x = mma_lanes[threadIdx.x / 32].operands[mma_calls++ & 1];
+  std::memcpy(x.a[this_lane], a, sizeof(a));
+  x.b[this_lane][0] = b0, x.b[this_lane][1] = b1;
+  this_lanes->meet.arrive_and_wait();
+  const auto half = [](unsigned word, unsigned k) {
+    const unsigned short bits = static_cast<unsigned short>(word >> (16 * (k & 1)));
+    T value; std::memcpy(&value, &bits, 2);
+    return static_cast<float>(value);
+  };
+  const unsigned g = this_lane / 4, t = this_lane % 4;
+  for (unsigned e = 0; e < 4; ++e) {
+    const unsigned row = g + 8 * (e / 2), column = 2 * t + e % 2;
+    float sum = 0.f;
+    for (unsigned k = 0; k < 16; ++k) {
+      const float a_value = half(x.a[4 * (row % 8) + (k % 8) / 2][(row / 8) + 2 * (k / 8)], k);
+      const float b_value = half(x.b[4 * column + (k % 8) / 2][k / 8], k);
+      sum += a_value * b_value;
+    }
+    c[e] += sum;
+  }
+}
 inline unsigned __reduce_max_sync(unsigned, unsigned v) { return reduce_lanes(v, [](unsigned a, unsigned b) { return std::max(a, b); }); }
 inline unsigned __reduce_min_sync(unsigned, unsigned v) { return reduce_lanes(v, [](unsigned a, unsigned b) { return std::min(a, b); }); }
 """
@@ -165,6 +232,11 @@ PTX = (
      r'"=r"\(\w+\.z\), "=r"\(\w+\.w\) : "l"\((\w+)\)\);',
      r"\1 = *reinterpret_cast<const uint4*>(\2);"),
     (r'asm\("" : "\+l"\(\w+\)\);', ""),
+    (r'asm volatile\("cp\.async\.cg\.shared\.global \[%0\], \[%1\], 16, %2;\\n" ::"r"\((.*?)\),\s*"l"\((.*?)\), "r"\((.*?)\)\);',
+     r"cp_async_16(\1, \2, \3);"),
+    (r'asm volatile\("cp\.async\.(?:commit_group|wait_group %0);\\n" ::(?:"n"\(\w+(?: - \d+)?\))?\);', ""),
+    (r'(?s)asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(?:bf16\.bf16|f16\.f16)\.f32 [^"]*"\s*:.*?\);',
+     "mma_m16n8k16<T>(c, a, b0, b1);"),
     (r"extern __shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+)\[\];", r"\1* \2 = reinterpret_cast<\1*>(dynamic_shared);"),
     (r"#include <cuda/[^>]*>", ""),
 )
@@ -207,6 +279,9 @@ class EmulatedCudaKernel:
                                thread_setup="threadIdx = dim3{t, 0, 0};",
                                group_setup="blockIdx = position; dynamic_shared = shared.data();"))
 
+        # MLX launches ceil(grid / threadgroup) blocks (mlx/backend/cuda/custom_kernel.cpp): a
+        # kernel bounds-checks the threads past the grid itself
+        grid = tuple(-(-g // t) * t for g, t in zip(grid, threadgroup))
         return run_grid(compose, "CUDA", inputs,
                         [f"const {CUDA_TYPES[a.dtype]}* {n}" for a, n in zip(inputs, self.input_names)],
                         output_shapes, output_dtypes, [f"{CUDA_TYPES[d]}* {n}" for d, n in zip(output_dtypes, self.output_names)],

@@ -1,13 +1,15 @@
-"""The CUDA decode, router and routed decode kernels (kernels/cuda/moe_decode.cu, moe_router.cu,
-moe_routed_decode.cu), run on a CPU through tests/cuda_emulation.py. The decode kernel: the launches
-moe_decode plans for CUDA (grids, template constants, source constants, inputs, the dynamic shared
+"""The CUDA decode, router, routed decode and grouped prefill kernels (kernels/cuda/moe_decode.cu,
+moe_router.cu, moe_routed_decode.cu, moe_prefill.cu), run on a CPU through tests/cuda_emulation.py.
+The decode kernel: the launches moe_decode plans for CUDA (grids, template constants, source constants, inputs, the dynamic shared
 memory of the split activation rows) and the kernel's arithmetic, indexing, fixed-point GEMV, FP4
 reads, activations and combine, against the float32 oracle of its pure-MLX reference, on the cases
 tests/test_metal_emulation.py gives the Metal kernel. The router kernel: its routings (mlx-lm's
 softmax ones, Inkling's sigmoid, DeepSeek-V4's sqrt-softplus) against the reference's experts and
 weights. The routed decode kernels: the routing inside the gate+up launch, the router's logits
 computed there too (router_gate_up's bf16x2 matmul) and Inkling's block with its shared experts,
-each against the router and decode kernels apart, bit for bit, as on the GPU. Then the zoo's
+each against the router and decode kernels apart, bit for bit, as on the GPU. The grouped prefill:
+its routing, mma.sync GEMM (gate+up with the activation, down) and combine against the float32
+oracle, at every tile height (wgmma is not emulated). Then the zoo's
 families greedy with the whole package as on an H200. Not NVRTC and not a GPU (see the emulation's
 docstring): tests/parity's GPU tests stay the check on an NVIDIA GPU; these let a machine without
 one check a change to the CUDA sources' logic and the patches' CUDA paths."""
@@ -21,7 +23,7 @@ import pytest
 import mlx_moe_fix
 from mlx_moe_fix import zoo
 
-from mlx_moe_fix.kernels import moe_decode_reference, moe_router_reference
+from mlx_moe_fix.kernels import moe_decode_reference, moe_prefill_reference, moe_router_reference
 from mlx_moe_fix.kernels.experts import FP4_GROUP_SIZES
 from mlx_moe_fix.kernels.experts import RouterLinear
 from mlx_moe_fix.kernels.moe_router import Routing
@@ -39,6 +41,7 @@ from .test_metal_emulation import CASES
 DECODE = sys.modules["mlx_moe_fix.kernels.moe_decode"]
 ROUTER = sys.modules["mlx_moe_fix.kernels.moe_router"]
 ROUTED = sys.modules["mlx_moe_fix.kernels.moe_routed_decode"]
+PREFILL = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
 BACKEND = sys.modules["mlx_moe_fix.kernels.backend"]
 CURRENT_BACKEND = BACKEND.current_backend  # the function every module imported, before any test patches it
 
@@ -66,14 +69,16 @@ def emulated_kernel(header_edit=lambda header: header):
 
 @pytest.fixture
 def emulated_cuda_kernels(monkeypatch):
-    """Every CUDA kernel of the decode path (decode, router, routed decode) emulated, as on an
-    sm_90 GPU of 132 SMs (the fused router sizes its waves by them)."""
-    for module in (DECODE, ROUTER, ROUTED):
+    """Every CUDA kernel emulated (decode, router, routed decode, the grouped prefill's mma.sync
+    GEMM, routing and combine), as on an sm_90 GPU of 132 SMs (the fused router sizes its waves by
+    them); gate+up on mma.sync, as where wgmma is off (the emulation has no wgmma)."""
+    for module in (DECODE, ROUTER, ROUTED, PREFILL):
         monkeypatch.setattr(module, "cuda_kernel_object", emulated_kernel())
     for module in (DECODE, ROUTER, ROUTED, BACKEND):
         monkeypatch.setattr(module, "current_backend", lambda: "cuda")
     monkeypatch.setattr(ROUTED, "compute_capability", lambda: (9, 0))
     monkeypatch.setattr(ROUTED, "multiprocessor_count", lambda: 132)
+    monkeypatch.setattr(PREFILL, "wgmma_device", lambda: False)
 
 
 @pytest.mark.parametrize("name", CUDA_CASES)
@@ -107,6 +112,58 @@ def test_the_emulation_finds_a_wrong_cuda_kernel(monkeypatch):
     case = make_case(*arguments, **keywords)
     with pytest.raises(AssertionError, match="relative error"):
         check(DECODE.moe_decode_kernel, case, float32_oracle(moe_decode_reference, case))
+
+
+# The grouped prefill (route, the mma.sync GEMM's gate+up and down launches, combine) at every
+# tile height, both activation types, 4- and 8-bit weights (the fp32 dequantisation of 8-bit
+# against bf16 as well as the two-lane one), groups 16-128, ragged, empty and one-expert runs, the
+# clamp binding, biases, Inkling's per-expert scales and FP4 experts: (dtype, quantization, glu,
+# kind, limit, scaled, tokens, routing, bias, tile height the kernel must pick), 8 experts top-2 of
+# 256 x 256 (four k-steps: the three-stage pipeline wraps). Small: each mma.sync emulated is a
+# meeting of its warp's 32 threads.
+PREFILL_CASES = {
+    "bf16 4-bit/64 swiglu, 64-row tiles": (mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 130, "random", False, 64),
+    "fp16 8-bit/32 gpt-oss swiglu biased, one expert": (mx.float16, (8, 32), True, "swiglu_oai", 7.0, False, 40, "one_expert",
+                                                        True, 32),
+    "fp16 4-bit/128 gelu_approx mlp, empty experts": (mx.float16, (4, 128), False, "gelu_approx", 0.25, False, 100, "few_experts",
+                                                      False, 32),
+    "bf16 8-bit/64 clamped swiglu binding, biased": (mx.bfloat16, (8, 64), True, "swiglu_limited", 0.25, False, 20, "random", True,
+                                                     16),
+    "bf16 4-bit/32 Inkling scales": (mx.bfloat16, (4, 32), True, "swiglu", 0.25, True, 20, "random", False, 16),
+    "bf16 mxfp4 gpt-oss swiglu biased": (mx.bfloat16, (4, 32, "mxfp4"), True, "swiglu_oai", 7.0, False, 20, "random", True, 16),
+    "bf16 nvfp4 Inkling scales, 64-row tiles": (mx.bfloat16, (4, 16, "nvfp4"), True, "swiglu", 7.0, True, 130, "random", False, 64),
+}
+
+
+def prefill_case(name):
+    dtype, quantization, glu, kind, limit, scaled, tokens, routing, bias, tile = PREFILL_CASES[name]
+    case = make_case(dtype, quantization, glu, kind, limit, scaled, 256, 256, 8, 2, 1, tokens, routing=routing, with_weights=True,
+                     bias=bias)
+    assert PREFILL.cuda_unsupported_reason(case.experts, dtype) is None
+    assert PREFILL.tile_height(case.indices.size, 8) == tile
+    return case
+
+
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_emulated_cuda_prefill_kernel_matches_ref(emulated_cuda_kernels, name):
+    case = prefill_case(name)
+    check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
+
+
+def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch):
+    # A GEMM that feeds mma.sync its two B registers the wrong way round (k 2t, 2t + 1 against
+    # 2t + 8, 2t + 9) must fail: the emulated mma.sync reads its operands' fragment layout.
+    right = "const unsigned (&a)[4], unsigned b0, unsigned b1)"
+
+    def swapped(header):
+        assert right in header
+        return header.replace(right, "const unsigned (&a)[4], unsigned b1, unsigned b0)")
+
+    monkeypatch.setattr(PREFILL, "cuda_kernel_object", emulated_kernel(swapped))
+    monkeypatch.setattr(PREFILL, "wgmma_device", lambda: False)
+    case = prefill_case("bf16 4-bit/32 Inkling scales")
+    with pytest.raises(AssertionError, match="relative error"):
+        check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
 ROUTINGS = {
