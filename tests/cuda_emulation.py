@@ -11,12 +11,12 @@ types; bf16x2 arithmetic rounded once a lane, as the hardware does); a warp is 3
 `__shfl_xor_sync` exchanges their values after all have arrived; `__shared__` memory is one array
 for the block running now (blocks run one after another, their threads at once); the inline PTX
 the kernels use (`prmt`, `dp4a`, a streamed 16-byte load, an empty `asm` that hides a pointer's
-origin, `cp.async` into dynamic shared memory, `mma.sync` m16n8k16 on its fragment layout) becomes
-the C++ of its definition; MLX's grid in threads is rounded up to whole blocks, as MLX launches
-it. What it is not: NVRTC or ptxas (CUDA's rules, registers and spills are
-tests/test_cuda_sources.py's), Hopper's wgmma (grouped_wgmma is the GPU suite's alone), the
-ordering of a cp.async pipeline (each copy lands at once, so a missing wait goes unseen), nor the
-GPU's speed or its order of additions. Outputs start as all-ones bytes (NaN in floating point),
+origin, `cp.async` into dynamic shared memory, `mma.sync` m16n8k16 and Hopper's `wgmma` m64nNk16 on
+their fragment layouts and shared-memory descriptor) becomes the C++ of its definition; MLX's grid
+in threads is rounded up to whole blocks, as MLX launches it. What it is not: NVRTC or ptxas
+(CUDA's rules, registers and spills are tests/test_cuda_sources.py's), the ordering of the
+asynchronous copies and wgmmas (each lands at once, so a missing wait or fence goes unseen), nor
+the GPU's speed or its order of additions. Outputs start as all-ones bytes (NaN in floating point),
 so an output a kernel fails to write shows as not finite."""
 
 from __future__ import annotations
@@ -183,39 +183,65 @@ inline void cp_async_16(unsigned shared_address, const void* source, unsigned by
   std::memset(dynamic_shared + shared_address, 0, 16);
   std::memcpy(dynamic_shared + shared_address, source, bytes);
 }
-// mma.sync.m16n8k16.row.col with fp32 accumulators: D[16 x 8] += A[16 x 16] B[16 x 8], each lane
-// (g = lane / 4, t = lane % 4) holding A rows g, g + 8 at k 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9
-// (a2, a3), B column g at k 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1), D rows g, g + 8 at columns
-// 2t, 2t + 1. The warp's operands meet in a buffer of its own, two of them taken in turn, so one
-// meeting a call suffices: a lane writes a buffer again only after every lane has met past the
-// other buffer's call, which they reach after reading this one. Each output sums its 16 exact
-// products and the accumulator in float, in k order (the tensor core's order and rounding differ).
+// The tensor cores' A operand, A[16 x 16] of a warp in mma.sync's m16n8k16 layout: lane
+// (g = lane / 4, t = lane % 4) holds rows g, g + 8 at k 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2,
+// a3), each register two values, the lower k in the low half. The warp's registers meet in a buffer
+// of its own, two of them taken in turn, so one meeting a call suffices: a lane writes a buffer
+// again only after every lane has met past the other buffer's call, which they reach after
+// reading this one. Each output sums its 16 exact products in float in k order, then adds the
+// accumulator (the tensor core's order and rounding differ).
 struct MmaOperands { unsigned a[32][4], b[32][2]; };
 struct MmaLanes { MmaOperands operands[2]; };
 inline MmaLanes mma_lanes[32];  // per warp of the block running now
 thread_local unsigned mma_calls;
-template <typename T>
-void mma_m16n8k16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+inline MmaOperands& warp_operands(const unsigned (&a)[4], unsigned b0, unsigned b1) {
   MmaOperands& x = mma_lanes[threadIdx.x / 32].operands[mma_calls++ & 1];
   std::memcpy(x.a[this_lane], a, sizeof(a));
   x.b[this_lane][0] = b0, x.b[this_lane][1] = b1;
   this_lanes->meet.arrive_and_wait();
-  const auto half = [](unsigned word, unsigned k) {
-    const unsigned short bits = static_cast<unsigned short>(word >> (16 * (k & 1)));
-    T value; std::memcpy(&value, &bits, 2);
-    return static_cast<float>(value);
-  };
+  return x;
+}
+template <typename T> float value_of(unsigned short bits) { T value; std::memcpy(&value, &bits, 2); return static_cast<float>(value); }
+template <typename T> float a_element(const MmaOperands& x, unsigned row, unsigned k) {
+  return value_of<T>(static_cast<unsigned short>(x.a[4 * (row % 8) + (k % 8) / 2][row / 8 + 2 * (k / 8)] >> (16 * (k & 1))));
+}
+// mma.sync.m16n8k16.row.col, fp32 accumulators: D[16 x 8] += A B, B column g at k 2t, 2t + 1 (b0)
+// and 2t + 8, 2t + 9 (b1), D rows g, g + 8 at columns 2t, 2t + 1 (c0 c1, c2 c3).
+template <typename T>
+void mma_m16n8k16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  const MmaOperands& x = warp_operands(a, b0, b1);
   const unsigned g = this_lane / 4, t = this_lane % 4;
   for (unsigned e = 0; e < 4; ++e) {
     const unsigned row = g + 8 * (e / 2), column = 2 * t + e % 2;
     float sum = 0.f;
-    for (unsigned k = 0; k < 16; ++k) {
-      const float a_value = half(x.a[4 * (row % 8) + (k % 8) / 2][(row / 8) + 2 * (k / 8)], k);
-      const float b_value = half(x.b[4 * column + (k % 8) / 2][k / 8], k);
-      sum += a_value * b_value;
-    }
+    for (unsigned k = 0; k < 16; ++k)
+      sum += a_element<T>(x, row, k) * value_of<T>(static_cast<unsigned short>(x.b[4 * column + (k % 8) / 2][k / 8] >> (16 * (k & 1))));
     c[e] += sum;
   }
+}
+// wgmma.mma_async m64nNk16 with A from registers (each warp of the warpgroup its 16 rows, as
+// mma.sync's A) and B[16 x N] from shared memory through its descriptor, K-major without swizzle:
+// start address, leading byte offset (to the next 8 k) and stride byte offset (to the next 8
+// columns), each in 16-byte units; element (k, n) at start + (k / 8) lead + (n / 8) stride +
+// (n % 8) 16 + (k % 8) 2 bytes. D: mma.sync's C layout repeated over the N / 8 column blocks. Done
+// at once (the fence / commit / wait that order the asynchronous wgmma have nothing to order).
+template <typename T, int N>
+void wgmma_m64k16(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long descriptor) {
+  const MmaOperands& x = warp_operands(a, 0, 0);
+  const unsigned char* b = dynamic_shared + ((descriptor & 0x3FFF) << 4);
+  const unsigned lead = ((descriptor >> 16) & 0x3FFF) << 4, stride = ((descriptor >> 32) & 0x3FFF) << 4;
+  const unsigned g = this_lane / 4, t = this_lane % 4;
+  for (unsigned j = 0; j < N / 8; ++j)
+    for (unsigned e = 0; e < 4; ++e) {
+      const unsigned row = g + 8 * (e / 2), column = 8 * j + 2 * t + e % 2;
+      float sum = 0.f;
+      for (unsigned k = 0; k < 16; ++k) {
+        unsigned short bits;
+        std::memcpy(&bits, b + (k / 8) * lead + (column / 8) * stride + (column % 8) * 16 + (k % 8) * 2, 2);
+        sum += a_element<T>(x, row, k) * value_of<T>(bits);
+      }
+      d[4 * j + e] += sum;
+    }
 }
 inline unsigned __reduce_max_sync(unsigned, unsigned v) { return reduce_lanes(v, [](unsigned a, unsigned b) { return std::max(a, b); }); }
 inline unsigned __reduce_min_sync(unsigned, unsigned v) { return reduce_lanes(v, [](unsigned a, unsigned b) { return std::min(a, b); }); }
@@ -232,21 +258,27 @@ PTX = (
      r'"=r"\(\w+\.z\), "=r"\(\w+\.w\) : "l"\((\w+)\)\);',
      r"\1 = *reinterpret_cast<const uint4*>(\2);"),
     (r'asm\("" : "\+l"\(\w+\)\);', ""),
-    (r'asm volatile\("cp\.async\.cg\.shared\.global \[%0\], \[%1\], 16, %2;\\n" ::"r"\((.*?)\),\s*"l"\((.*?)\), "r"\((.*?)\)\);',
+    (r'asm volatile\("cp\.async\.cg\.shared\.global \[%0\], \[%1\], 16, %2;\\n" ::"r"\((.*?)\),\s*"l"\((.*?)\),\s*"r"\((.*?)\)\);',
      r"cp_async_16(\1, \2, \3);"),
     (r'asm volatile\("cp\.async\.(?:commit_group|wait_group %0);\\n" ::(?:"n"\(\w+(?: - \d+)?\))?\);', ""),
     (r'(?s)asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(?:bf16\.bf16|f16\.f16)\.f32 [^"]*"\s*:.*?\);',
      "mma_m16n8k16<T>(c, a, b0, b1);"),
+    (r'MOE_WGMMA_OF\("m64n\d+k16", "b?f16", MOE_N\d+\);', "wgmma_m64k16<T, N>(d, a, descriptor);"),
+    (r'asm volatile\("(?:wgmma\.fence\.sync\.aligned|wgmma\.commit_group\.sync\.aligned|wgmma\.wait_group\.sync\.aligned %0|'
+     r'fence\.proxy\.async\.shared::cta);\\n" ::(?:"n"\(N\))? ?: "memory"\);', ""),
+    (r'asm volatile\("" : "\+[fr]"\(v\[i\]\)\);', ";"),  # a loop's body
     (r"extern __shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+)\[\];", r"\1* \2 = reinterpret_cast<\1*>(dynamic_shared);"),
     (r"#include <cuda/[^>]*>", ""),
 )
 
 
 def as_cpu_source(text: str) -> str:
-    """`text` with the kernels' inline PTX replaced by C++; any `asm` left is an error."""
+    """`text` with the kernels' inline PTX replaced by C++; any `asm` left is an error (but in a
+    macro's definition: grouped_wgmma's wgmma asm, whose uses are replaced)."""
     for pattern, replacement in PTX:
         text = re.sub(pattern, replacement, text)
-    assert "asm(" not in text, f"inline PTX the emulation does not know: {text[text.index('asm('):][:200]}"
+    unknown = [line for line in text.splitlines() if re.search(r"\basm\b", line) and not line.lstrip().startswith("#define")]
+    assert not unknown, f"inline PTX the emulation does not know: {unknown[0][:200]}"
     return text
 
 

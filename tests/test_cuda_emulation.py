@@ -8,8 +8,8 @@ softmax ones, Inkling's sigmoid, DeepSeek-V4's sqrt-softplus) against the refere
 weights. The routed decode kernels: the routing inside the gate+up launch, the router's logits
 computed there too (router_gate_up's bf16x2 matmul) and Inkling's block with its shared experts,
 each against the router and decode kernels apart, bit for bit, as on the GPU. The grouped prefill:
-its routing, mma.sync GEMM (gate+up with the activation, down) and combine against the float32
-oracle, at every tile height (wgmma is not emulated). Then the zoo's
+its routing, GEMM (gate+up with the activation on mma.sync and on wgmma, down) and combine against
+the float32 oracle, at every tile height. Then the zoo's
 families greedy with the whole package as on an H200. Not NVRTC and not a GPU (see the emulation's
 docstring): tests/parity's GPU tests stay the check on an NVIDIA GPU; these let a machine without
 one check a change to the CUDA sources' logic and the patches' CUDA paths."""
@@ -69,9 +69,9 @@ def emulated_kernel(header_edit=lambda header: header):
 
 @pytest.fixture
 def emulated_cuda_kernels(monkeypatch):
-    """Every CUDA kernel emulated (decode, router, routed decode, the grouped prefill's mma.sync
-    GEMM, routing and combine), as on an sm_90 GPU of 132 SMs (the fused router sizes its waves by
-    them); gate+up on mma.sync, as where wgmma is off (the emulation has no wgmma)."""
+    """Every CUDA kernel emulated (decode, router, routed decode, the grouped prefill's GEMM,
+    routing and combine), as on an sm_90 GPU of 132 SMs (the fused router sizes its waves by them);
+    the prefill's gate+up on mma.sync unless a test takes wgmma."""
     for module in (DECODE, ROUTER, ROUTED, PREFILL):
         monkeypatch.setattr(module, "cuda_kernel_object", emulated_kernel())
     for module in (DECODE, ROUTER, ROUTED, BACKEND):
@@ -127,6 +127,7 @@ PREFILL_CASES = {
                                                         True, 32),
     "fp16 4-bit/128 gelu_approx mlp, empty experts": (mx.float16, (4, 128), False, "gelu_approx", 0.25, False, 100, "few_experts",
                                                       False, 32),
+    "fp16 4-bit/64 geglu_approx, 32-row tiles": (mx.float16, (4, 64), True, "geglu_approx", 0.25, False, 40, "random", False, 32),
     "bf16 8-bit/64 clamped swiglu binding, biased": (mx.bfloat16, (8, 64), True, "swiglu_limited", 0.25, False, 20, "random", True,
                                                      16),
     "bf16 4-bit/32 Inkling scales": (mx.bfloat16, (4, 32), True, "swiglu", 0.25, True, 20, "random", False, 16),
@@ -150,18 +151,42 @@ def test_emulated_cuda_prefill_kernel_matches_ref(emulated_cuda_kernels, name):
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
-def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch):
-    # A GEMM that feeds mma.sync its two B registers the wrong way round (k 2t, 2t + 1 against
-    # 2t + 8, 2t + 9) must fail: the emulated mma.sync reads its operands' fragment layout.
-    right = "const unsigned (&a)[4], unsigned b0, unsigned b1)"
+# The cases whose gate+up Hopper's wgmma takes (4-bit, gated), here at every tile height.
+WGMMA_CASES = [name for name, case in PREFILL_CASES.items() if case[1][0] == 4 and case[2]]
 
-    def swapped(header):
+
+@pytest.mark.parametrize("name", WGMMA_CASES)
+def test_emulated_cuda_prefill_kernel_matches_ref_with_wgmma(emulated_cuda_kernels, monkeypatch, name):
+    monkeypatch.setattr(PREFILL, "wgmma_device", lambda: True)
+    monkeypatch.setattr(PREFILL, "WGMMA_MIN_TILE", 0)
+    case = prefill_case(name)
+    assert PREFILL.gemm_kernel(case.experts, "first", PREFILL_CASES[name][-1]) == "grouped_wgmma"
+    check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
+
+
+# A GEMM that feeds mma.sync its two B registers the wrong way round (k 2t, 2t + 1 against
+# 2t + 8, 2t + 9), and a wgmma descriptor whose offset to the next 8 k lands in the field of the
+# offset to the next 8 columns, must fail: the emulated tensor-core instructions read their
+# operands' layouts.
+WRONG_GEMMS = {
+    "grouped": ("const unsigned (&a)[4], unsigned b0, unsigned b1)", "const unsigned (&a)[4], unsigned b1, unsigned b0)"),
+    "grouped_wgmma": ("(unsigned long long)(k_stride >> 4) << 16", "(unsigned long long)(k_stride >> 4) << 32"),
+}
+
+
+@pytest.mark.parametrize("gemm", WRONG_GEMMS)
+def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch, gemm):
+    right, wrong = WRONG_GEMMS[gemm]
+
+    def broken(header):
         assert right in header
-        return header.replace(right, "const unsigned (&a)[4], unsigned b1, unsigned b0)")
+        return header.replace(right, wrong)
 
-    monkeypatch.setattr(PREFILL, "cuda_kernel_object", emulated_kernel(swapped))
-    monkeypatch.setattr(PREFILL, "wgmma_device", lambda: False)
+    monkeypatch.setattr(PREFILL, "cuda_kernel_object", emulated_kernel(broken))
+    monkeypatch.setattr(PREFILL, "wgmma_device", lambda: gemm == "grouped_wgmma")
+    monkeypatch.setattr(PREFILL, "WGMMA_MIN_TILE", 0)
     case = prefill_case("bf16 4-bit/32 Inkling scales")
+    assert PREFILL.gemm_kernel(case.experts, "first", 16) == gemm
     with pytest.raises(AssertionError, match="relative error"):
         check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
