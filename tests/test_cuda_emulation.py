@@ -114,13 +114,13 @@ def test_the_emulation_finds_a_wrong_cuda_kernel(monkeypatch):
         check(DECODE.moe_decode_kernel, case, float32_oracle(moe_decode_reference, case))
 
 
-# The grouped prefill (route, the mma.sync GEMM's gate+up and down launches, combine) at every
-# tile height, both activation types, 4- and 8-bit weights (the fp32 dequantisation of 8-bit
-# against bf16 as well as the two-lane one), groups 16-128, ragged, empty and one-expert runs, the
-# clamp binding, biases, Inkling's per-expert scales and FP4 experts: (dtype, quantization, glu,
-# kind, limit, scaled, tokens, routing, bias, tile height the kernel must pick), 8 experts top-2 of
-# 256 x 256 (four k-steps: the three-stage pipeline wraps). Small: each mma.sync emulated is a
-# meeting of its warp's 32 threads.
+# The grouped prefill (route, the GEMM's gate+up and down launches, combine) at every tile height,
+# both activation types, 4- and 8-bit weights (the fp32 dequantisation of 8-bit against bf16 as
+# well as the two-lane one), groups 16-128, ragged, empty and one-expert runs, the clamp binding,
+# biases, Inkling's per-expert scales, FP4 experts and widths that leave blocks part-filled:
+# (dtype, quantization, glu, kind, limit, scaled, tokens, routing, bias, tile height the kernel
+# must pick), by default 8 experts top-2 of 256 x 256 (four k-steps: the three-stage pipeline
+# wraps). Small: each emulated mma.sync / wgmma is a meeting of its warp's 32 threads.
 PREFILL_CASES = {
     "bf16 4-bit/64 swiglu, 64-row tiles": (mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 130, "random", False, 64),
     "fp16 8-bit/32 gpt-oss swiglu biased, one expert": (mx.float16, (8, 32), True, "swiglu_oai", 7.0, False, 40, "one_expert",
@@ -133,15 +133,20 @@ PREFILL_CASES = {
     "bf16 4-bit/32 Inkling scales": (mx.bfloat16, (4, 32), True, "swiglu", 0.25, True, 20, "random", False, 16),
     "bf16 mxfp4 gpt-oss swiglu biased": (mx.bfloat16, (4, 32, "mxfp4"), True, "swiglu_oai", 7.0, False, 20, "random", True, 16),
     "bf16 nvfp4 Inkling scales, 64-row tiles": (mx.bfloat16, (4, 16, "nvfp4"), True, "swiglu", 7.0, True, 130, "random", False, 64),
+    "bf16 4-bit/64 swiglu, ragged widths": (mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 23, "random", False, 32),
 }
+# (hidden, intermediate, experts, top-k, batch) where not (256, 256, 8, 2, 1): 320 = five k-steps of
+# gate+up and 2.5 column blocks of down, 192 = 1.5 of gate+up, 5 experts top-3 over two batch rows.
+PREFILL_SHAPES = {"bf16 4-bit/64 swiglu, ragged widths": (320, 192, 5, 3, 2)}
 
 
 def prefill_case(name):
     dtype, quantization, glu, kind, limit, scaled, tokens, routing, bias, tile = PREFILL_CASES[name]
-    case = make_case(dtype, quantization, glu, kind, limit, scaled, 256, 256, 8, 2, 1, tokens, routing=routing, with_weights=True,
-                     bias=bias)
+    hidden, intermediate, experts, top_k, batch = PREFILL_SHAPES.get(name, (256, 256, 8, 2, 1))
+    case = make_case(dtype, quantization, glu, kind, limit, scaled, hidden, intermediate, experts, top_k, batch, tokens,
+                     routing=routing, with_weights=True, bias=bias)
     assert PREFILL.cuda_unsupported_reason(case.experts, dtype) is None
-    assert PREFILL.tile_height(case.indices.size, 8) == tile
+    assert PREFILL.tile_height(case.indices.size, experts) == tile
     return case
 
 
