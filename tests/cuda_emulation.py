@@ -13,10 +13,12 @@ for the block running now (blocks run one after another, their threads at once);
 the kernels use (`prmt`, `dp4a`, a streamed 16-byte load, an empty `asm` that hides a pointer's
 origin, `cp.async` into dynamic shared memory, `mma.sync` m16n8k16 and Hopper's `wgmma` m64nNk16 on
 their fragment layouts and shared-memory descriptor) becomes the C++ of its definition; MLX's grid
-in threads is rounded up to whole blocks, as MLX launches it. What it is not: NVRTC or ptxas
-(CUDA's rules, registers and spills are tests/test_cuda_sources.py's), the ordering of the
-asynchronous copies and wgmmas (each lands at once, so a missing wait or fence goes unseen), nor
-the GPU's speed or its order of additions. Outputs start as all-ones bytes (NaN in floating point),
+in threads is rounded up to whole blocks, as MLX launches it; a cp.async copy lands when a
+wait_group lets its group complete, its destination all-ones bytes until then, so that a stage read
+too early reads garbage. What it is not: NVRTC or ptxas (CUDA's rules, registers and spills are
+tests/test_cuda_sources.py's), the asynchrony of wgmma (each lands at once, so a missing wgmma wait
+or proxy fence goes unseen), a copy that another thread reads without a barrier after the wait
+(caught only as the threads happen to run), nor the GPU's speed or its order of additions. Outputs start as all-ones bytes (NaN in floating point),
 so an output a kernel fails to write shows as not finite."""
 
 from __future__ import annotations
@@ -177,12 +179,29 @@ inline int atomicAdd(int* address, int value) { return std::atomic_ref<int>(*add
 inline unsigned __cvta_generic_to_shared(const void* p) {
   return unsigned(static_cast<const unsigned char*>(p) - dynamic_shared);
 }
-// cp.async.cg of 16 bytes: `bytes` of them copied, the rest zero-filled; done at once, so the
-// commit / wait of its groups have nothing to order (the pipeline's races are not emulated)
+// cp.async.cg of 16 bytes (`bytes` of them copied, the rest zero-filled) in its thread's groups:
+// the destination holds all-ones bytes (NaN in T, nibbles of 15 in packed weights) from the copy's
+// issue until a cp.async.wait_group lets its group complete, so that a kernel that reads a stage
+// before waiting for it reads garbage here (where the GPU might have let it pass). Each thread
+// completes its own copies at its wait; the block's barrier after the wait shows them to the rest.
+struct AsyncCopy { unsigned shared_address; const void* source; unsigned bytes; };
+thread_local std::vector<AsyncCopy> uncommitted_copies;
+thread_local std::vector<std::vector<AsyncCopy>> committed_copies;  // oldest group first
 inline void cp_async_16(unsigned shared_address, const void* source, unsigned bytes) {
-  std::memset(dynamic_shared + shared_address, 0, 16);
-  std::memcpy(dynamic_shared + shared_address, source, bytes);
+  std::memset(dynamic_shared + shared_address, 0xFF, 16);
+  uncommitted_copies.push_back({shared_address, source, bytes});
 }
+inline void cp_async_commit() { committed_copies.push_back(std::move(uncommitted_copies)); uncommitted_copies.clear(); }
+template <int PENDING> void cp_async_wait() {  // all but the newest PENDING committed groups complete
+  while (committed_copies.size() > PENDING) {
+    for (const AsyncCopy& copy : committed_copies.front()) {
+      std::memset(dynamic_shared + copy.shared_address, 0, 16);
+      std::memcpy(dynamic_shared + copy.shared_address, copy.source, copy.bytes);
+    }
+    committed_copies.erase(committed_copies.begin());
+  }
+}
+inline void cp_async_forget() { uncommitted_copies.clear(); committed_copies.clear(); }  // a block's start
 // The tensor cores' A operand, A[16 x 16] of a warp in mma.sync's m16n8k16 layout: lane
 // (g = lane / 4, t = lane % 4) holds rows g, g + 8 at k 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2,
 // a3), each register two values, the lower k in the low half. The warp's registers meet in a buffer
@@ -260,7 +279,8 @@ PTX = (
     (r'asm\("" : "\+l"\(\w+\)\);', ""),
     (r'asm volatile\("cp\.async\.cg\.shared\.global \[%0\], \[%1\], 16, %2;\\n" ::"r"\((.*?)\),\s*"l"\((.*?)\),\s*"r"\((.*?)\)\);',
      r"cp_async_16(\1, \2, \3);"),
-    (r'asm volatile\("cp\.async\.(?:commit_group|wait_group %0);\\n" ::(?:"n"\(\w+(?: - \d+)?\))?\);', ""),
+    (r'asm volatile\("cp\.async\.commit_group;\\n" ::\);', "cp_async_commit();"),
+    (r'asm volatile\("cp\.async\.wait_group %0;\\n" ::"n"\(([^;]*)\)\);', r"cp_async_wait<\1>();"),
     (r'(?s)asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(?:bf16\.bf16|f16\.f16)\.f32 [^"]*"\s*:.*?\);',
      "mma_m16n8k16<T>(c, a, b0, b1);"),
     (r'MOE_WGMMA_OF\("m64n\d+k16", "b?f16", MOE_N\d+\);', "wgmma_m64k16<T, N>(d, a, descriptor);"),
@@ -309,7 +329,7 @@ class EmulatedCudaKernel:
                     + launcher("dim3", f"mlx::core::cu::kernel({arguments})",
                                grid_setup="blockDim = dim3{threads, 1, 1}; gridDim = dim3{groups_x, groups_y, groups_z};",
                                thread_setup="threadIdx = dim3{t, 0, 0};",
-                               group_setup="blockIdx = position; dynamic_shared = shared.data();"))
+                               group_setup="blockIdx = position; dynamic_shared = shared.data(); cp_async_forget();"))
 
         # MLX launches ceil(grid / threadgroup) blocks (mlx/backend/cuda/custom_kernel.cpp): a
         # kernel bounds-checks the threads past the grid itself
