@@ -25,7 +25,7 @@ from mlx_moe_fix import zoo
 
 from mlx_moe_fix.kernels import moe_decode_reference, moe_prefill_reference, moe_router_reference
 from mlx_moe_fix.kernels.experts import FP4_GROUP_SIZES
-from mlx_moe_fix.kernels.experts import RouterLinear
+from mlx_moe_fix.kernels.experts import MoEExperts, RouterLinear
 from mlx_moe_fix.kernels.moe_router import Routing
 from mlx_moe_fix.kernels.sources import sections
 
@@ -153,6 +153,17 @@ def prefill_case(name):
 @pytest.mark.parametrize("name", PREFILL_CASES)
 def test_emulated_cuda_prefill_kernel_matches_ref(emulated_cuda_kernels, name):
     case = prefill_case(name)
+    check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
+
+
+@pytest.mark.parametrize("name", ["bf16 8-bit/64 clamped swiglu binding, biased", "bf16 4-bit/64 swiglu, 64-row tiles"])
+def test_emulated_cuda_prefill_kernel_matches_ref_on_one_projection(emulated_cuda_kernels, name):
+    # A lone expert matmul (QuantizedSwitchLinear's: the GEMM's "only" launch, one output per
+    # pair): the case's gate projection with its bias, no weights.
+    case = prefill_case(name)
+    case = dataclasses.replace(case, experts=MoEExperts(case.experts.projections[:1]), weights=None,
+                               label=f"{case.label}, gate projection alone")
+    assert PREFILL.cuda_unsupported_reason(case.experts, case.dtype) is None
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
