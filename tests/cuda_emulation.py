@@ -3,7 +3,7 @@ a kernel as MLX 0.32.4's cuda_kernel assembles it (mlx/backend/cuda/custom_kerne
 then `namespace mlx::core::cu`, a signature of const input pointers and output pointers, the
 template arguments as constants at the top of the body) as C++ (g++ or clang++, C++20), and runs
 its grid with one CPU thread per CUDA thread, so that the CUDA kernels' arithmetic, indexing and
-combine (the decode GEMVs, the routers, the grouped prefill's mma.sync GEMM, routing and combine)
+combine (the decode GEMVs, the routers, the grouped prefill's GEMMs, routing and combine)
 can be checked against the pure-MLX reference on machines without a GPU.
 
 What the emulation is: bf16 and fp16 stored and rounded as on the GPU (tests/metal_emulation.py's
@@ -18,8 +18,9 @@ wait_group lets its group complete, its destination all-ones bytes until then, s
 too early reads garbage. What it is not: NVRTC or ptxas (CUDA's rules, registers and spills are
 tests/test_cuda_sources.py's), the asynchrony of wgmma (each lands at once, so a missing wgmma wait
 or proxy fence goes unseen), a copy that another thread reads without a barrier after the wait
-(caught only as the threads happen to run), nor the GPU's speed or its order of additions. Outputs start as all-ones bytes (NaN in floating point),
-so an output a kernel fails to write shows as not finite."""
+(caught only as the threads happen to run), nor the GPU's speed or its order of additions.
+Outputs start as all-ones bytes (NaN in floating point), so an output a kernel fails to write
+shows as not finite."""
 
 from __future__ import annotations
 
@@ -157,8 +158,8 @@ template <typename Reduce> unsigned reduce_lanes(unsigned v, Reduce reduce) {
   this_lanes->meet.arrive_and_wait();
   return r;
 }
-// The grouped prefill GEMM's (moe_prefill.cu): fp16 pairs, shared memory addresses, cp.async,
-// mma.sync and the route kernel's shared-memory atomics.
+// The grouped prefill's (moe_prefill.cu): fp16 pairs, shared memory addresses, cp.async, mma.sync,
+// wgmma and the route kernel's shared-memory atomics.
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
 inline __half2 __floats2half2_rn(float a, float b) { return {__half(a), __half(b)}; }
 inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
