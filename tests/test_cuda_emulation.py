@@ -15,10 +15,13 @@ docstring): tests/parity's GPU tests stay the check on an NVIDIA GPU; these let 
 one check a change to the CUDA sources' logic and the patches' CUDA paths."""
 
 import dataclasses
+import os
 import sys
 
 import mlx.core as mx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import mlx_moe_fix
 from mlx_moe_fix import zoo
@@ -31,7 +34,7 @@ from mlx_moe_fix.kernels.sources import sections
 
 from .cuda_emulation import EmulatedCudaKernel
 from .metal_emulation import CXX
-from .parity.cases import make_case
+from .parity.cases import GATED_KINDS, make_case
 from .parity.test_greedy_tokens import N_TOKENS, assert_tokens_match_stock, record_stock_run
 from .parity.test_ops import assert_kernel_reads_every_fp4_code, check, float32_oracle
 from .parity.tolerance import assert_close, relative_error
@@ -165,6 +168,36 @@ def test_emulated_cuda_prefill_kernel_matches_ref_on_one_projection(emulated_cud
                                label=f"{case.label}, gate projection alone")
     assert PREFILL.cuda_unsupported_reason(case.experts, case.dtype) is None
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
+
+
+@st.composite
+def random_prefill_cases(draw):
+    """A layer of random widths (multiples of 64 and of the group), experts, top-k, batch and
+    tokens, in a quantization, activation and routing the kernel takes."""
+    quantization = draw(st.sampled_from(((4, 64), (8, 32), (4, 128), (8, 64), (4, 32, "mxfp4"), (4, 16, "nvfp4"))))
+    dtype = mx.bfloat16 if len(quantization) == 3 else draw(st.sampled_from((mx.bfloat16, mx.float16)))
+    glu = draw(st.booleans())
+    kind = draw(st.sampled_from(GATED_KINDS if glu else ("gelu", "gelu_approx", "gelu_fast", "relu2")))
+    scaled = glu and kind == "swiglu" and draw(st.booleans())
+    unit = max(64, quantization[1])
+    num_experts = draw(st.sampled_from((1, 3, 8)))
+    top_k = draw(st.integers(1, min(num_experts, 4)))
+    return make_case(dtype, quantization, glu, kind, draw(st.sampled_from((0.25, 50.0))), scaled, unit * draw(st.integers(1, 4)),
+                     unit * draw(st.integers(1, 3)), num_experts, top_k, draw(st.integers(1, 2)), draw(st.integers(1, 60)),
+                     routing=draw(st.sampled_from(("random", "one_expert", "few_experts"))), with_weights=draw(st.booleans()),
+                     seed=draw(st.integers(0, 2**16)), bias=not scaled and draw(st.booleans()))
+
+
+# Each example compiles the kernel variants it reaches (a few seconds each): few examples.
+@settings(max_examples=int(os.environ.get("MLX_MOE_FIX_EMULATED_EXAMPLES", "10")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(case=random_prefill_cases(), wgmma=st.booleans())
+def test_emulated_cuda_prefill_kernel_matches_ref_on_random_layers(emulated_cuda_kernels, case, wgmma):
+    assert PREFILL.cuda_unsupported_reason(case.experts, case.dtype) is None, case.label
+    with pytest.MonkeyPatch.context() as patch:  # gate+up of 4-bit gated experts on wgmma at any tile height
+        patch.setattr(PREFILL, "wgmma_device", lambda: wgmma)
+        patch.setattr(PREFILL, "WGMMA_MIN_TILE", 0)
+        check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
 # The cases whose gate+up Hopper's wgmma takes (4-bit, gated), here at every tile height.
