@@ -1,15 +1,15 @@
 """The CUDA decode, router, routed decode and grouped prefill kernels (kernels/cuda/moe_decode.cu,
 moe_router.cu, moe_routed_decode.cu, moe_prefill.cu), run on a CPU through tests/cuda_emulation.py.
-The decode kernel: the launches moe_decode plans for CUDA (grids, template constants, source constants, inputs, the dynamic shared
-memory of the split activation rows) and the kernel's arithmetic, indexing, fixed-point GEMV, FP4
-reads, activations and combine, against the float32 oracle of its pure-MLX reference, on the cases
-tests/test_metal_emulation.py gives the Metal kernel. The router kernel: its routings (mlx-lm's
-softmax ones, Inkling's sigmoid, DeepSeek-V4's sqrt-softplus) against the reference's experts and
-weights. The routed decode kernels: the routing inside the gate+up launch, the router's logits
-computed there too (router_gate_up's bf16x2 matmul) and Inkling's block with its shared experts,
-each against the router and decode kernels apart, bit for bit, as on the GPU. The grouped prefill:
-its routing, GEMM (gate+up with the activation on mma.sync and on wgmma, down) and combine against
-the float32 oracle, at every tile height. Then the zoo's
+The decode kernel: the launches moe_decode plans for CUDA (grids, template constants, source
+constants, inputs, the dynamic shared memory of the split activation rows) and the kernel's
+arithmetic, indexing, fixed-point GEMV, FP4 reads, activations and combine, against the float32
+oracle of its pure-MLX reference, on the cases tests/test_metal_emulation.py gives the Metal kernel.
+The router kernel: its routings (mlx-lm's softmax ones, Inkling's sigmoid, DeepSeek-V4's sqrt-
+softplus) against the reference's experts and weights. The routed decode kernels: the routing inside
+the gate+up launch, the router's logits computed there too (router_gate_up's bf16x2 matmul) and
+Inkling's block with its shared experts, each against the router and decode kernels apart, bit for
+bit, as on the GPU. The grouped prefill: its routing, GEMM (gate+up with the activation on mma.sync
+and on wgmma, down) and combine against the float32 oracle, at every tile height. Then the zoo's
 families greedy with the whole package as on an H200. Not NVRTC and not a GPU (see the emulation's
 docstring): tests/parity's GPU tests stay the check on an NVIDIA GPU; these let a machine without
 one check a change to the CUDA sources' logic and the patches' CUDA paths."""
@@ -162,7 +162,7 @@ def test_emulated_cuda_prefill_kernel_matches_ref(emulated_cuda_kernels, name):
 @pytest.mark.parametrize("name", ["bf16 8-bit/64 clamped swiglu binding, biased", "bf16 4-bit/64 swiglu, 64-row tiles"])
 def test_emulated_cuda_prefill_kernel_matches_ref_on_one_projection(emulated_cuda_kernels, name):
     # A lone expert matmul (QuantizedSwitchLinear's: the GEMM's "only" launch, one output per
-    # pair): the case's gate projection with its bias, no weights.
+    # pair): the case's gate projection (with its bias where the case has one), no weights.
     case = prefill_case(name)
     case = dataclasses.replace(case, experts=MoEExperts(case.experts.projections[:1]), weights=None,
                                label=f"{case.label}, gate projection alone")
