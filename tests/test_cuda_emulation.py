@@ -4,15 +4,15 @@ The decode kernel: the launches moe_decode plans for CUDA (grids, template const
 constants, inputs, the dynamic shared memory of the split activation rows) and the kernel's
 arithmetic, indexing, fixed-point GEMV, FP4 reads, activations and combine, against the float32
 oracle of its pure-MLX reference, on the cases tests/test_metal_emulation.py gives the Metal kernel.
-The router kernel: its routings (mlx-lm's softmax ones, Inkling's sigmoid, DeepSeek-V4's sqrt-
-softplus) against the reference's experts and weights. The routed decode kernels: the routing inside
-the gate+up launch, the router's logits computed there too (router_gate_up's bf16x2 matmul) and
-Inkling's block with its shared experts, each against the router and decode kernels apart, bit for
-bit, as on the GPU. The grouped prefill: its routing, GEMM (gate+up with the activation on mma.sync
-and on wgmma, down) and combine against the float32 oracle, at every tile height. Then the zoo's
-families greedy with the whole package as on an H200. Not NVRTC and not a GPU (see the emulation's
-docstring): tests/parity's GPU tests stay the check on an NVIDIA GPU; these let a machine without
-one check a change to the CUDA sources' logic and the patches' CUDA paths."""
+The router kernel: its routings (mlx-lm's softmax ones, Inkling's sigmoid, DeepSeek-V4's
+sqrt-softplus) against the reference's experts and weights. The routed decode kernels: the routing
+inside the gate+up launch, the router's logits computed there too (router_gate_up's bf16x2 matmul)
+and Inkling's block with its shared experts, each against the router and decode kernels apart, bit
+for bit, as on the GPU. The grouped prefill: its routing, GEMM (gate+up with the activation on
+mma.sync and on wgmma, down) and combine against the float32 oracle, at every tile height. Then the
+zoo's families greedy with the whole package as on an H200. Not NVRTC and not a GPU (see the
+emulation's docstring): tests/parity's GPU tests stay the check on an NVIDIA GPU; these let a
+machine without one check a change to the CUDA sources' logic and the patches' CUDA paths."""
 
 import dataclasses
 import os
