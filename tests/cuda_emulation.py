@@ -15,10 +15,12 @@ origin, `cp.async` into dynamic shared memory, `mma.sync` m16n8k16 and Hopper's 
 their fragment layouts and shared-memory descriptor) becomes the C++ of its definition; MLX's grid
 in threads is rounded up to whole blocks, as MLX launches it; a cp.async copy lands when a
 wait_group lets its group complete, its destination all-ones bytes until then, so that a stage read
-too early reads garbage. What it is not: NVRTC or ptxas (CUDA's rules, registers and spills are
-tests/test_cuda_sources.py's), the asynchrony of wgmma (each lands at once, so a missing wgmma wait
-or proxy fence goes unseen), a copy that another thread reads without a barrier after the wait
-(caught only as the threads happen to run), nor the GPU's speed or its order of additions.
+too early reads garbage; a wgmma reads its B and writes its sums when a wait_group lets its commit
+group complete, so that a stage refilled under a pending wgmma, or sums read before their wait,
+come out wrong. What it is not: NVRTC or ptxas (CUDA's rules, registers and spills are
+tests/test_cuda_sources.py's), a wgmma's A registers changed before it completes (taken at its
+issue here), the proxy fence (unseen), a copy that another thread reads without a barrier after the
+wait (caught only as the threads happen to run), nor the GPU's speed or its order of additions.
 Outputs start as all-ones bytes (NaN in floating point), so an output a kernel fails to write
 shows as not finite."""
 
@@ -39,6 +41,7 @@ SHIM = HALF_TYPES + r"""
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <functional>
 #include <cstddef>
 #include <type_traits>
 #include <thread>
@@ -202,7 +205,6 @@ template <int PENDING> void cp_async_wait() {  // all but the newest PENDING com
     committed_copies.erase(committed_copies.begin());
   }
 }
-inline void cp_async_forget() { uncommitted_copies.clear(); committed_copies.clear(); }  // a block's start
 // The tensor cores' A operand, A[16 x 16] of a warp in mma.sync's m16n8k16 layout: lane
 // (g = lane / 4, t = lane % 4) holds rows g, g + 8 at k 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2,
 // a3), each register two values, the lower k in the low half. The warp's registers meet in a buffer
@@ -243,25 +245,45 @@ void mma_m16n8k16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b
 // mma.sync's A) and B[16 x N] from shared memory through its descriptor, K-major without swizzle:
 // start address, leading byte offset (to the next 8 k) and stride byte offset (to the next 8
 // columns), each in 16-byte units; element (k, n) at start + (k / 8) lead + (n / 8) stride +
-// (n % 8) 16 + (k % 8) 2 bytes. D: mma.sync's C layout repeated over the N / 8 column blocks. Done
-// at once (the fence / commit / wait that order the asynchronous wgmma have nothing to order).
+// (n % 8) 16 + (k % 8) 2 bytes. D: mma.sync's C layout repeated over the N / 8 column blocks.
+// Asynchronous as on the GPU, at its latest: the warp's A registers are taken at the issue, but B
+// is read and D written only when a wgmma.wait_group lets the wgmma's commit group complete (in
+// each thread for its own accumulators), so that a kernel that refills a stage a pending wgmma
+// still reads, or reads accumulators before waiting for them, gets wrong sums here.
+using PendingWgmma = std::function<void()>;
+thread_local std::vector<PendingWgmma> uncommitted_wgmmas;
+thread_local std::vector<std::vector<PendingWgmma>> committed_wgmmas;  // oldest group first
 template <typename T, int N>
 void wgmma_m64k16(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long descriptor) {
-  const MmaOperands& x = warp_operands(a, 0, 0);
-  const unsigned char* b = dynamic_shared + ((descriptor & 0x3FFF) << 4);
-  const unsigned lead = ((descriptor >> 16) & 0x3FFF) << 4, stride = ((descriptor >> 32) & 0x3FFF) << 4;
-  const unsigned g = this_lane / 4, t = this_lane % 4;
-  for (unsigned j = 0; j < N / 8; ++j)
-    for (unsigned e = 0; e < 4; ++e) {
-      const unsigned row = g + 8 * (e / 2), column = 8 * j + 2 * t + e % 2;
-      float sum = 0.f;
-      for (unsigned k = 0; k < 16; ++k) {
-        unsigned short bits;
-        std::memcpy(&bits, b + (k / 8) * lead + (column / 8) * stride + (column % 8) * 16 + (k % 8) * 2, 2);
-        sum += a_element<T>(x, row, k) * value_of<T>(bits);
+  const MmaOperands operands = warp_operands(a, 0, 0);  // a copy: the buffer serves later calls
+  const unsigned lane = this_lane;
+  uncommitted_wgmmas.push_back([operands, lane, descriptor, &d] {
+    const unsigned char* b = dynamic_shared + ((descriptor & 0x3FFF) << 4);
+    const unsigned lead = ((descriptor >> 16) & 0x3FFF) << 4, stride = ((descriptor >> 32) & 0x3FFF) << 4;
+    const unsigned g = lane / 4, t = lane % 4;
+    for (unsigned j = 0; j < N / 8; ++j)
+      for (unsigned e = 0; e < 4; ++e) {
+        const unsigned row = g + 8 * (e / 2), column = 8 * j + 2 * t + e % 2;
+        float sum = 0.f;
+        for (unsigned k = 0; k < 16; ++k) {
+          unsigned short bits;
+          std::memcpy(&bits, b + (k / 8) * lead + (column / 8) * stride + (column % 8) * 16 + (k % 8) * 2, 2);
+          sum += a_element<T>(operands, row, k) * value_of<T>(bits);
+        }
+        d[4 * j + e] += sum;
       }
-      d[4 * j + e] += sum;
-    }
+  });
+}
+inline void wgmma_commit_group() { committed_wgmmas.push_back(std::move(uncommitted_wgmmas)); uncommitted_wgmmas.clear(); }
+template <int PENDING> void wgmma_wait_group() {  // all but the newest PENDING committed groups complete
+  while (committed_wgmmas.size() > PENDING) {
+    for (const PendingWgmma& wgmma : committed_wgmmas.front()) wgmma();
+    committed_wgmmas.erase(committed_wgmmas.begin());
+  }
+}
+// a block's start: what the previous block's threads left pending (nothing, in a kernel that waits)
+inline void forget_async_work() {
+  uncommitted_copies.clear(), committed_copies.clear(), uncommitted_wgmmas.clear(), committed_wgmmas.clear();
 }
 inline unsigned __reduce_max_sync(unsigned, unsigned v) { return reduce_lanes(v, [](unsigned a, unsigned b) { return std::max(a, b); }); }
 inline unsigned __reduce_min_sync(unsigned, unsigned v) { return reduce_lanes(v, [](unsigned a, unsigned b) { return std::min(a, b); }); }
@@ -285,8 +307,10 @@ PTX = (
     (r'(?s)asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(?:bf16\.bf16|f16\.f16)\.f32 [^"]*"\s*:.*?\);',
      "mma_m16n8k16<T>(c, a, b0, b1);"),
     (r'MOE_WGMMA_OF\("m64n\d+k16", "b?f16", MOE_N\d+\);', "wgmma_m64k16<T, N>(d, a, descriptor);"),
-    (r'asm volatile\("(?:wgmma\.fence\.sync\.aligned|wgmma\.commit_group\.sync\.aligned|wgmma\.wait_group\.sync\.aligned %0|'
-     r'fence\.proxy\.async\.shared::cta);\\n" ::(?:"n"\(N\))? ?: "memory"\);', ""),
+    (r'asm volatile\("wgmma\.commit_group\.sync\.aligned;\\n" ::: "memory"\);', "wgmma_commit_group();"),
+    (r'asm volatile\("wgmma\.wait_group\.sync\.aligned %0;\\n" ::"n"\(N\) : "memory"\);', "wgmma_wait_group<N>();"),
+    # the register and proxy fences order what the emulation does in program order anyway
+    (r'asm volatile\("(?:wgmma\.fence\.sync\.aligned|fence\.proxy\.async\.shared::cta);\\n" ::: "memory"\);', ""),
     (r'asm volatile\("" : "\+[fr]"\(v\[i\]\)\);', ";"),  # a loop's body
     (r"extern __shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+)\[\];", r"\1* \2 = reinterpret_cast<\1*>(dynamic_shared);"),
     (r"#include <cuda/[^>]*>", ""),
@@ -330,7 +354,7 @@ class EmulatedCudaKernel:
                     + launcher("dim3", f"mlx::core::cu::kernel({arguments})",
                                grid_setup="blockDim = dim3{threads, 1, 1}; gridDim = dim3{groups_x, groups_y, groups_z};",
                                thread_setup="threadIdx = dim3{t, 0, 0};",
-                               group_setup="blockIdx = position; dynamic_shared = shared.data(); cp_async_forget();"))
+                               group_setup="blockIdx = position; dynamic_shared = shared.data(); forget_async_work();"))
 
         # MLX launches ceil(grid / threadgroup) blocks (mlx/backend/cuda/custom_kernel.cpp): a
         # kernel bounds-checks the threads past the grid itself

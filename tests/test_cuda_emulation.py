@@ -138,9 +138,10 @@ PREFILL_CASES = {
     "bf16 nvfp4 Inkling scales, 64-row tiles": (mx.bfloat16, (4, 16, "nvfp4"), True, "swiglu", 7.0, True, 130, "random", False, 64),
     "bf16 4-bit/64 swiglu, ragged widths": (mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 23, "random", False, 32),
 }
-# (hidden, intermediate, experts, top-k, batch) where not (256, 256, 8, 2, 1): 320 = five k-steps of
-# gate+up and 2.5 column blocks of down, 192 = 1.5 of gate+up, 5 experts top-3 over two batch rows.
-PREFILL_SHAPES = {"bf16 4-bit/64 swiglu, ragged widths": (320, 192, 5, 3, 2)}
+# (hidden, intermediate, experts, top-k, batch) where not (256, 256, 8, 2, 1): 448 = seven k-steps of
+# gate+up (wgmma's five-stage pipeline wraps) and 3.5 column blocks of down, 192 = 1.5 of gate+up,
+# 5 experts top-3 over two batch rows.
+PREFILL_SHAPES = {"bf16 4-bit/64 swiglu, ragged widths": (448, 192, 5, 3, 2)}
 
 
 def prefill_case(name):
@@ -216,8 +217,11 @@ def test_emulated_cuda_prefill_kernel_matches_ref_with_wgmma(emulated_cuda_kerne
 # GEMMs that must fail: one that feeds mma.sync its two B registers the wrong way round (k 2t,
 # 2t + 1 against 2t + 8, 2t + 9), a wgmma descriptor whose offset to the next 8 k lands in the
 # field of the offset to the next 8 columns (the emulated tensor-core instructions read their
-# operands' layouts), and each GEMM waiting for one cp.async group too few before it reads a stage
-# (the emulated copies land at the wait). {name: (GEMM, right source text, wrong)}
+# operands' layouts), each GEMM waiting for one cp.async group too few before it reads a stage
+# (the emulated copies land at the wait), and the wgmma GEMM without its waits for its wgmmas
+# (the emulated ones read B and write their sums at the wait: in the loop, a stage refilled while
+# its wgmmas are pending; at the end, sums read before the last ones). On the ragged-widths case,
+# whose seven k-steps take both pipelines round. {name: (GEMM, right source text, wrong)}
 WRONG_GEMMS = {
     "mma.sync's B registers swapped": ("grouped", "const unsigned (&a)[4], unsigned b0, unsigned b1)",
                                        "const unsigned (&a)[4], unsigned b1, unsigned b0)"),
@@ -225,6 +229,8 @@ WRONG_GEMMS = {
                                             "(unsigned long long)(k_stride >> 4) << 32"),
     "mma.sync GEMM reads a stage before its copies": ("grouped", '::"n"(STAGES - 2));', '::"n"(STAGES - 1));'),
     "wgmma GEMM reads a stage before its copies": ("grouped_wgmma", '::"n"(WGMMA_AHEAD - 1));', '::"n"(WGMMA_AHEAD));'),
+    "wgmma GEMM refills stages its wgmmas read": ("grouped_wgmma", "wgmma_wait<1>();", ""),
+    "wgmma GEMM reads its sums before its last wgmmas": ("grouped_wgmma", "wgmma_wait<0>();", ""),
 }
 
 
@@ -240,8 +246,8 @@ def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch, name):
     monkeypatch.setattr(PREFILL, "cuda_kernel_object", emulated_kernel(broken, broken))
     monkeypatch.setattr(PREFILL, "wgmma_device", lambda: gemm == "grouped_wgmma")
     monkeypatch.setattr(PREFILL, "WGMMA_MIN_TILE", 0)
-    case = prefill_case("bf16 4-bit/32 Inkling scales")
-    assert PREFILL.gemm_kernel(case.experts, "first", 16) == gemm
+    case = prefill_case("bf16 4-bit/64 swiglu, ragged widths")
+    assert PREFILL.gemm_kernel(case.experts, "first", 32) == gemm
     with pytest.raises(AssertionError, match="relative error|non-finite output"):  # a stage read early: NaN
         check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
