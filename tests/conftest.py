@@ -162,9 +162,9 @@ def pytest_sessionfinish(session):
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: absent without pytest-xdist
 def pytest_testnodedown(node, error):
     """xdist's controller: add a finished worker's kernel-cache report to its own."""
-    written, failures = node.workeroutput.get("kernel_cache", (0, [])) if hasattr(node, "workeroutput") else (0, [])
-    before_written, before_failures = getattr(node.config, "worker_kernel_cache", (0, []))
-    node.config.worker_kernel_cache = (before_written + written, before_failures + list(failures))
+    written, failures = getattr(node, "workeroutput", {}).get("kernel_cache", (0, []))  # none from a crashed worker
+    so_far_written, so_far_failures = getattr(node.config, "worker_kernel_cache", (0, []))
+    node.config.worker_kernel_cache = (so_far_written + written, so_far_failures + list(failures))
 
 
 def pytest_terminal_summary(terminalreporter):
