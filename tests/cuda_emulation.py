@@ -183,27 +183,31 @@ inline int atomicAdd(int* address, int value) { return std::atomic_ref<int>(*add
 inline unsigned __cvta_generic_to_shared(const void* p) {
   return unsigned(static_cast<const unsigned char*>(p) - dynamic_shared);
 }
+// PTX's asynchronous work in a thread's commit groups (cp.async's, wgmma's): work issued joins
+// the open group, a commit closes it, and a wait_group runs the work of all but the newest PENDING
+// committed groups, oldest first, in the waiting thread.
+struct AsyncGroups {
+  std::vector<std::function<void()>> open;
+  std::vector<std::vector<std::function<void()>>> committed;  // oldest first
+  void commit() { committed.push_back(std::move(open)); open.clear(); }
+  void wait(size_t pending) {
+    for (; committed.size() > pending; committed.erase(committed.begin()))
+      for (const auto& work : committed.front()) work();
+  }
+  void forget() { open.clear(), committed.clear(); }  // a block's start: what the previous one left
+};
+thread_local AsyncGroups async_copies, async_wgmmas;
 // cp.async.cg of 16 bytes (`bytes` of them copied, the rest zero-filled) in its thread's groups:
 // the destination holds all-ones bytes (NaN in T, nibbles of 15 in packed weights) from the copy's
 // issue until a cp.async.wait_group lets its group complete, so that a kernel that reads a stage
 // before waiting for it reads garbage here (where the GPU might have let it pass). Each thread
 // completes its own copies at its wait; the block's barrier after the wait shows them to the rest.
-struct AsyncCopy { unsigned shared_address; const void* source; unsigned bytes; };
-thread_local std::vector<AsyncCopy> uncommitted_copies;
-thread_local std::vector<std::vector<AsyncCopy>> committed_copies;  // oldest group first
 inline void cp_async_16(unsigned shared_address, const void* source, unsigned bytes) {
   std::memset(dynamic_shared + shared_address, 0xFF, 16);
-  uncommitted_copies.push_back({shared_address, source, bytes});
-}
-inline void cp_async_commit() { committed_copies.push_back(std::move(uncommitted_copies)); uncommitted_copies.clear(); }
-template <int PENDING> void cp_async_wait() {  // all but the newest PENDING committed groups complete
-  while (committed_copies.size() > PENDING) {
-    for (const AsyncCopy& copy : committed_copies.front()) {
-      std::memset(dynamic_shared + copy.shared_address, 0, 16);
-      std::memcpy(dynamic_shared + copy.shared_address, copy.source, copy.bytes);
-    }
-    committed_copies.erase(committed_copies.begin());
-  }
+  async_copies.open.push_back([shared_address, source, bytes] {
+    std::memset(dynamic_shared + shared_address, 0, 16);
+    std::memcpy(dynamic_shared + shared_address, source, bytes);
+  });
 }
 // The tensor cores' A operand, A[16 x 16] of a warp in mma.sync's m16n8k16 layout: lane
 // (g = lane / 4, t = lane % 4) holds rows g, g + 8 at k 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2,
@@ -250,14 +254,11 @@ void mma_m16n8k16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b
 // is read and D written only when a wgmma.wait_group lets the wgmma's commit group complete (in
 // each thread for its own accumulators), so that a kernel that refills a stage a pending wgmma
 // still reads, or reads accumulators before waiting for them, gets wrong sums here.
-using PendingWgmma = std::function<void()>;
-thread_local std::vector<PendingWgmma> uncommitted_wgmmas;
-thread_local std::vector<std::vector<PendingWgmma>> committed_wgmmas;  // oldest group first
 template <typename T, int N>
 void wgmma_m64k16(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long descriptor) {
   const MmaOperands operands = warp_operands(a, 0, 0);  // a copy: the buffer serves later calls
   const unsigned lane = this_lane;
-  uncommitted_wgmmas.push_back([operands, lane, descriptor, &d] {
+  async_wgmmas.open.push_back([operands, lane, descriptor, &d] {
     const unsigned char* b = dynamic_shared + ((descriptor & 0x3FFF) << 4);
     const unsigned lead = ((descriptor >> 16) & 0x3FFF) << 4, stride = ((descriptor >> 32) & 0x3FFF) << 4;
     const unsigned g = lane / 4, t = lane % 4;
@@ -273,17 +274,6 @@ void wgmma_m64k16(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long 
         d[4 * j + e] += sum;
       }
   });
-}
-inline void wgmma_commit_group() { committed_wgmmas.push_back(std::move(uncommitted_wgmmas)); uncommitted_wgmmas.clear(); }
-template <int PENDING> void wgmma_wait_group() {  // all but the newest PENDING committed groups complete
-  while (committed_wgmmas.size() > PENDING) {
-    for (const PendingWgmma& wgmma : committed_wgmmas.front()) wgmma();
-    committed_wgmmas.erase(committed_wgmmas.begin());
-  }
-}
-// a block's start: what the previous block's threads left pending (nothing, in a kernel that waits)
-inline void forget_async_work() {
-  uncommitted_copies.clear(), committed_copies.clear(), uncommitted_wgmmas.clear(), committed_wgmmas.clear();
 }
 inline unsigned __reduce_max_sync(unsigned, unsigned v) { return reduce_lanes(v, [](unsigned a, unsigned b) { return std::max(a, b); }); }
 inline unsigned __reduce_min_sync(unsigned, unsigned v) { return reduce_lanes(v, [](unsigned a, unsigned b) { return std::min(a, b); }); }
@@ -302,13 +292,13 @@ PTX = (
     (r'asm\("" : "\+l"\(\w+\)\);', ""),
     (r'asm volatile\("cp\.async\.cg\.shared\.global \[%0\], \[%1\], 16, %2;\\n" ::"r"\((.*?)\),\s*"l"\((.*?)\),\s*"r"\((.*?)\)\);',
      r"cp_async_16(\1, \2, \3);"),
-    (r'asm volatile\("cp\.async\.commit_group;\\n" ::\);', "cp_async_commit();"),
-    (r'asm volatile\("cp\.async\.wait_group %0;\\n" ::"n"\(([^;]*)\)\);', r"cp_async_wait<\1>();"),
+    (r'asm volatile\("cp\.async\.commit_group;\\n" ::\);', "async_copies.commit();"),
+    (r'asm volatile\("cp\.async\.wait_group %0;\\n" ::"n"\(([^;]*)\)\);', r"async_copies.wait(\1);"),
     (r'(?s)asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(?:bf16\.bf16|f16\.f16)\.f32 [^"]*"\s*:.*?\);',
      "mma_m16n8k16<T>(c, a, b0, b1);"),
     (r'MOE_WGMMA_OF\("m64n\d+k16", "b?f16", MOE_N\d+\);', "wgmma_m64k16<T, N>(d, a, descriptor);"),
-    (r'asm volatile\("wgmma\.commit_group\.sync\.aligned;\\n" ::: "memory"\);', "wgmma_commit_group();"),
-    (r'asm volatile\("wgmma\.wait_group\.sync\.aligned %0;\\n" ::"n"\(N\) : "memory"\);', "wgmma_wait_group<N>();"),
+    (r'asm volatile\("wgmma\.commit_group\.sync\.aligned;\\n" ::: "memory"\);', "async_wgmmas.commit();"),
+    (r'asm volatile\("wgmma\.wait_group\.sync\.aligned %0;\\n" ::"n"\(N\) : "memory"\);', "async_wgmmas.wait(N);"),
     # the register and proxy fences order what the emulation does in program order anyway
     (r'asm volatile\("(?:wgmma\.fence\.sync\.aligned|fence\.proxy\.async\.shared::cta);\\n" ::: "memory"\);', ""),
     (r'asm volatile\("" : "\+[fr]"\(v\[i\]\)\);', ";"),  # a loop's body
@@ -354,7 +344,7 @@ class EmulatedCudaKernel:
                     + launcher("dim3", f"mlx::core::cu::kernel({arguments})",
                                grid_setup="blockDim = dim3{threads, 1, 1}; gridDim = dim3{groups_x, groups_y, groups_z};",
                                thread_setup="threadIdx = dim3{t, 0, 0};",
-                               group_setup="blockIdx = position; dynamic_shared = shared.data(); forget_async_work();"))
+                               group_setup="blockIdx = position; dynamic_shared = shared.data(); async_copies.forget(); async_wgmmas.forget();"))
 
         # MLX launches ceil(grid / threadgroup) blocks (mlx/backend/cuda/custom_kernel.cpp): a
         # kernel bounds-checks the threads past the grid itself
