@@ -154,6 +154,13 @@ def prefill_case(name):
     return case
 
 
+def take_wgmma(patch, wgmma: bool) -> None:
+    """Gate+up of 4-bit gated experts on wgmma (`wgmma`) or mma.sync, at any tile height (as
+    tests/parity/test_ops.py's prefill_gemm, for the GPU)."""
+    patch.setattr(PREFILL, "wgmma_device", lambda: wgmma)
+    patch.setattr(PREFILL, "WGMMA_MIN_TILE", 0)
+
+
 @pytest.mark.parametrize("name", PREFILL_CASES)
 def test_emulated_cuda_prefill_kernel_matches_ref(emulated_cuda_kernels, name):
     case = prefill_case(name)
@@ -195,9 +202,8 @@ def random_prefill_cases(draw):
 @given(case=random_prefill_cases(), wgmma=st.booleans())
 def test_emulated_cuda_prefill_kernel_matches_ref_on_random_layers(emulated_cuda_kernels, case, wgmma):
     assert PREFILL.cuda_unsupported_reason(case.experts, case.dtype) is None, case.label
-    with pytest.MonkeyPatch.context() as patch:  # gate+up of 4-bit gated experts on wgmma at any tile height
-        patch.setattr(PREFILL, "wgmma_device", lambda: wgmma)
-        patch.setattr(PREFILL, "WGMMA_MIN_TILE", 0)
+    with pytest.MonkeyPatch.context() as patch:
+        take_wgmma(patch, wgmma)
         check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
@@ -207,8 +213,7 @@ WGMMA_CASES = [name for name, case in PREFILL_CASES.items() if case[1][0] == 4 a
 
 @pytest.mark.parametrize("name", WGMMA_CASES)
 def test_emulated_cuda_prefill_kernel_matches_ref_with_wgmma(emulated_cuda_kernels, monkeypatch, name):
-    monkeypatch.setattr(PREFILL, "wgmma_device", lambda: True)
-    monkeypatch.setattr(PREFILL, "WGMMA_MIN_TILE", 0)
+    take_wgmma(monkeypatch, True)
     case = prefill_case(name)
     assert PREFILL.gemm_kernel(case.experts, "first", PREFILL_CASES[name][-1]) == "grouped_wgmma"
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
@@ -244,8 +249,7 @@ def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch, name):
         return text.replace(right, wrong)
 
     monkeypatch.setattr(PREFILL, "cuda_kernel_object", emulated_kernel(broken, broken))
-    monkeypatch.setattr(PREFILL, "wgmma_device", lambda: gemm == "grouped_wgmma")
-    monkeypatch.setattr(PREFILL, "WGMMA_MIN_TILE", 0)
+    take_wgmma(monkeypatch, gemm == "grouped_wgmma")
     case = prefill_case("bf16 4-bit/64 swiglu, ragged widths")
     assert PREFILL.gemm_kernel(case.experts, "first", 32) == gemm
     with pytest.raises(AssertionError, match="relative error|non-finite output"):  # a stage read early: NaN
