@@ -39,7 +39,7 @@ import numpy as np
 import mlx_moe_fix
 from mlx_moe_fix import env
 from mlx_moe_fix.kernels.kernel_cache import ptx_cache_directory
-from mlx_moe_fix.kernels.moe_prefill import WGMMA_SWITCH
+from mlx_moe_fix.kernels.moe_prefill import STAGED_SWITCH, WGMMA_SWITCH
 from mlx_moe_fix.patches.compiled import PREFILL_COMPILE_SWITCH
 
 from . import models
@@ -61,6 +61,7 @@ def variants(moe, dense, stock_allowed: bool) -> dict:
         "MoE, patched, built in Python": (moe, lambda: _built_in_python()),
         # gate+up on the other GEMM (moe_prefill.gemm_kernel)
         f"MoE, patched, {WGMMA_SWITCH}={other_gemm}": (moe, lambda: _patched_with(WGMMA_SWITCH, other_gemm)),
+        f"MoE, patched, {STAGED_SWITCH}=0": (moe, lambda: _patched_with(STAGED_SWITCH, "0")),
     }
     if stock_allowed:
         out["MoE, stock"] = (moe, contextlib.nullcontext)

@@ -219,6 +219,25 @@ def test_emulated_cuda_prefill_kernel_matches_ref_with_wgmma(emulated_cuda_kerne
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
+def take_staged(patch) -> None:
+    """Gate+up of 4-bit gated experts (groups of 32 or more) on grouped_wgmma_staged at any tile
+    height and rows per expert."""
+    take_wgmma(patch, True)
+    patch.setattr(PREFILL, "STAGED_MIN_MEAN_ROWS", 0)
+
+
+# The cases whose gate+up grouped_wgmma_staged takes (4-bit, gated, groups of 32 or more).
+STAGED_CASES = [name for name in WGMMA_CASES if PREFILL_CASES[name][1][1] % 32 == 0]
+
+
+@pytest.mark.parametrize("name", STAGED_CASES)
+def test_emulated_cuda_prefill_kernel_matches_ref_with_staged_wgmma(emulated_cuda_kernels, monkeypatch, name):
+    take_staged(monkeypatch)
+    case = prefill_case(name)
+    assert PREFILL.gemm_kernel(case.experts, "first", PREFILL_CASES[name][-1], case.indices.size) == "grouped_wgmma_staged"
+    check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
+
+
 # GEMMs that must fail: one that feeds mma.sync its two B registers the wrong way round (k 2t,
 # 2t + 1 against 2t + 8, 2t + 9), a wgmma descriptor whose offset to the next 8 k lands in the
 # field of the offset to the next 8 columns (the emulated tensor-core instructions read their
@@ -236,6 +255,10 @@ WRONG_GEMMS = {
     "wgmma GEMM reads a stage before its copies": ("grouped_wgmma", '::"n"(WGMMA_AHEAD - 1));', '::"n"(WGMMA_AHEAD));'),
     "wgmma GEMM refills stages its wgmmas read": ("grouped_wgmma", "wgmma_wait<1>();", ""),
     "wgmma GEMM reads its sums before its last wgmmas": ("grouped_wgmma", "wgmma_wait<0>();", ""),
+    "staged GEMM dequantises a stage before its copies": ("grouped_wgmma_staged", "(STAGED_AHEAD - 1));\ndequantise(step",
+                                                          "(STAGED_AHEAD));\ndequantise(step"),
+    "staged GEMM refills what its wgmmas read": ("grouped_wgmma_staged", "if (live) wgmma_wait<0>();", ""),
+    "staged GEMM's weights in the wrong k order": ("grouped_wgmma_staged", "word[c] >> 4 * j &", "word[c] >> 4 * (3 - j) &"),
 }
 
 
@@ -249,9 +272,12 @@ def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch, name):
         return text.replace(right, wrong)
 
     monkeypatch.setattr(PREFILL, "cuda_kernel_object", emulated_kernel(broken, broken))
-    take_wgmma(monkeypatch, gemm == "grouped_wgmma")
+    if gemm == "grouped_wgmma_staged":
+        take_staged(monkeypatch)
+    else:
+        take_wgmma(monkeypatch, gemm == "grouped_wgmma")
     case = prefill_case("bf16 4-bit/64 swiglu, ragged widths")
-    assert PREFILL.gemm_kernel(case.experts, "first", 32) == gemm
+    assert PREFILL.gemm_kernel(case.experts, "first", 32, case.indices.size) == gemm
     with pytest.raises(AssertionError, match="relative error|non-finite output"):  # a stage read early: NaN
         check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 

@@ -45,17 +45,25 @@ CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL"
 # The kernel's parameters, in the order of its `inputs`.
 GROUPED_INPUTS = ["a", "row_pair", "tile_expert", "w0", "s0", "b0", "w1", "s1", "b1", "bias0", "bias1", "scale", "dims",
                   "params"]
-INPUTS = {"grouped": GROUPED_INPUTS, "grouped_wgmma": GROUPED_INPUTS, "route": ["indices", "sizes"],
-          "combine": ["rows", "weights", "sizes"]}
-OUTPUTS = {"grouped": ["out"], "grouped_wgmma": ["out"], "route": ["row_pair", "tile_expert"], "combine": ["out"]}
+INPUTS = {"grouped": GROUPED_INPUTS, "grouped_wgmma": GROUPED_INPUTS, "grouped_wgmma_staged": GROUPED_INPUTS,
+          "route": ["indices", "sizes"], "combine": ["rows", "weights", "sizes"]}
+OUTPUTS = {"grouped": ["out"], "grouped_wgmma": ["out"], "grouped_wgmma_staged": ["out"], "route": ["row_pair", "tile_expert"],
+           "combine": ["out"]}
 # The GEMM kernels: mma.sync, every launch; Hopper's warpgroup MMA (sm_90a), the gated first
-# launch (gate+up) of 4-bit experts, its activation rows in wgmma_k_order (gemm_kernel).
-GEMMS = ("grouped", "grouped_wgmma")
+# launch (gate+up) of 4-bit experts, its activation rows in wgmma_k_order, or, where experts get
+# many rows each, grouped_wgmma_staged (weights dequantised once a block into shared memory for
+# 128 rows, its activation rows in staged_k_order) (gemm_kernel).
+GEMMS = ("grouped", "grouped_wgmma", "grouped_wgmma_staged")
 WGMMA_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL_WGMMA"
 WGMMA_STAGES = 5
 WGMMA_BLOCK_N = 128  # two warpgroups of 64 output columns
 WGMMA_THREADS = 256
 WGMMA_MIN_TILE = 64
+STAGED_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL_STAGED"
+STAGED_STAGES = 4
+STAGED_ROWS = 128  # tile rows per block: the route kernel pads each expert's run to them
+STAGED_BLOCK_N = 64  # output columns per matrix
+STAGED_MIN_MEAN_ROWS = 96
 COMBINE_THREADS = 256
 ROUTE_MAX_EXPERTS = 1024  # the route kernel's shared arrays
 ROUTE_THREADS = 1024
@@ -83,6 +91,9 @@ def shared_bytes(tile: int, gated: bool, bits: int, gemm: str = "grouped") -> in
     """The grouped GEMM's dynamic shared memory: per pipeline stage, activation rows and packed
     weight rows."""
     weights = (2 if gated else 1) * block_n(gemm) * BLOCK_K * bits // 8
+    if gemm == "grouped_wgmma_staged":
+        dequantised = 2 * block_n(gemm) * BLOCK_K * 2
+        return 2 * dequantised + STAGED_STAGES * (STAGED_ROWS * BLOCK_K * 2 + weights)
     if gemm == "grouped_wgmma":
         return WGMMA_STAGES * (tile * BLOCK_K * 2 + weights)
     return PIPELINE_STAGES * (tile * SHARED_ROW * 2 + weights)
@@ -90,13 +101,13 @@ def shared_bytes(tile: int, gated: bool, bits: int, gemm: str = "grouped") -> in
 
 def block_n(gemm: str = "grouped") -> int:
     """Output columns per block (per matrix)."""
-    return WGMMA_BLOCK_N if gemm == "grouped_wgmma" else BLOCK_N
+    return {"grouped_wgmma": WGMMA_BLOCK_N, "grouped_wgmma_staged": STAGED_BLOCK_N}.get(gemm, BLOCK_N)
 
 
 def threads(tile: int, gemm: str = "grouped") -> int:
     """mma.sync: warps of 64 (or `tile`) rows x 32 columns, four across the block's 128 columns;
-    wgmma: two warpgroups of 64 columns."""
-    return WGMMA_THREADS if gemm == "grouped_wgmma" else max(tile // 64, 1) * 4 * 32
+    wgmma: two warpgroups (of 64 columns, or of 64 rows of a 128-row block)."""
+    return WGMMA_THREADS if gemm != "grouped" else max(tile // 64, 1) * 4 * 32
 
 
 def wgmma_device() -> bool:
@@ -121,25 +132,34 @@ def gemm_state() -> dict:
     unavailable = wgmma_unavailable_reason()
     if unavailable is not None:
         return {"gemm": "grouped", "reason": f"mma.sync: {unavailable}"}
-    return {"gemm": "grouped_wgmma", "reason": f"wgmma for 4-bit experts at tiles of {WGMMA_MIN_TILE} rows; "
+    staged = (f"grouped_wgmma_staged from {STAGED_MIN_MEAN_ROWS} rows per expert (groups of 32 or more)"
+              if flag(STAGED_SWITCH) else f"{STAGED_SWITCH}=0")
+    return {"gemm": "grouped_wgmma", "reason": f"wgmma for 4-bit experts at tiles of {WGMMA_MIN_TILE} rows ({staged}); "
             "mma.sync for the other launches"}
 
 
-def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
-    """The GEMM (GEMMS) of `stage` at tile height `tile`: grouped_wgmma for the gated first launch
-    of 4-bit experts at tiles of WGMMA_MIN_TILE rows or more on a GPU with wgmma, where its switch
-    is on (the default), else grouped. On the H200 (docs/benchmarks.md, fifteenth session) wgmma's gate+up ran at
-    Qwen3's shapes 203 against 185 TFLOP/s (2048 tokens) and 254 against 235 (8192), level at
-    512 tokens and on Mixtral's shapes, and slower on Qwen3's 16-row tiles; its one-matrix variant
-    ran the down GEMM slower than grouped, so it has none."""
-    wgmma = (stage == "first" and len(experts.projections) == 3 and experts.projections[0].bits == 4
+def gemm_kernel(experts: MoEExperts, stage: str, tile: int, pairs: int = 0) -> str:
+    """The GEMM (GEMMS) of `stage` at tile height `tile` for `pairs` pairs: grouped_wgmma for the
+    gated first launch of 4-bit experts at tiles of WGMMA_MIN_TILE rows or more on a GPU with
+    wgmma, where its switch is on (the default), grouped_wgmma_staged instead from
+    STAGED_MIN_MEAN_ROWS rows per expert (groups of 32 or more, its switch on), else grouped. On
+    the H200 (docs/benchmarks.md, fifteenth session) wgmma's gate+up ran at Qwen3's shapes 203
+    against 185 TFLOP/s (2048 tokens) and 254 against 235 (8192), level at 512 tokens and on
+    Mixtral's shapes, and slower on Qwen3's 16-row tiles; its one-matrix variant ran the down GEMM
+    slower than grouped, so it has none."""
+    first = experts.projections[0]
+    wgmma = (stage == "first" and len(experts.projections) == 3 and first.bits == 4
              and tile >= WGMMA_MIN_TILE and wgmma_unavailable_reason() is None)
-    return "grouped_wgmma" if wgmma else "grouped"
+    if not wgmma:
+        return "grouped"
+    staged = pairs >= STAGED_MIN_MEAN_ROWS * experts.num_experts and first.group_size % 32 == 0 and flag(STAGED_SWITCH)
+    return "grouped_wgmma_staged" if staged else "grouped_wgmma"
 
 
 def gemm_rows(rows: mx.array, gemm: str) -> mx.array:
-    """The activation rows as the GEMM `gemm` reads them: grouped_wgmma's in wgmma_k_order."""
-    return wgmma_k_order(rows) if gemm == "grouped_wgmma" else rows
+    """The activation rows as the GEMM `gemm` reads them: grouped_wgmma's in wgmma_k_order,
+    grouped_wgmma_staged's in staged_k_order."""
+    return {"grouped_wgmma": wgmma_k_order, "grouped_wgmma_staged": staged_k_order}.get(gemm, lambda r: r)(rows)
 
 
 def wgmma_k_order(rows: mx.array) -> mx.array:
@@ -148,6 +168,13 @@ def wgmma_k_order(rows: mx.array) -> mx.array:
     16 t + 8 half + 4 e + 2 s + h."""
     n, k = rows.shape
     return rows.reshape(n, k // 64, 4, 2, 2, 2, 2).transpose(0, 1, 3, 5, 6, 2, 4).reshape(n, k)
+
+
+def staged_k_order(rows: mx.array) -> mx.array:
+    """`rows` [n, K] (K a multiple of 8) with each 8 columns in the order grouped_wgmma_staged
+    dequantises its weights (cuda/moe_prefill.cu): column 2i + h holds column 4h + i."""
+    n, k = rows.shape
+    return rows.reshape(n, k // 8, 2, 4).transpose(0, 1, 3, 2).reshape(n, k)
 
 
 def cuda_kernel(section: str, shared: int = 0, bounds: tuple = ()):
@@ -169,7 +196,7 @@ WGMMA_MIN_BLOCKS = 2
 
 
 def launch_bounds_for(tile: int, gated: bool, gemm: str = "grouped") -> tuple:
-    if gemm == "grouped_wgmma":
+    if gemm != "grouped":
         return (WGMMA_THREADS, WGMMA_MIN_BLOCKS)
     return (threads(tile), ONE_MATRIX_MIN_BLOCKS) if not gated and tile == 64 else ()
 
@@ -179,20 +206,23 @@ def tile_height(pairs: int, num_experts: int) -> int:
     return max(t for t, rows in zip(TILES, TILE_MIN_MEAN_ROWS) if mean_rows >= rows)
 
 
-def grid_tiles(pairs: int, num_experts: int, tile: int) -> int:
-    """The most tiles any routing of `pairs` pairs can fill: the grid's size, known on the host."""
-    return pairs // tile + num_experts
+def grid_tiles(pairs: int, num_experts: int, tile: int, run: int = 0) -> int:
+    """The most tiles any routing of `pairs` pairs can fill with runs padded to `run` rows (a
+    multiple of `tile`; 0: `tile`): the grid's size, known on the host."""
+    run = run or tile
+    return (pairs // run + num_experts) * (run // tile)
 
 
-def route_kernel(flat_indices: mx.array, num_experts: int, tile: int = TILES[0]):
+def route_kernel(flat_indices: mx.array, num_experts: int, tile: int = TILES[0], run: int = 0):
     """route_reference's contract on CUDA in one launch (rows within an expert's run may come in
     another order)."""
     if num_experts > ROUTE_MAX_EXPERTS:
-        return route_reference(flat_indices, num_experts, tile)
-    tiles = grid_tiles(flat_indices.size, num_experts, tile)
+        return route_reference(flat_indices, num_experts, tile, run)
+    run = run or tile
+    tiles = grid_tiles(flat_indices.size, num_experts, tile, run)
     row_pair, tile_expert = cuda_kernel("route")(
         inputs=[flat_indices, int_array(flat_indices.size, num_experts, tiles)],
-        template=[("TILE", tile), ("MAX_EXPERTS", ROUTE_MAX_EXPERTS)],
+        template=[("TILE", tile), ("RUN", run), ("MAX_EXPERTS", ROUTE_MAX_EXPERTS)],
         grid=(ROUTE_THREADS, 1, 1),
         threadgroup=(ROUTE_THREADS, 1, 1),
         output_shapes=[(tiles * tile,), (tiles,)],
@@ -201,23 +231,26 @@ def route_kernel(flat_indices: mx.array, num_experts: int, tile: int = TILES[0])
     return row_pair, tile_expert, tiles
 
 
-def route_reference(flat_indices: mx.array, num_experts: int, tile: int = TILES[0]):
+def route_reference(flat_indices: mx.array, num_experts: int, tile: int = TILES[0], run: int = 0):
     """(row_pair, tile_expert, tiles): the pairs in expert order with each expert's run padded
-    to a multiple of `tile` rows (row_pair[r] is the pair in padded row r, -1 for padding), and
-    the expert of each `tile`-row tile (-1 past the last run). Lazy MLX ops only."""
+    to a multiple of `run` rows (a multiple of `tile`; 0: `tile`) (row_pair[r] is the pair in
+    padded row r, -1 for padding), and the expert of each `tile`-row tile (-1 for a tile of padding
+    alone, and past the last run). Lazy MLX ops only."""
     pairs = flat_indices.size
+    run = run or tile
     counts = mx.zeros((num_experts,), mx.int32).at[flat_indices].add(1)
-    padded = (counts + tile - 1) // tile * tile
+    padded = (counts + run - 1) // run * run
     padded_end = mx.cumsum(padded)
     order = mx.argsort(flat_indices)
     sorted_experts = flat_indices[order]
     rank = mx.arange(pairs, dtype=mx.int32) - (mx.cumsum(counts) - counts)[sorted_experts]
     padded_row = (padded_end - padded)[sorted_experts] + rank
-    tiles = grid_tiles(pairs, num_experts, tile)
+    tiles = grid_tiles(pairs, num_experts, tile, run)
     row_pair = mx.zeros((tiles * tile,), mx.int32).at[padded_row].add(order.astype(mx.int32) + 1) - 1
     tile_start = mx.arange(tiles, dtype=mx.int32) * tile
-    tile_expert = (padded_end[None, :] <= tile_start[:, None]).sum(axis=1).astype(mx.int32)
-    tile_expert = mx.where(tile_start < padded_end[-1], tile_expert, -1)
+    tile_expert = mx.minimum((padded_end[None, :] <= tile_start[:, None]).sum(axis=1), num_experts - 1).astype(mx.int32)
+    filled_end = (padded_end - padded + counts)[tile_expert]
+    tile_expert = mx.where(tile_start < filled_end, tile_expert, -1)
     return row_pair, tile_expert, tiles
 
 
@@ -294,8 +327,17 @@ def grouped(a: mx.array, routing: tuple, pairs: int, top_k: int, experts: MoEExp
     launch = experts.memo(("grouped", stage, tile, top_k, a.dtype, gemm),
                           lambda: _grouped_launch(experts, stage, tile, top_k, a.dtype, gemm))
     rows = tiles * tile if stage == "first" else pairs
-    return launch(a, row_pair, tile_expert, grid=(launch.grid[0], tiles, 1),
+    blocks = tiles * tile // STAGED_ROWS if gemm == "grouped_wgmma_staged" else tiles
+    return launch(a, row_pair, tile_expert, grid=(launch.grid[0], blocks, 1),
                   output_shapes=[(rows, launch.output_shapes[0][1])])[0]
+
+
+def launch_plan(pairs: int, experts: MoEExperts) -> tuple:
+    """(tile height, the first launch's GEMM, the rows each expert's run is padded to) of a call
+    with `pairs` pairs."""
+    tile = tile_height(pairs, experts.num_experts)
+    first = gemm_kernel(experts, "first", tile, pairs)
+    return tile, first, STAGED_ROWS if first == "grouped_wgmma_staged" else tile
 
 
 def moe_prefill_kernel(
@@ -303,19 +345,18 @@ def moe_prefill_kernel(
 ) -> mx.array:
     """The CUDA implementation; same contract as moe_prefill_reference."""
     top_k, pairs = indices.shape[-1], indices.size
-    tile = tile_height(pairs, experts.num_experts)
-    tiles = grid_tiles(pairs, experts.num_experts, tile)
+    tile, first, run = launch_plan(pairs, experts)
+    tiles = grid_tiles(pairs, experts.num_experts, tile, run)
     widest = max(experts.input_dims, experts.projections[0].output_dims)
     if tiles > MAX_GRID_TILES or max(pairs, tiles * tile) * widest >= MAX_OFFSET:
         # Millions of pairs in one call (mlx-lm prefills in chunks of 2048 tokens): more tiles
         # than a CUDA grid's y dimension holds, or rows past 32-bit offsets.
         return moe_prefill_reference(x, indices, experts, weights)
     tokens = x.reshape(-1, x.shape[-1])
-    routing = (*route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile), tile)
+    routing = (*route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile, run), tile)
     if len(experts.projections) == 1:
         out = grouped(tokens, routing, pairs, top_k, experts, "only")
     else:
-        first = gemm_kernel(experts, "first", tile)
         hidden = grouped(gemm_rows(tokens, first), routing, pairs, top_k, experts, "first", first)
         out = grouped(hidden, routing, pairs, top_k, experts, "last")
     if weights is None:

@@ -320,17 +320,19 @@ def test_metal_decode_kernel_matches_ref(metal_device, case):
     check_kernel(moe_decode_kernel, cuda_unsupported_reason(case.experts, case.dtype), moe_decode_reference, case)
 
 
-# The prefill kernel's gate+up GEMMs (moe_prefill.GEMMS): mma.sync, and Hopper's wgmma, which
-# production takes at 64-row tiles only: here at every tile height, so that every case reaches it.
-PREFILL_GEMMS = pytest.mark.parametrize("wgmma", ["0", "1"], ids=["grouped", "grouped_wgmma"])
+# The prefill kernel's gate+up GEMMs (moe_prefill.GEMMS): mma.sync, and Hopper's wgmma ones,
+# which production takes at 64-row tiles only, the staged one from many rows per expert: here
+# at every tile height and rows per expert, so that every case reaches the one chosen.
+PREFILL_GEMMS = pytest.mark.parametrize("gemm", ["grouped", "grouped_wgmma", "grouped_wgmma_staged"])
 
 
-def prefill_gemm(switch, monkeypatch, wgmma: str) -> None:
+def prefill_gemm(switch, monkeypatch, gemm: str) -> None:
     module = sys.modules["mlx_moe_fix.kernels.moe_prefill"]  # the package's name is the dispatcher's
-    if wgmma == "1" and not module.wgmma_device():
+    if gemm != "grouped" and not module.wgmma_device():
         pytest.skip("no Hopper GPU: wgmma needs compute capability 9.0")
-    switch(module.WGMMA_SWITCH, wgmma)
+    switch(module.WGMMA_SWITCH, "0" if gemm == "grouped" else "1")
     monkeypatch.setattr(module, "WGMMA_MIN_TILE", 0)
+    monkeypatch.setattr(module, "STAGED_MIN_MEAN_ROWS", 0 if gemm == "grouped_wgmma_staged" else float("inf"))
 
 
 @pytest.mark.parametrize("info, expected", [
@@ -353,6 +355,12 @@ def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
         assert module.wgmma_device() is expected
         assert module.gemm_kernel(experts, "first", 64) == ("grouped_wgmma" if expected else "grouped")
         assert module.gemm_kernel(experts, "first", 32) == module.gemm_kernel(experts, "last", 64) == "grouped"
+        many = module.STAGED_MIN_MEAN_ROWS * experts.num_experts  # pairs: the staged GEMM's rows per expert
+        assert module.gemm_kernel(experts, "first", 64, many) == ("grouped_wgmma_staged" if expected else "grouped")
+        assert module.gemm_kernel(experts, "first", 64, many - 1) == ("grouped_wgmma" if expected else "grouped")
+        switch(module.STAGED_SWITCH, "0")
+        assert module.gemm_kernel(experts, "first", 64, many) == ("grouped_wgmma" if expected else "grouped")
+        switch(module.STAGED_SWITCH, "")
         # status() says which GEMM gate+up takes, as where the kernel runs
         monkeypatch.setattr(module, "moe_prefill_implementation", lambda *args: Implementation(None, "kernel", "CUDA"))
         monkeypatch.setattr(module.mx.cuda, "is_available", lambda: True)
@@ -367,10 +375,10 @@ def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
 @PREFILL_GEMMS
 @CASES
 @given(case=layer_cases())
-def test_cuda_prefill_kernel_matches_ref(cuda_device, switch, monkeypatch, wgmma, case):
+def test_cuda_prefill_kernel_matches_ref(cuda_device, switch, monkeypatch, gemm, case):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel
 
-    prefill_gemm(switch, monkeypatch, wgmma)
+    prefill_gemm(switch, monkeypatch, gemm)
     check_kernel(moe_prefill_kernel, cuda_unsupported_reason(case.experts, case.dtype), moe_prefill_reference, case)
 
 
@@ -433,10 +441,10 @@ LARGE_PREFILL_CASES = {
 @PREFILL_GEMMS
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("name", LARGE_PREFILL_CASES)
-def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, switch, monkeypatch, wgmma, name, dtype):
+def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, switch, monkeypatch, gemm, name, dtype):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel, tile_height
 
-    prefill_gemm(switch, monkeypatch, wgmma)
+    prefill_gemm(switch, monkeypatch, gemm)
     quantization, glu, kind, tokens, routing, bias, tile = LARGE_PREFILL_CASES[name]
     case = make_case(dtype, quantization, glu, kind, 0.25, False, 256, 256, 8, 2, 1, tokens,
                      routing=routing, with_weights=True, bias=bias)
@@ -459,10 +467,10 @@ FP4_PREFILL_CASES = {
 
 @PREFILL_GEMMS
 @pytest.mark.parametrize("name", FP4_PREFILL_CASES)
-def test_cuda_prefill_kernel_matches_ref_on_fp4_experts(cuda_device, switch, monkeypatch, wgmma, name):
+def test_cuda_prefill_kernel_matches_ref_on_fp4_experts(cuda_device, switch, monkeypatch, gemm, name):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel, tile_height
 
-    prefill_gemm(switch, monkeypatch, wgmma)
+    prefill_gemm(switch, monkeypatch, gemm)
     mode, glu, kind, tokens, routing, bias, scaled, tile = FP4_PREFILL_CASES[name]
     group = 32 if mode == "mxfp4" else 16
     case = make_case(mx.bfloat16, (4, group, mode), glu, kind, 7.0, scaled, 256, 256, 8, 2, 1, tokens,
@@ -530,3 +538,14 @@ def test_wgmma_k_order_puts_each_physical_column_where_grouped_wgmma_reads_it():
         for t, half, e, s, h in itertools.product(range(4), range(2), range(2), range(2), range(2)):
             column = step * 64 + 32 * half + 16 * s + 8 * h + 2 * t + e
             assert permuted[1, column].item() == rows[1, step * 64 + 16 * t + 8 * half + 4 * e + 2 * s + h].item()
+
+
+def test_staged_k_order_puts_each_physical_column_where_grouped_wgmma_staged_reads_it():
+    # cuda/moe_prefill.cu, grouped_wgmma_staged: a packed word's pair j holds k (j, j + 4) of its
+    # 8, written to the dequantised row as columns 2j and 2j + 1 of those 8.
+    from mlx_moe_fix.kernels.moe_prefill import staged_k_order
+
+    rows = mx.arange(2 * 64, dtype=mx.int32).reshape(2, 64)
+    permuted = staged_k_order(rows)
+    for word, j, e in itertools.product(range(8), range(4), range(2)):
+        assert permuted[1, 8 * word + 2 * j + e].item() == rows[1, 8 * word + j + 4 * e].item()
