@@ -167,14 +167,18 @@ def test_emulated_cuda_prefill_kernel_matches_ref(emulated_cuda_kernels, name):
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
-@pytest.mark.parametrize("name", ["bf16 8-bit/64 clamped swiglu binding, biased", "bf16 4-bit/64 swiglu, 64-row tiles"])
-def test_emulated_cuda_prefill_kernel_matches_ref_on_one_projection(emulated_cuda_kernels, name):
+@pytest.mark.parametrize("name, staged", [("bf16 8-bit/64 clamped swiglu binding, biased", False),
+                                          ("bf16 4-bit/64 swiglu, 64-row tiles", False), ("bf16 4-bit/64 swiglu, 64-row tiles", True)])
+def test_emulated_cuda_prefill_kernel_matches_ref_on_one_projection(emulated_cuda_kernels, monkeypatch, name, staged):
     # A lone expert matmul (QuantizedSwitchLinear's: the GEMM's "only" launch, one output per
     # pair): the case's gate projection (with its bias where the case has one), no weights.
+    if staged:
+        take_staged(monkeypatch)
     case = prefill_case(name)
     case = dataclasses.replace(case, experts=MoEExperts(case.experts.projections[:1]), weights=None,
                                label=f"{case.label}, gate projection alone")
     assert PREFILL.cuda_unsupported_reason(case.experts, case.dtype) is None
+    assert PREFILL.gemm_kernel(case.experts, "only", 64, case.indices.size) == ("grouped_wgmma_staged" if staged else "grouped")
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
@@ -220,21 +224,22 @@ def test_emulated_cuda_prefill_kernel_matches_ref_with_wgmma(emulated_cuda_kerne
 
 
 def take_staged(patch) -> None:
-    """Gate+up of 4-bit gated experts (groups of 32 or more) on grouped_wgmma_staged at any tile
-    height and rows per expert."""
+    """Every launch of 4-bit experts in groups of 32 or more on grouped_wgmma_staged, at any rows
+    per expert."""
     take_wgmma(patch, True)
     patch.setattr(PREFILL, "STAGED_MIN_MEAN_ROWS", 0)
 
 
-# The cases whose gate+up grouped_wgmma_staged takes (4-bit, gated, groups of 32 or more).
-STAGED_CASES = [name for name in WGMMA_CASES if PREFILL_CASES[name][1][1] % 32 == 0]
+# The cases grouped_wgmma_staged takes (4-bit, groups of 32 or more).
+STAGED_CASES = [name for name, case in PREFILL_CASES.items() if case[1][0] == 4 and case[1][1] % 32 == 0]
 
 
 @pytest.mark.parametrize("name", STAGED_CASES)
 def test_emulated_cuda_prefill_kernel_matches_ref_with_staged_wgmma(emulated_cuda_kernels, monkeypatch, name):
     take_staged(monkeypatch)
     case = prefill_case(name)
-    assert PREFILL.gemm_kernel(case.experts, "first", PREFILL_CASES[name][-1], case.indices.size) == "grouped_wgmma_staged"
+    for stage in ("first", "last"):
+        assert PREFILL.gemm_kernel(case.experts, stage, PREFILL_CASES[name][-1], case.indices.size) == "grouped_wgmma_staged"
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 

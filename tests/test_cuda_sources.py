@@ -172,8 +172,10 @@ def test_prefill_kernel_compiles(tmp_path, t):
         for bits, group, bm, fp4 in quantizations
         for pairs_in, activate, gated, act in ((True, True, True, 0), (True, True, True, 1), (True, True, False, 3),
                                                (False, False, False, 0), (True, False, False, 0))
-        # wgmma: 4-bit gate+up; the staged one in groups of 32 or more
-        for gemm in PREFILL.GEMMS if gemm == "grouped" or (activate and gated and bits == 4 and (group % 32 == 0 or gemm == "grouped_wgmma"))
+        # wgmma: 4-bit gate+up; the staged one: 4-bit in groups of 32 or more, every launch
+        for gemm in PREFILL.GEMMS
+        if gemm == "grouped" or (gemm == "grouped_wgmma" and activate and gated and bits == 4)
+        or (gemm == "grouped_wgmma_staged" and bits == 4 and group % 32 == 0)
     ]
     variants.append(("route", t, {"TILE": 64, "RUN": 128, "MAX_EXPERTS": PREFILL.ROUTE_MAX_EXPERTS}))
     variants.append(("combine", t, {}))
@@ -345,14 +347,14 @@ def test_one_matrix_prefill_gemm_fits_its_launch_bounds_without_spilling(tmp_pat
     assert registers(usage) <= 65536 // (128 * PREFILL.ONE_MATRIX_MIN_BLOCKS) and "0 bytes spill stores" in usage, usage
 
 
-@pytest.mark.parametrize("group", [32, 64])
-def test_staged_wgmma_gemm_fits_its_launch_bounds_without_spilling(tmp_path, group):
-    # two blocks of 256 threads per SM (<= 128 registers): the staged gate+up's 64 accumulators and
-    # its copies' offsets must fit them
-    bounds = PREFILL.launch_bounds_for(64, gated=True, gemm="grouped_wgmma_staged")
+@pytest.mark.parametrize("group, first", [(32, True), (64, True), (64, False)])
+def test_staged_wgmma_gemm_fits_its_launch_bounds_without_spilling(tmp_path, group, first):
+    # two blocks of 256 threads per SM (<= 128 registers): the staged GEMM's 64 accumulators and
+    # its copies' offsets must fit them, in its gate+up launch and its down launch
+    bounds = PREFILL.launch_bounds_for(64, gated=first, gemm="grouped_wgmma_staged")
     assert bounds == (256, 2)
-    constants = {"BITS": 4, "GROUP": group, "FP4": False, "BM": 64, "PAIRS_IN": True, "ACTIVATE": True, "GATED": True, "ACT": 0,
-                 "LIMITED": True, "HAS_BIAS": False}
+    constants = {"BITS": 4, "GROUP": group, "FP4": False, "BM": 64, "PAIRS_IN": first, "ACTIVATE": first, "GATED": first, "ACT": 0,
+                 "LIMITED": first, "HAS_BIAS": False}
     text = translation_unit(PREFILL, "moe_prefill.cu", [("grouped_wgmma_staged", "__nv_bfloat16", constants)])
     usage = resource_usage(tmp_path, with_launch_bounds(text, "moe_prefill.cu", "grouped_wgmma_staged", bounds))
     assert registers(usage) <= 65536 // (256 * 2) and "0 bytes spill stores" in usage, usage

@@ -50,9 +50,9 @@ INPUTS = {"grouped": GROUPED_INPUTS, "grouped_wgmma": GROUPED_INPUTS, "grouped_w
 OUTPUTS = {"grouped": ["out"], "grouped_wgmma": ["out"], "grouped_wgmma_staged": ["out"], "route": ["row_pair", "tile_expert"],
            "combine": ["out"]}
 # The GEMM kernels: mma.sync, every launch; Hopper's warpgroup MMA (sm_90a), the gated first
-# launch (gate+up) of 4-bit experts, its activation rows in wgmma_k_order, or, where experts get
-# many rows each, grouped_wgmma_staged (weights dequantised once a block into shared memory for
-# 128 rows, its activation rows in staged_k_order) (gemm_kernel).
+# launch (gate+up) of 4-bit experts, its activation rows in wgmma_k_order; where 4-bit experts get
+# many rows each, grouped_wgmma_staged, every launch (weights dequantised once a block into
+# shared memory for 128 rows) (gemm_kernel).
 GEMMS = ("grouped", "grouped_wgmma", "grouped_wgmma_staged")
 WGMMA_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL_WGMMA"
 WGMMA_STAGES = 5
@@ -62,7 +62,7 @@ WGMMA_MIN_TILE = 64
 STAGED_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL_STAGED"
 STAGED_STAGES = 4
 STAGED_ROWS = 128  # tile rows per block: the route kernel pads each expert's run to them
-STAGED_BLOCK_N = 64  # output columns per matrix
+STAGED_WEIGHT_ROWS = 128  # output columns per block (gated: 64 of each matrix)
 STAGED_MIN_MEAN_ROWS = 96
 COMBINE_THREADS = 256
 ROUTE_MAX_EXPERTS = 1024  # the route kernel's shared arrays
@@ -90,18 +90,19 @@ def moe_prefill_reference(
 def shared_bytes(tile: int, gated: bool, bits: int, gemm: str = "grouped") -> int:
     """The grouped GEMM's dynamic shared memory: per pipeline stage, activation rows and packed
     weight rows."""
-    weights = (2 if gated else 1) * block_n(gemm) * BLOCK_K * bits // 8
+    weights = (2 if gated else 1) * block_n(gemm, gated) * BLOCK_K * bits // 8
     if gemm == "grouped_wgmma_staged":
-        dequantised = 2 * block_n(gemm) * BLOCK_K * 2
-        return 2 * dequantised + STAGED_STAGES * (STAGED_ROWS * BLOCK_K * 2 + weights)
+        return 2 * STAGED_WEIGHT_ROWS * BLOCK_K * 2 + STAGED_STAGES * (STAGED_ROWS * BLOCK_K * 2 + weights)
     if gemm == "grouped_wgmma":
         return WGMMA_STAGES * (tile * BLOCK_K * 2 + weights)
     return PIPELINE_STAGES * (tile * SHARED_ROW * 2 + weights)
 
 
-def block_n(gemm: str = "grouped") -> int:
+def block_n(gemm: str = "grouped", gated: bool = True) -> int:
     """Output columns per block (per matrix)."""
-    return {"grouped_wgmma": WGMMA_BLOCK_N, "grouped_wgmma_staged": STAGED_BLOCK_N}.get(gemm, BLOCK_N)
+    if gemm == "grouped_wgmma_staged":
+        return STAGED_WEIGHT_ROWS // 2 if gated else STAGED_WEIGHT_ROWS
+    return WGMMA_BLOCK_N if gemm == "grouped_wgmma" else BLOCK_N
 
 
 def threads(tile: int, gemm: str = "grouped") -> int:
@@ -139,27 +140,26 @@ def gemm_state() -> dict:
 
 
 def gemm_kernel(experts: MoEExperts, stage: str, tile: int, pairs: int = 0) -> str:
-    """The GEMM (GEMMS) of `stage` at tile height `tile` for `pairs` pairs: grouped_wgmma for the
-    gated first launch of 4-bit experts at tiles of WGMMA_MIN_TILE rows or more on a GPU with
-    wgmma, where its switch is on (the default), grouped_wgmma_staged instead from
-    STAGED_MIN_MEAN_ROWS rows per expert (groups of 32 or more, its switch on), else grouped. On
-    the H200 (docs/benchmarks.md, fifteenth session) wgmma's gate+up ran at Qwen3's shapes 203
-    against 185 TFLOP/s (2048 tokens) and 254 against 235 (8192), level at 512 tokens and on
-    Mixtral's shapes, and slower on Qwen3's 16-row tiles; its one-matrix variant ran the down GEMM
-    slower than grouped, so it has none."""
-    first = experts.projections[0]
-    wgmma = (stage == "first" and len(experts.projections) == 3 and first.bits == 4
-             and tile >= WGMMA_MIN_TILE and wgmma_unavailable_reason() is None)
-    if not wgmma:
+    """The GEMM (GEMMS) of `stage` at tile height `tile` for `pairs` pairs: grouped_wgmma_staged
+    for every launch of 4-bit experts in groups of 32 or more from STAGED_MIN_MEAN_ROWS rows per
+    expert (its switch on, the default); else grouped_wgmma for the gated first launch of 4-bit
+    experts at tiles of WGMMA_MIN_TILE rows or more; both on a GPU with wgmma, where its switch is
+    on (the default); else grouped. On the H200 (docs/benchmarks.md, fifteenth session)
+    grouped_wgmma's gate+up ran at Qwen3's shapes 203 against 185 TFLOP/s (2048 tokens) and 254
+    against 235 (8192), level at 512 tokens and on Mixtral's shapes, and slower on Qwen3's 16-row
+    tiles; its one-matrix variant ran the down GEMM slower than grouped, so it has none."""
+    if wgmma_unavailable_reason() is not None:
         return "grouped"
-    staged = pairs >= STAGED_MIN_MEAN_ROWS * experts.num_experts and first.group_size % 32 == 0 and flag(STAGED_SWITCH)
-    return "grouped_wgmma_staged" if staged else "grouped_wgmma"
+    if (pairs >= STAGED_MIN_MEAN_ROWS * experts.num_experts and flag(STAGED_SWITCH)
+            and all(p.bits == 4 and p.group_size % 32 == 0 for p in experts.projections)):
+        return "grouped_wgmma_staged"
+    wgmma = stage == "first" and len(experts.projections) == 3 and experts.projections[0].bits == 4 and tile >= WGMMA_MIN_TILE
+    return "grouped_wgmma" if wgmma else "grouped"
 
 
 def gemm_rows(rows: mx.array, gemm: str) -> mx.array:
-    """The activation rows as the GEMM `gemm` reads them: grouped_wgmma's in wgmma_k_order,
-    grouped_wgmma_staged's in staged_k_order."""
-    return {"grouped_wgmma": wgmma_k_order, "grouped_wgmma_staged": staged_k_order}.get(gemm, lambda r: r)(rows)
+    """The activation rows as the GEMM `gemm` reads them: grouped_wgmma's in wgmma_k_order."""
+    return wgmma_k_order(rows) if gemm == "grouped_wgmma" else rows
 
 
 def wgmma_k_order(rows: mx.array) -> mx.array:
@@ -168,13 +168,6 @@ def wgmma_k_order(rows: mx.array) -> mx.array:
     16 t + 8 half + 4 e + 2 s + h."""
     n, k = rows.shape
     return rows.reshape(n, k // 64, 4, 2, 2, 2, 2).transpose(0, 1, 3, 5, 6, 2, 4).reshape(n, k)
-
-
-def staged_k_order(rows: mx.array) -> mx.array:
-    """`rows` [n, K] (K a multiple of 8) with each 8 columns in the order grouped_wgmma_staged
-    dequantises its weights (cuda/moe_prefill.cu): column 2i + h holds column 4h + i."""
-    n, k = rows.shape
-    return rows.reshape(n, k // 8, 2, 4).transpose(0, 1, 3, 2).reshape(n, k)
 
 
 def cuda_kernel(section: str, shared: int = 0, bounds: tuple = ()):
@@ -309,7 +302,7 @@ def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtyp
          ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated),
          ("ACT", ACTIVATION_CODES[activation.kind] if activation is not None else 0),
          ("LIMITED", activation is not None and activation.limit is not None), bias_template(first)],
-        (-(-first.output_dims // block_n(gemm)) * threads(tile, gemm), 1, 1),
+        (-(-first.output_dims // block_n(gemm, gated)) * threads(tile, gemm), 1, 1),
         (threads(tile, gemm), 1, 1),
         [(tile, first.output_dims)],
         [dtype],
@@ -355,10 +348,10 @@ def moe_prefill_kernel(
     tokens = x.reshape(-1, x.shape[-1])
     routing = (*route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile, run), tile)
     if len(experts.projections) == 1:
-        out = grouped(tokens, routing, pairs, top_k, experts, "only")
+        out = grouped(tokens, routing, pairs, top_k, experts, "only", gemm_kernel(experts, "only", tile, pairs))
     else:
         hidden = grouped(gemm_rows(tokens, first), routing, pairs, top_k, experts, "first", first)
-        out = grouped(hidden, routing, pairs, top_k, experts, "last")
+        out = grouped(hidden, routing, pairs, top_k, experts, "last", gemm_kernel(experts, "last", tile, pairs))
     if weights is None:
         return out.reshape(*indices.shape, experts.output_dims)
     return combine_kernel(out, per_pair(weights, indices))

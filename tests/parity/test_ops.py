@@ -356,7 +356,8 @@ def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
         assert module.gemm_kernel(experts, "first", 64) == ("grouped_wgmma" if expected else "grouped")
         assert module.gemm_kernel(experts, "first", 32) == module.gemm_kernel(experts, "last", 64) == "grouped"
         many = module.STAGED_MIN_MEAN_ROWS * experts.num_experts  # pairs: the staged GEMM's rows per expert
-        assert module.gemm_kernel(experts, "first", 64, many) == ("grouped_wgmma_staged" if expected else "grouped")
+        for stage in ("first", "last"):
+            assert module.gemm_kernel(experts, stage, 64, many) == ("grouped_wgmma_staged" if expected else "grouped")
         assert module.gemm_kernel(experts, "first", 64, many - 1) == ("grouped_wgmma" if expected else "grouped")
         switch(module.STAGED_SWITCH, "0")
         assert module.gemm_kernel(experts, "first", 64, many) == ("grouped_wgmma" if expected else "grouped")
@@ -539,13 +540,3 @@ def test_wgmma_k_order_puts_each_physical_column_where_grouped_wgmma_reads_it():
             column = step * 64 + 32 * half + 16 * s + 8 * h + 2 * t + e
             assert permuted[1, column].item() == rows[1, step * 64 + 16 * t + 8 * half + 4 * e + 2 * s + h].item()
 
-
-def test_staged_k_order_puts_each_physical_column_where_grouped_wgmma_staged_reads_it():
-    # cuda/moe_prefill.cu, grouped_wgmma_staged: a packed word's pair j holds k (j, j + 4) of its
-    # 8, written to the dequantised row as columns 2j and 2j + 1 of those 8.
-    from mlx_moe_fix.kernels.moe_prefill import staged_k_order
-
-    rows = mx.arange(2 * 64, dtype=mx.int32).reshape(2, 64)
-    permuted = staged_k_order(rows)
-    for word, j, e in itertools.product(range(8), range(4), range(2)):
-        assert permuted[1, 8 * word + 2 * j + e].item() == rows[1, 8 * word + j + 4 * e].item()

@@ -654,30 +654,30 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 }
 
 //// grouped_wgmma_staged
-// `grouped`'s gate+up launch (GATED, ACTIVATE, PAIRS_IN; same inputs, output and template
-// constants) for experts with many rows each: a block takes 128 rows of one expert's run (the
-// route kernel pads runs to 128 rows; a BM-row tile of padding alone has expert -1) and 64 output
-// rows of each matrix. Its 256 threads dequantise each k-step's weights once into shared
-// memory, where both warpgroups' wgmmas read them with the tile rows (m64n128k16, both operands
-// in shared memory: A the warpgroup's 64 tile rows, B the 64 gate rows then the 64 up rows), so a
-// dequantised weight serves 128 rows (grouped_wgmma's serve 64) and no wgmma waits for registers.
-// Thread i dequantises row i % 128 at k 32 (i / 128) .. + 31 of each k-step from the 16 packed
-// bytes it copied itself: its word w gives the pairs (w >> 4j) & 0x000F000F, k (j, j + 4) of the
-// word's 8, so each 8 columns of `a` come as x's 0 4 1 5 2 6 3 7 (moe_prefill.staged_k_order).
-// Needs GROUP % 32 == 0 (a thread's 32 values of a k-step share one group).
+// `grouped` (same inputs, output and template constants; 4-bit experts) for experts with many rows
+// each: a block takes 128 rows of one expert's run (the route kernel pads runs to 128 rows; a
+// BM-row tile of padding alone has expert -1) and 128 weight rows (GATED: 64 output rows of each
+// matrix). Its 256 threads dequantise each k-step's weights once into shared memory, where both
+// warpgroups' wgmmas read them with the tile rows (m64n128k16, both operands in shared memory: A
+// the warpgroup's 64 tile rows, B the 128 weight rows), so a dequantised weight serves 128 rows
+// (grouped_wgmma's and grouped's serve 64) and no wgmma waits for registers. Thread i dequantises
+// weight row i % 128 at k 32 (i / 128) .. + 31 of each k-step from the 16 packed bytes it copied
+// itself (no barrier between its copy and its reads). Needs GROUP % 32 == 0 (a thread's 32 values
+// of a k-step share one group).
 // Dynamic shared memory: 2 x 128 rows x BK values of T (dequantised weights, double-buffered) +
 // STAGED_STAGES x (128 x BK values of T + 128 rows x BK x BITS / 8 bytes) (moe_prefill.shared_bytes).
 {
   using namespace grouped;
-  constexpr int RBN = 64, ROWS = 128, THREADS = 256;  // output rows per matrix, tile rows per block
-  constexpr int N = 2 * RBN;                          // the wgmmas' width: gate's rows, then up's
+  constexpr int N = 128, ROWS = 128, THREADS = 256;  // weight rows (the wgmmas' width), tile rows per block
+  constexpr int RBN = GATED ? N / 2 : N;              // output rows per matrix
   constexpr int W_ROW_BYTES = BK * BITS / 8;
   constexpr int A_HALF_BYTES = 64 * BK * 2;           // a warpgroup's tile rows of one k-step
   constexpr int A_STAGE_BYTES = 2 * A_HALF_BYTES;
   constexpr int STAGE_BYTES = A_STAGE_BYTES + N * W_ROW_BYTES;
   constexpr int DEQUANTISED_BYTES = N * BK * 2;
+  constexpr int K8_BYTES = N / 8 * 128;               // the dequantised rows' 8 k: 16 core matrices
   constexpr int A_COPIES = ROWS * BK / 8 / THREADS;   // 16-byte copies per thread and stage
-  static_assert(GATED && ACTIVATE && PAIRS_IN && BITS == 4 && ROWS % BM == 0 && 64 % BM == 0, "the gate+up launch of 4-bit experts");
+  static_assert(BITS == 4 && ROWS % BM == 0 && 64 % BM == 0, "4-bit experts; tiles that split the block's halves");
   static_assert(GROUP % 32 == 0 && N * W_ROW_BYTES == THREADS * 16, "a thread's 16 packed bytes, one group");
   using Bias = cuda::std::conditional_t<FP4, T, S>;
   static_assert(bias_signature_matches<HAS_BIAS, Bias, decltype(bias0)> &&
@@ -710,18 +710,20 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     const int c = tid + i * THREADS;
     const int r = c / 2 % ROWS, kb = c / 2 / ROWS * 2 + c % 2;
     const int pair = row_pair[block_tile * ROWS + r];
-    a_offset[i] = (pair >= 0 ? pair / d.top_k : 0) * d.in_dim + kb * 8;
+    const unsigned src_row = PAIRS_IN ? (pair >= 0 ? pair / d.top_k : 0) : block_tile * ROWS + r;
+    a_offset[i] = src_row * d.in_dim + kb * 8;
     a_slot[i] = r / 64 * A_HALF_BYTES + (kb * 64 + r % 64) * 16;
     a_present |= (pair >= 0 ? 1u : 0u) << i;
   }
-  // This thread's weights: combined row n (gate's, then up's), k 32 k_half .. + 31 of each step.
+  // This thread's weights: weight row n (GATED: gate's, then up's), k 32 k_half .. + 31 of each step.
   const int n = tid % N, k_half = tid / N;
+  const bool second = GATED && n >= RBN;
   const int out_row = n0 + n % RBN;
   const bool row_exists = out_row < d.out_dim;
   const size_t row_at = (size_t)expert * d.out_dim + (row_exists ? out_row : 0);
-  const unsigned char* packed = reinterpret_cast<const unsigned char*>(n < RBN ? w0 : w1) + row_at * row_bytes + k_half * 16;
-  const auto* group_scales = (n < RBN ? s0 : s1) + row_at * groups_per_row;
-  const auto* group_biases = (n < RBN ? b0 : b1) + row_at * groups_per_row;
+  const unsigned char* packed = reinterpret_cast<const unsigned char*>(second ? w1 : w0) + row_at * row_bytes + k_half * 16;
+  const auto* group_scales = (second ? s1 : s0) + row_at * groups_per_row;
+  const auto* group_biases = (second ? b1 : b0) + row_at * groups_per_row;
   auto load_stage = [&](int stage, int k0) {
     unsigned char* destination = stages + stage * STAGE_BYTES;
 #pragma unroll
@@ -741,7 +743,9 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     return affine;
   };
   // Step `step`'s 32 weights of this thread into dequantised buffer `buffer`, as wgmma's K-major
-  // core matrices: (n, k) at byte (k / 8) 2048 + (n / 8) 128 + (n % 8) 16 + (k % 8) 2.
+  // core matrices: (n, k) at byte (k / 8) K8_BYTES + (n / 8) 128 + (n % 8) 16 + (k % 8) 2. A
+  // packed word's pair j holds its k j and j + 4 ((w >> 4j) & 0x000F000F under one exponent),
+  // permuted into k order.
   auto dequantise = [&](int step, int buffer, const Affine& affine) {
     const uint4 words = *reinterpret_cast<const uint4*>(stages + step % STAGED_STAGES * STAGE_BYTES + A_STAGE_BYTES + tid * 16);
     const unsigned word[4] = {words.x, words.y, words.z, words.w};
@@ -752,7 +756,9 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         pairs[j] = dequant_pair<T, S, BITS, FP4>(word[c] >> 4 * j & 0x000F000Fu, affine.scale, affine.bias);
-      *reinterpret_cast<uint4*>(row + (4 * k_half + c) * (N / 8 * 128)) = uint4{pairs[0], pairs[1], pairs[2], pairs[3]};
+      *reinterpret_cast<uint4*>(row + (4 * k_half + c) * K8_BYTES) =
+          uint4{__byte_perm(pairs[0], pairs[1], 0x5410), __byte_perm(pairs[2], pairs[3], 0x5410),
+                __byte_perm(pairs[0], pairs[1], 0x7632), __byte_perm(pairs[2], pairs[3], 0x7632)};
     }
   };
 
@@ -780,7 +786,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk)
         wgmma_ss<T, N>(acc, wgmma_descriptor(a_base + step % STAGED_STAGES * STAGE_BYTES + 2 * kk * 1024, 1024),
-                       wgmma_descriptor(b_base + step % 2 * DEQUANTISED_BYTES + 2 * kk * (N / 8 * 128), N / 8 * 128));
+                       wgmma_descriptor(b_base + step % 2 * DEQUANTISED_BYTES + 2 * kk * K8_BYTES, K8_BYTES));
       wgmma_commit();
     }
     // The previous step's stage is free: its wgmmas completed before the last barrier.
@@ -801,8 +807,9 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   }
 
   // The block's outputs through shared memory (free: every wgmma completed before the last
-  // barrier). acc[4j + e] is D row 16 (warp % 4) + g + 8 (e / 2), column 8j + 2t + e % 2: gate's
-  // column c at j < 8, up's at j + 8, each output row leaves as 16-byte stores.
+  // barrier). acc[4j + e] is D row 16 (warp % 4) + g + 8 (e / 2), column (weight row) 8j + 2t +
+  // e % 2: GATED, gate's output column c at j < 8, up's at j + 8. Each output row leaves as
+  // 16-byte stores.
   static_assert(ROWS * OUT_STRIDE * 2 <= 2 * DEQUANTISED_BYTES + STAGED_STAGES * STAGE_BYTES, "outputs fit the pipeline's memory");
   T* staged = reinterpret_cast<T*>(shared_bytes);
   if (live) {
@@ -815,15 +822,15 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int out_column = n0 + column + e;
-          value[e] = finish<T, true, true, ACT, LIMITED>(acc[4 * j + 2 * h + e], acc[4 * (j + RBN / 8) + 2 * h + e], d, bias0, bias1,
-                                                         scale, params, expert, out_column < d.out_dim ? out_column : 0);
+          value[e] = finish<T, ACTIVATE, GATED, ACT, LIMITED>(acc[4 * j + 2 * h + e], acc[4 * (j + (GATED ? RBN / 8 : 0)) + 2 * h + e], d,
+                                                              bias0, bias1, scale, params, expert, out_column < d.out_dim ? out_column : 0);
         }
         *reinterpret_cast<unsigned*>(&staged[r * OUT_STRIDE + column]) = pack2<T>(value[0], value[1]);
       }
     }
   }
   __syncthreads();
-  store_staged_rows<T, ROWS, RBN, THREADS, true>(staged, out, row_pair, block_tile, n0, d.out_dim, tid);
+  store_staged_rows<T, ROWS, RBN, THREADS, ACTIVATE>(staged, out, row_pair, block_tile, n0, d.out_dim, tid);
 }
 
 //// route
