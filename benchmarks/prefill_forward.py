@@ -10,7 +10,8 @@ apart from evaluation, whole and with the MoE block / MLP left out (each returni
 Variants, in one process: the MoE model patched, its prefill calls compiled per shape (the
 default: the timed calls are the third and later of their shape, replayed; patches/compiled.py);
 patched with every call built in Python (MLX_MOE_FIX_COMPILED_PREFILL=0, as a prompt length's
-first call is); patched with gate+up on the other GEMM (MLX_MOE_FIX_CUDA_PREFILL_WGMMA flipped);
+first call is); patched with gate+up on the other GEMM (MLX_MOE_FIX_CUDA_PREFILL_WGMMA flipped); patched
+without the staged GEMM (MLX_MOE_FIX_CUDA_PREFILL_STAGED=0);
 stock (prompts up to --stock-max-prompt); the dense equivalent (benchmarks.models); both models
 without their MoE block / MLP. Every variant runs once per round, --reps forwards, and the rounds repeat, so that
 each ratio to the dense equivalent is taken between runs seconds apart (this host's speed drifts;
