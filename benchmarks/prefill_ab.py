@@ -16,7 +16,7 @@ with `--parts`, its gate+up or down GEMM launch alone (each tree's own routing a
 computed once a case); `--launches` layers (or launches) per timed graph, median of `--reps`
 calls, `--rounds` rounds that alternate which tree goes first. The table gives each tree's TFLOP/s (the layer's useful FLOPs over the
 median), the median and range over rounds of the speed ratio (this tree / the other), and
-whether both trees' outputs are equal.
+whether both trees' outputs are equal (else their relative difference).
 """
 
 import argparse
@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from .kernels import random_routing
 from .switch_glu import experts_of, quantized_switch_glu
-from .timing import bench, fmt, markdown_table, repeated
+from .timing import bench, fmt, markdown_table, relative_error, repeated
 
 OTHER = "mlx_moe_fix_other"
 SHAPES = {"qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2)}
@@ -95,6 +95,12 @@ def part_calls(prefill, experts, x, indices, weights) -> dict:
     }
 
 
+def same_output(this: mx.array, other: mx.array) -> str:
+    """"yes" where the trees' outputs are equal, else their relative difference (trees that sum in
+    other orders)."""
+    return "yes" if mx.array_equal(this, other).item() else f"no ({relative_error(this, other):.1e})"
+
+
 def build_case(shape: str, tokens: int) -> tuple:
     """(one random quantized SwitchGLU layer of the shape, x [tokens, hidden], its random routing's
     indices and weights), evaluated."""
@@ -122,7 +128,7 @@ def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, la
         projections = {"layer": 3, "gate_up": 2, "down": 1}[part]
         flops = projections * 2 * indices.size * hidden * ffn
         yield [f"{shape} T={tokens}", part, *(fmt(flops / statistics.median(times[n]) / 1e12) for n in ("other", "this")),
-               *ratio, "yes" if mx.array_equal(outputs["this"], outputs["other"]).item() else "no"]
+               *ratio, same_output(outputs["this"], outputs["other"])]
 
 
 def main(argv=None):
