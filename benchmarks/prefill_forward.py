@@ -11,7 +11,7 @@ Variants, in one process: the MoE model patched, its prefill calls compiled per 
 default: the timed calls are the third and later of their shape, replayed; patches/compiled.py);
 patched with every call built in Python (MLX_MOE_FIX_COMPILED_PREFILL=0, as a prompt length's
 first call is); patched with gate+up on the other GEMM (MLX_MOE_FIX_CUDA_PREFILL_WGMMA flipped); patched
-without the staged GEMM (MLX_MOE_FIX_CUDA_PREFILL_STAGED=0);
+with the staged GEMM's switch flipped (MLX_MOE_FIX_CUDA_PREFILL_STAGED);
 stock (prompts up to --stock-max-prompt); the dense equivalent (benchmarks.models); both models
 without their MoE block / MLP. Every variant runs once per round, --reps forwards, and the rounds repeat, so that
 each ratio to the dense equivalent is taken between runs seconds apart (this host's speed drifts;
@@ -57,12 +57,13 @@ def forward_split(model, prompt: mx.array, reps: int, warm_ups: int) -> tuple:
 def variants(moe, dense, stock_allowed: bool) -> dict:
     """label: (model, a context manager factory that sets the variant up)."""
     other_gemm = "0" if env.flag(WGMMA_SWITCH) else "1"
+    other_staged = "0" if env.flag(STAGED_SWITCH) else "1"
     out = {
         "MoE, patched (prefill compiled per shape)": (moe, mlx_moe_fix.patched),
         "MoE, patched, built in Python": (moe, lambda: _built_in_python()),
         # gate+up on the other GEMM (moe_prefill.gemm_kernel)
         f"MoE, patched, {WGMMA_SWITCH}={other_gemm}": (moe, lambda: _patched_with(WGMMA_SWITCH, other_gemm)),
-        f"MoE, patched, {STAGED_SWITCH}=0": (moe, lambda: _patched_with(STAGED_SWITCH, "0")),
+        f"MoE, patched, {STAGED_SWITCH}={other_staged}": (moe, lambda: _patched_with(STAGED_SWITCH, other_staged)),
     }
     if stock_allowed:
         out["MoE, stock"] = (moe, contextlib.nullcontext)

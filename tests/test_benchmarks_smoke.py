@@ -458,7 +458,7 @@ def test_prefill_forward_smoke_times_every_variant(tmp_path):
     rows = written["rows"]
     assert [row[1] for row in rows] == ["MoE, patched (prefill compiled per shape)", "MoE, patched, built in Python",
                                         "MoE, patched, MLX_MOE_FIX_CUDA_PREFILL_WGMMA=0",
-                                        "MoE, patched, MLX_MOE_FIX_CUDA_PREFILL_STAGED=0", "MoE, stock",
+                                        "MoE, patched, MLX_MOE_FIX_CUDA_PREFILL_STAGED=1", "MoE, stock",
                                         "dense equivalent", "MoE, patched, without MoE blocks",
                                         "dense equivalent, without MLPs"]
     assert all(float(row[4]) > 0 for row in rows)

@@ -169,11 +169,11 @@ def test_emulated_cuda_prefill_kernel_matches_ref(emulated_cuda_kernels, name):
 
 @pytest.mark.parametrize("name, staged", [("bf16 8-bit/64 clamped swiglu binding, biased", False),
                                           ("bf16 4-bit/64 swiglu, 64-row tiles", False), ("bf16 4-bit/64 swiglu, 64-row tiles", True)])
-def test_emulated_cuda_prefill_kernel_matches_ref_on_one_projection(emulated_cuda_kernels, monkeypatch, name, staged):
+def test_emulated_cuda_prefill_kernel_matches_ref_on_one_projection(emulated_cuda_kernels, monkeypatch, switch, name, staged):
     # A lone expert matmul (QuantizedSwitchLinear's: the GEMM's "only" launch, one output per
     # pair): the case's gate projection (with its bias where the case has one), no weights.
     if staged:
-        take_staged(monkeypatch)
+        take_staged(monkeypatch, switch)
     case = prefill_case(name)
     case = dataclasses.replace(case, experts=MoEExperts(case.experts.projections[:1]), weights=None,
                                label=f"{case.label}, gate projection alone")
@@ -223,11 +223,12 @@ def test_emulated_cuda_prefill_kernel_matches_ref_with_wgmma(emulated_cuda_kerne
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
-def take_staged(patch) -> None:
+def take_staged(patch, switch) -> None:
     """Every launch of 4-bit experts in groups of 32 or more on grouped_wgmma_staged, at any rows
-    per expert."""
+    per expert (its switch on: off by default)."""
     take_wgmma(patch, True)
     patch.setattr(PREFILL, "STAGED_MIN_MEAN_ROWS", 0)
+    switch(PREFILL.STAGED_SWITCH, "1")
 
 
 # The cases grouped_wgmma_staged takes (4-bit, groups of 32 or more).
@@ -235,8 +236,8 @@ STAGED_CASES = [name for name, case in PREFILL_CASES.items() if case[1][0] == 4 
 
 
 @pytest.mark.parametrize("name", STAGED_CASES)
-def test_emulated_cuda_prefill_kernel_matches_ref_with_staged_wgmma(emulated_cuda_kernels, monkeypatch, name):
-    take_staged(monkeypatch)
+def test_emulated_cuda_prefill_kernel_matches_ref_with_staged_wgmma(emulated_cuda_kernels, monkeypatch, switch, name):
+    take_staged(monkeypatch, switch)
     case = prefill_case(name)
     for stage in ("first", "last"):
         assert PREFILL.gemm_kernel(case.experts, stage, PREFILL_CASES[name][-1], case.indices.size) == "grouped_wgmma_staged"
@@ -268,7 +269,7 @@ WRONG_GEMMS = {
 
 
 @pytest.mark.parametrize("name", WRONG_GEMMS)
-def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch, name):
+def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch, switch, name):
     gemm, right, wrong = WRONG_GEMMS[name]
     source = sections("cuda", "moe_prefill.cu")
     assert (source["header"] + source[gemm]).count(right) == 1
@@ -278,7 +279,7 @@ def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch, name):
 
     monkeypatch.setattr(PREFILL, "cuda_kernel_object", emulated_kernel(broken, broken))
     if gemm == "grouped_wgmma_staged":
-        take_staged(monkeypatch)
+        take_staged(monkeypatch, switch)
     else:
         take_wgmma(monkeypatch, gemm == "grouped_wgmma")
     case = prefill_case("bf16 4-bit/64 swiglu, ragged widths")

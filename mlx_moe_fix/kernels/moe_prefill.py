@@ -142,7 +142,7 @@ def gemm_state() -> dict:
 def gemm_kernel(experts: MoEExperts, stage: str, tile: int, pairs: int = 0) -> str:
     """The GEMM (GEMMS) of `stage` at tile height `tile` for `pairs` pairs: grouped_wgmma_staged
     for every launch of 4-bit experts in groups of 32 or more from STAGED_MIN_MEAN_ROWS rows per
-    expert (its switch on, the default); else grouped_wgmma for the gated first launch of 4-bit
+    expert (where its switch is on: off by default until measured on a GPU); else grouped_wgmma for the gated first launch of 4-bit
     experts at tiles of WGMMA_MIN_TILE rows or more; both on a GPU with wgmma, where its switch is
     on (the default); else grouped. On the H200 (docs/benchmarks.md, fifteenth session)
     grouped_wgmma's gate+up ran at Qwen3's shapes 203 against 185 TFLOP/s (2048 tokens) and 254

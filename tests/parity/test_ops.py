@@ -332,7 +332,8 @@ def prefill_gemm(switch, monkeypatch, gemm: str) -> None:
         pytest.skip("no Hopper GPU: wgmma needs compute capability 9.0")
     switch(module.WGMMA_SWITCH, "0" if gemm == "grouped" else "1")
     monkeypatch.setattr(module, "WGMMA_MIN_TILE", 0)
-    monkeypatch.setattr(module, "STAGED_MIN_MEAN_ROWS", 0 if gemm == "grouped_wgmma_staged" else float("inf"))
+    switch(module.STAGED_SWITCH, "1" if gemm == "grouped_wgmma_staged" else "0")
+    monkeypatch.setattr(module, "STAGED_MIN_MEAN_ROWS", 0)
 
 
 @pytest.mark.parametrize("info, expected", [
@@ -356,6 +357,7 @@ def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
         assert module.gemm_kernel(experts, "first", 64) == ("grouped_wgmma" if expected else "grouped")
         assert module.gemm_kernel(experts, "first", 32) == module.gemm_kernel(experts, "last", 64) == "grouped"
         many = module.STAGED_MIN_MEAN_ROWS * experts.num_experts  # pairs: the staged GEMM's rows per expert
+        switch(module.STAGED_SWITCH, "1")
         for stage in ("first", "last"):
             assert module.gemm_kernel(experts, stage, 64, many) == ("grouped_wgmma_staged" if expected else "grouped")
         assert module.gemm_kernel(experts, "first", 64, many - 1) == ("grouped_wgmma" if expected else "grouped")
