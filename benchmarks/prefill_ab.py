@@ -75,14 +75,9 @@ def part_calls(prefill, experts, x, indices, weights) -> dict:
     expert's rows in atomic order, and neither tree writes the padding rows); the down launch on
     the gate+up's rows."""
     top_k, pairs = indices.shape[-1], indices.size
-    if hasattr(prefill, "launch_plan"):  # trees with grouped_wgmma_staged (runs padded for it)
-        tile, first, run = prefill.launch_plan(pairs, experts)
-        last = prefill.gemm_kernel(experts, "last", tile, pairs)
-        routing = (*prefill.route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile, run), tile)
-    else:
-        tile = prefill.tile_height(pairs, experts.num_experts)
-        routing = (*prefill.route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile), tile)
-        first, last = prefill.gemm_kernel(experts, "first", tile), "grouped"
+    tile = prefill.tile_height(pairs, experts.num_experts)
+    routing = (*prefill.route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile), tile)
+    first = prefill.gemm_kernel(experts, "first", tile)
     rows = prefill.gemm_rows(x, first)
     mx.eval(routing[:2], rows)
     hidden = prefill.grouped(rows, routing, pairs, top_k, experts, "first", first)
@@ -91,7 +86,7 @@ def part_calls(prefill, experts, x, indices, weights) -> dict:
         "layer": (lambda: prefill.moe_prefill_kernel(x, indices, experts, weights), lambda out: out),
         "gate_up": (lambda: prefill.grouped(rows, routing, pairs, top_k, experts, "first", first),
                     lambda out: in_pair_order(out, routing[0], pairs)),
-        "down": (lambda: prefill.grouped(hidden, routing, pairs, top_k, experts, "last", last), lambda out: out),
+        "down": (lambda: prefill.grouped(hidden, routing, pairs, top_k, experts, "last"), lambda out: out),
     }
 
 

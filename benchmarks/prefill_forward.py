@@ -10,8 +10,7 @@ apart from evaluation, whole and with the MoE block / MLP left out (each returni
 Variants, in one process: the MoE model patched, its prefill calls compiled per shape (the
 default: the timed calls are the third and later of their shape, replayed; patches/compiled.py);
 patched with every call built in Python (MLX_MOE_FIX_COMPILED_PREFILL=0, as a prompt length's
-first call is); patched with gate+up on the other GEMM (MLX_MOE_FIX_CUDA_PREFILL_WGMMA flipped); patched
-with the staged GEMM's switch flipped (MLX_MOE_FIX_CUDA_PREFILL_STAGED);
+first call is); patched with gate+up on the other GEMM (MLX_MOE_FIX_CUDA_PREFILL_WGMMA flipped);
 stock (prompts up to --stock-max-prompt); the dense equivalent (benchmarks.models); both models
 without their MoE block / MLP. Every variant runs once per round, --reps forwards, and the rounds repeat, so that
 each ratio to the dense equivalent is taken between runs seconds apart (this host's speed drifts;
@@ -40,7 +39,7 @@ import numpy as np
 import mlx_moe_fix
 from mlx_moe_fix import env
 from mlx_moe_fix.kernels.kernel_cache import ptx_cache_directory
-from mlx_moe_fix.kernels.moe_prefill import STAGED_SWITCH, WGMMA_SWITCH
+from mlx_moe_fix.kernels.moe_prefill import WGMMA_SWITCH
 from mlx_moe_fix.patches.compiled import PREFILL_COMPILE_SWITCH
 
 from . import models
@@ -57,13 +56,11 @@ def forward_split(model, prompt: mx.array, reps: int, warm_ups: int) -> tuple:
 def variants(moe, dense, stock_allowed: bool) -> dict:
     """label: (model, a context manager factory that sets the variant up)."""
     other_gemm = "0" if env.flag(WGMMA_SWITCH) else "1"
-    other_staged = "0" if env.flag(STAGED_SWITCH) else "1"
     out = {
         "MoE, patched (prefill compiled per shape)": (moe, mlx_moe_fix.patched),
         "MoE, patched, built in Python": (moe, lambda: _built_in_python()),
         # gate+up on the other GEMM (moe_prefill.gemm_kernel)
         f"MoE, patched, {WGMMA_SWITCH}={other_gemm}": (moe, lambda: _patched_with(WGMMA_SWITCH, other_gemm)),
-        f"MoE, patched, {STAGED_SWITCH}={other_staged}": (moe, lambda: _patched_with(STAGED_SWITCH, other_staged)),
     }
     if stock_allowed:
         out["MoE, stock"] = (moe, contextlib.nullcontext)

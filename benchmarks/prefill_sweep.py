@@ -35,8 +35,7 @@ def time_tile(x, indices, experts, tile, reps, launches, gemm="grouped"):
     """(gate+up timing, down timing, layer output) of the two GEMMs at one tile height, gate+up on
     `gemm` (moe_prefill.GEMMS; down always on grouped)."""
     pairs, top_k = indices.size, indices.shape[-1]
-    run = prefill.STAGED_ROWS if gemm == "grouped_wgmma_staged" else tile
-    row_pair, tile_expert, tiles = prefill.route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile, run)
+    row_pair, tile_expert, tiles = prefill.route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile)
     mx.eval(row_pair, tile_expert)
     plan = (row_pair, tile_expert, tiles, tile)
     x = prefill.gemm_rows(x, gemm)

@@ -12,7 +12,7 @@ types; bf16x2 arithmetic rounded once a lane, as the hardware does); a warp is 3
 for the block running now (blocks run one after another, their threads at once); the inline PTX
 the kernels use (`prmt`, `dp4a`, a streamed 16-byte load, an empty `asm` that hides a pointer's
 origin, `cp.async` into dynamic shared memory, `mma.sync` m16n8k16 and Hopper's `wgmma` m64nNk16 on
-their fragment layouts and shared-memory descriptors) becomes the C++ of its definition; MLX's grid
+their fragment layouts and shared-memory descriptor) becomes the C++ of its definition; MLX's grid
 in threads is rounded up to whole blocks, as MLX launches it; a cp.async copy lands when a
 wait_group lets its group complete, its destination all-ones bytes until then, so that a stage read
 too early reads garbage; a wgmma reads its B and writes its sums when a wait_group lets its commit
@@ -245,50 +245,34 @@ void mma_m16n8k16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b
     c[e] += sum;
   }
 }
-// wgmma.mma_async m64nNk16: D[64 x N] += A[64 x 16] B[16 x N], B[16 x N] (and A, where it too
-// comes from shared memory) through its descriptor, K-major without swizzle: start address,
-// leading byte offset (to the next 8 k) and stride byte offset (to the next 8 rows or columns),
-// each in 16-byte units; element (k, n) at start + (k / 8) lead + (n / 8) stride + (n % 8) 16 +
-// (k % 8) 2 bytes. D: mma.sync's C layout repeated over the N / 8 column blocks, each warp of the
-// warpgroup its 16 rows. Asynchronous as on the GPU, at its latest: shared operands are read and
-// D written only when a wgmma.wait_group lets the wgmma's commit group complete (in each thread
-// for its own accumulators), so that a kernel that refills a stage a pending wgmma still reads, or
-// reads accumulators before waiting for them, gets wrong sums here.
-template <typename T> float described_element(unsigned long long descriptor, unsigned k, unsigned n) {
-  const unsigned char* start = dynamic_shared + ((descriptor & 0x3FFF) << 4);
-  const unsigned lead = ((descriptor >> 16) & 0x3FFF) << 4, stride = ((descriptor >> 32) & 0x3FFF) << 4;
-  unsigned short bits;
-  std::memcpy(&bits, start + (k / 8) * lead + (n / 8) * stride + (n % 8) * 16 + (k % 8) * 2, 2);
-  return value_of<T>(bits);
-}
-// The sums of one lane's accumulators; a_at(row, k): A's element at the warp's row (0-15) and k.
-template <typename T, int N, typename AElement>
-void wgmma_sums(float (&d)[N / 2], unsigned lane, const AElement& a_at, unsigned long long b_descriptor) {
-  const unsigned g = lane / 4, t = lane % 4;
-  for (unsigned j = 0; j < N / 8; ++j)
-    for (unsigned e = 0; e < 4; ++e) {
-      const unsigned row = g + 8 * (e / 2), column = 8 * j + 2 * t + e % 2;
-      float sum = 0.f;
-      for (unsigned k = 0; k < 16; ++k) sum += a_at(row, k) * described_element<T>(b_descriptor, k, column);
-      d[4 * j + e] += sum;
-    }
-}
-// A from registers (each warp its 16 rows, as mma.sync's A), taken at the issue.
+// wgmma.mma_async m64nNk16 with A from registers (each warp of the warpgroup its 16 rows, as
+// mma.sync's A) and B[16 x N] from shared memory through its descriptor, K-major without swizzle:
+// start address, leading byte offset (to the next 8 k) and stride byte offset (to the next 8
+// columns), each in 16-byte units; element (k, n) at start + (k / 8) lead + (n / 8) stride +
+// (n % 8) 16 + (k % 8) 2 bytes. D: mma.sync's C layout repeated over the N / 8 column blocks.
+// Asynchronous as on the GPU, at its latest: the warp's A registers are taken at the issue, but B
+// is read and D written only when a wgmma.wait_group lets the wgmma's commit group complete (in
+// each thread for its own accumulators), so that a kernel that refills a stage a pending wgmma
+// still reads, or reads accumulators before waiting for them, gets wrong sums here.
 template <typename T, int N>
 void wgmma_m64k16(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long descriptor) {
   const MmaOperands operands = warp_operands(a, 0, 0);  // a copy: the buffer serves later calls
   const unsigned lane = this_lane;
   async_wgmmas.open.push_back([operands, lane, descriptor, &d] {
-    wgmma_sums<T, N>(d, lane, [&](unsigned row, unsigned k) { return a_element<T>(operands, row, k); }, descriptor);
-  });
-}
-// A from shared memory too: warp w of the warpgroup multiplies A's rows 16w .. 16w + 15.
-template <typename T, int N>
-void wgmma_ss_m64k16(float (&d)[N / 2], unsigned long long a_descriptor, unsigned long long b_descriptor) {
-  const unsigned lane = this_lane, first_row = threadIdx.x / 32 % 4 * 16;
-  async_wgmmas.open.push_back([lane, first_row, a_descriptor, b_descriptor, &d] {
-    wgmma_sums<T, N>(d, lane, [&](unsigned row, unsigned k) { return described_element<T>(a_descriptor, k, first_row + row); },
-                     b_descriptor);
+    const unsigned char* b = dynamic_shared + ((descriptor & 0x3FFF) << 4);
+    const unsigned lead = ((descriptor >> 16) & 0x3FFF) << 4, stride = ((descriptor >> 32) & 0x3FFF) << 4;
+    const unsigned g = lane / 4, t = lane % 4;
+    for (unsigned j = 0; j < N / 8; ++j)
+      for (unsigned e = 0; e < 4; ++e) {
+        const unsigned row = g + 8 * (e / 2), column = 8 * j + 2 * t + e % 2;
+        float sum = 0.f;
+        for (unsigned k = 0; k < 16; ++k) {
+          unsigned short bits;
+          std::memcpy(&bits, b + (k / 8) * lead + (column / 8) * stride + (column % 8) * 16 + (k % 8) * 2, 2);
+          sum += a_element<T>(operands, row, k) * value_of<T>(bits);
+        }
+        d[4 * j + e] += sum;
+      }
   });
 }
 inline unsigned __reduce_max_sync(unsigned, unsigned v) { return reduce_lanes(v, [](unsigned a, unsigned b) { return std::max(a, b); }); }
@@ -313,7 +297,6 @@ PTX = (
     (r'(?s)asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(?:bf16\.bf16|f16\.f16)\.f32 [^"]*"\s*:.*?\);',
      "mma_m16n8k16<T>(c, a, b0, b1);"),
     (r'MOE_WGMMA_OF\("m64n\d+k16", "b?f16", MOE_N\d+\);', "wgmma_m64k16<T, N>(d, a, descriptor);"),
-    (r'MOE_WGMMA_SS_OF\("m64n\d+k16", "b?f16", MOE_SS_N\d+\);', "wgmma_ss_m64k16<T, N>(d, a_descriptor, b_descriptor);"),
     (r'asm volatile\("wgmma\.commit_group\.sync\.aligned;\\n" ::: "memory"\);', "async_wgmmas.commit();"),
     (r'asm volatile\("wgmma\.wait_group\.sync\.aligned %0;\\n" ::"n"\(N\) : "memory"\);', "async_wgmmas.wait(N);"),
     # the register and proxy fences order what the emulation does in program order anyway

@@ -167,18 +167,14 @@ def test_emulated_cuda_prefill_kernel_matches_ref(emulated_cuda_kernels, name):
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
-@pytest.mark.parametrize("name, staged", [("bf16 8-bit/64 clamped swiglu binding, biased", False),
-                                          ("bf16 4-bit/64 swiglu, 64-row tiles", False), ("bf16 4-bit/64 swiglu, 64-row tiles", True)])
-def test_emulated_cuda_prefill_kernel_matches_ref_on_one_projection(emulated_cuda_kernels, monkeypatch, switch, name, staged):
+@pytest.mark.parametrize("name", ["bf16 8-bit/64 clamped swiglu binding, biased", "bf16 4-bit/64 swiglu, 64-row tiles"])
+def test_emulated_cuda_prefill_kernel_matches_ref_on_one_projection(emulated_cuda_kernels, name):
     # A lone expert matmul (QuantizedSwitchLinear's: the GEMM's "only" launch, one output per
     # pair): the case's gate projection (with its bias where the case has one), no weights.
-    if staged:
-        take_staged(monkeypatch, switch)
     case = prefill_case(name)
     case = dataclasses.replace(case, experts=MoEExperts(case.experts.projections[:1]), weights=None,
                                label=f"{case.label}, gate projection alone")
     assert PREFILL.cuda_unsupported_reason(case.experts, case.dtype) is None
-    assert PREFILL.gemm_kernel(case.experts, "only", 64, case.indices.size) == ("grouped_wgmma_staged" if staged else "grouped")
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
@@ -223,27 +219,6 @@ def test_emulated_cuda_prefill_kernel_matches_ref_with_wgmma(emulated_cuda_kerne
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
-def take_staged(patch, switch) -> None:
-    """Every launch of 4-bit experts in groups of 32 or more on grouped_wgmma_staged, at any rows
-    per expert (its switch on: off by default)."""
-    take_wgmma(patch, True)
-    patch.setattr(PREFILL, "STAGED_MIN_MEAN_ROWS", 0)
-    switch(PREFILL.STAGED_SWITCH, "1")
-
-
-# The cases grouped_wgmma_staged takes (4-bit, groups of 32 or more).
-STAGED_CASES = [name for name, case in PREFILL_CASES.items() if case[1][0] == 4 and case[1][1] % 32 == 0]
-
-
-@pytest.mark.parametrize("name", STAGED_CASES)
-def test_emulated_cuda_prefill_kernel_matches_ref_with_staged_wgmma(emulated_cuda_kernels, monkeypatch, switch, name):
-    take_staged(monkeypatch, switch)
-    case = prefill_case(name)
-    for stage in ("first", "last"):
-        assert PREFILL.gemm_kernel(case.experts, stage, PREFILL_CASES[name][-1], case.indices.size) == "grouped_wgmma_staged"
-    check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
-
-
 # GEMMs that must fail: one that feeds mma.sync its two B registers the wrong way round (k 2t,
 # 2t + 1 against 2t + 8, 2t + 9), a wgmma descriptor whose offset to the next 8 k lands in the
 # field of the offset to the next 8 columns (the emulated tensor-core instructions read their
@@ -261,15 +236,11 @@ WRONG_GEMMS = {
     "wgmma GEMM reads a stage before its copies": ("grouped_wgmma", '::"n"(WGMMA_AHEAD - 1));', '::"n"(WGMMA_AHEAD));'),
     "wgmma GEMM refills stages its wgmmas read": ("grouped_wgmma", "wgmma_wait<1>();", ""),
     "wgmma GEMM reads its sums before its last wgmmas": ("grouped_wgmma", "wgmma_wait<0>();", ""),
-    "staged GEMM dequantises a stage before its copies": ("grouped_wgmma_staged", "(STAGED_AHEAD - 1));\ndequantise(step",
-                                                          "(STAGED_AHEAD));\ndequantise(step"),
-    "staged GEMM refills what its wgmmas read": ("grouped_wgmma_staged", "if (live) wgmma_wait<0>();", ""),
-    "staged GEMM's weights in the wrong k order": ("grouped_wgmma_staged", "word[c] >> 4 * j &", "word[c] >> 4 * (3 - j) &"),
 }
 
 
 @pytest.mark.parametrize("name", WRONG_GEMMS)
-def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch, switch, name):
+def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch, name):
     gemm, right, wrong = WRONG_GEMMS[name]
     source = sections("cuda", "moe_prefill.cu")
     assert (source["header"] + source[gemm]).count(right) == 1
@@ -278,12 +249,9 @@ def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch, switch, name
         return text.replace(right, wrong)
 
     monkeypatch.setattr(PREFILL, "cuda_kernel_object", emulated_kernel(broken, broken))
-    if gemm == "grouped_wgmma_staged":
-        take_staged(monkeypatch, switch)
-    else:
-        take_wgmma(monkeypatch, gemm == "grouped_wgmma")
+    take_wgmma(monkeypatch, gemm == "grouped_wgmma")
     case = prefill_case("bf16 4-bit/64 swiglu, ragged widths")
-    assert PREFILL.gemm_kernel(case.experts, "first", 32, case.indices.size) == gemm
+    assert PREFILL.gemm_kernel(case.experts, "first", 32) == gemm
     with pytest.raises(AssertionError, match="relative error|non-finite output"):  # a stage read early: NaN
         check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 

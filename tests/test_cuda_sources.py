@@ -172,12 +172,9 @@ def test_prefill_kernel_compiles(tmp_path, t):
         for bits, group, bm, fp4 in quantizations
         for pairs_in, activate, gated, act in ((True, True, True, 0), (True, True, True, 1), (True, True, False, 3),
                                                (False, False, False, 0), (True, False, False, 0))
-        # wgmma: 4-bit gate+up; the staged one: 4-bit in groups of 32 or more, every launch
-        for gemm in PREFILL.GEMMS
-        if gemm == "grouped" or (gemm == "grouped_wgmma" and activate and gated and bits == 4)
-        or (gemm == "grouped_wgmma_staged" and bits == 4 and group % 32 == 0)
+        for gemm in PREFILL.GEMMS if gemm == "grouped" or (activate and gated and bits == 4)  # wgmma: 4-bit gate+up
     ]
-    variants.append(("route", t, {"TILE": 64, "RUN": 128, "MAX_EXPERTS": PREFILL.ROUTE_MAX_EXPERTS}))
+    variants.append(("route", t, {"TILE": 128, "MAX_EXPERTS": PREFILL.ROUTE_MAX_EXPERTS}))
     variants.append(("combine", t, {}))
     compile_all(tmp_path, translation_units(PREFILL, "moe_prefill.cu", variants))
 
@@ -345,16 +342,3 @@ def test_one_matrix_prefill_gemm_fits_its_launch_bounds_without_spilling(tmp_pat
     text = translation_unit(PREFILL, "moe_prefill.cu", [("grouped", "__nv_bfloat16", constants)])
     usage = resource_usage(tmp_path, with_launch_bounds(text, "moe_prefill.cu", "grouped", PREFILL.launch_bounds_for(64, gated=False)))
     assert registers(usage) <= 65536 // (128 * PREFILL.ONE_MATRIX_MIN_BLOCKS) and "0 bytes spill stores" in usage, usage
-
-
-@pytest.mark.parametrize("group, first", [(32, True), (64, True), (64, False)])
-def test_staged_wgmma_gemm_fits_its_launch_bounds_without_spilling(tmp_path, group, first):
-    # two blocks of 256 threads per SM (<= 128 registers): the staged GEMM's 64 accumulators and
-    # its copies' offsets must fit them, in its gate+up launch and its down launch
-    bounds = PREFILL.launch_bounds_for(64, gated=first, gemm="grouped_wgmma_staged")
-    assert bounds == (256, 2)
-    constants = {"BITS": 4, "GROUP": group, "FP4": False, "BM": 64, "PAIRS_IN": first, "ACTIVATE": first, "GATED": first, "ACT": 0,
-                 "LIMITED": first, "HAS_BIAS": False}
-    text = translation_unit(PREFILL, "moe_prefill.cu", [("grouped_wgmma_staged", "__nv_bfloat16", constants)])
-    usage = resource_usage(tmp_path, with_launch_bounds(text, "moe_prefill.cu", "grouped_wgmma_staged", bounds))
-    assert registers(usage) <= 65536 // (256 * 2) and "0 bytes spill stores" in usage, usage

@@ -45,25 +45,17 @@ CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL"
 # The kernel's parameters, in the order of its `inputs`.
 GROUPED_INPUTS = ["a", "row_pair", "tile_expert", "w0", "s0", "b0", "w1", "s1", "b1", "bias0", "bias1", "scale", "dims",
                   "params"]
-INPUTS = {"grouped": GROUPED_INPUTS, "grouped_wgmma": GROUPED_INPUTS, "grouped_wgmma_staged": GROUPED_INPUTS,
-          "route": ["indices", "sizes"], "combine": ["rows", "weights", "sizes"]}
-OUTPUTS = {"grouped": ["out"], "grouped_wgmma": ["out"], "grouped_wgmma_staged": ["out"], "route": ["row_pair", "tile_expert"],
-           "combine": ["out"]}
+INPUTS = {"grouped": GROUPED_INPUTS, "grouped_wgmma": GROUPED_INPUTS, "route": ["indices", "sizes"],
+          "combine": ["rows", "weights", "sizes"]}
+OUTPUTS = {"grouped": ["out"], "grouped_wgmma": ["out"], "route": ["row_pair", "tile_expert"], "combine": ["out"]}
 # The GEMM kernels: mma.sync, every launch; Hopper's warpgroup MMA (sm_90a), the gated first
-# launch (gate+up) of 4-bit experts, its activation rows in wgmma_k_order; where 4-bit experts get
-# many rows each, grouped_wgmma_staged, every launch (weights dequantised once a block into
-# shared memory for 128 rows) (gemm_kernel).
-GEMMS = ("grouped", "grouped_wgmma", "grouped_wgmma_staged")
+# launch (gate+up) of 4-bit experts, its activation rows in wgmma_k_order (gemm_kernel).
+GEMMS = ("grouped", "grouped_wgmma")
 WGMMA_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL_WGMMA"
 WGMMA_STAGES = 5
 WGMMA_BLOCK_N = 128  # two warpgroups of 64 output columns
 WGMMA_THREADS = 256
 WGMMA_MIN_TILE = 64
-STAGED_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL_STAGED"
-STAGED_STAGES = 4
-STAGED_ROWS = 128  # tile rows per block: the route kernel pads each expert's run to them
-STAGED_WEIGHT_ROWS = 128  # output columns per block (gated: 64 of each matrix)
-STAGED_MIN_MEAN_ROWS = 96
 COMBINE_THREADS = 256
 ROUTE_MAX_EXPERTS = 1024  # the route kernel's shared arrays
 ROUTE_THREADS = 1024
@@ -90,25 +82,21 @@ def moe_prefill_reference(
 def shared_bytes(tile: int, gated: bool, bits: int, gemm: str = "grouped") -> int:
     """The grouped GEMM's dynamic shared memory: per pipeline stage, activation rows and packed
     weight rows."""
-    weights = (2 if gated else 1) * block_n(gemm, gated) * BLOCK_K * bits // 8
-    if gemm == "grouped_wgmma_staged":
-        return 2 * STAGED_WEIGHT_ROWS * BLOCK_K * 2 + STAGED_STAGES * (STAGED_ROWS * BLOCK_K * 2 + weights)
+    weights = (2 if gated else 1) * block_n(gemm) * BLOCK_K * bits // 8
     if gemm == "grouped_wgmma":
         return WGMMA_STAGES * (tile * BLOCK_K * 2 + weights)
     return PIPELINE_STAGES * (tile * SHARED_ROW * 2 + weights)
 
 
-def block_n(gemm: str = "grouped", gated: bool = True) -> int:
+def block_n(gemm: str = "grouped") -> int:
     """Output columns per block (per matrix)."""
-    if gemm == "grouped_wgmma_staged":
-        return STAGED_WEIGHT_ROWS // 2 if gated else STAGED_WEIGHT_ROWS
     return WGMMA_BLOCK_N if gemm == "grouped_wgmma" else BLOCK_N
 
 
 def threads(tile: int, gemm: str = "grouped") -> int:
     """mma.sync: warps of 64 (or `tile`) rows x 32 columns, four across the block's 128 columns;
-    wgmma: two warpgroups (of 64 columns, or of 64 rows of a 128-row block)."""
-    return WGMMA_THREADS if gemm != "grouped" else max(tile // 64, 1) * 4 * 32
+    wgmma: two warpgroups of 64 columns."""
+    return WGMMA_THREADS if gemm == "grouped_wgmma" else max(tile // 64, 1) * 4 * 32
 
 
 def wgmma_device() -> bool:
@@ -133,27 +121,19 @@ def gemm_state() -> dict:
     unavailable = wgmma_unavailable_reason()
     if unavailable is not None:
         return {"gemm": "grouped", "reason": f"mma.sync: {unavailable}"}
-    staged = (f"grouped_wgmma_staged from {STAGED_MIN_MEAN_ROWS} rows per expert (groups of 32 or more)"
-              if flag(STAGED_SWITCH) else f"{STAGED_SWITCH}=0")
-    return {"gemm": "grouped_wgmma", "reason": f"wgmma for 4-bit experts at tiles of {WGMMA_MIN_TILE} rows ({staged}); "
+    return {"gemm": "grouped_wgmma", "reason": f"wgmma for 4-bit experts at tiles of {WGMMA_MIN_TILE} rows; "
             "mma.sync for the other launches"}
 
 
-def gemm_kernel(experts: MoEExperts, stage: str, tile: int, pairs: int = 0) -> str:
-    """The GEMM (GEMMS) of `stage` at tile height `tile` for `pairs` pairs: grouped_wgmma_staged
-    for every launch of 4-bit experts in groups of 32 or more from STAGED_MIN_MEAN_ROWS rows per
-    expert (where its switch is on: off by default until measured on a GPU); else grouped_wgmma for the gated first launch of 4-bit
-    experts at tiles of WGMMA_MIN_TILE rows or more; both on a GPU with wgmma, where its switch is
-    on (the default); else grouped. On the H200 (docs/benchmarks.md, fifteenth session)
-    grouped_wgmma's gate+up ran at Qwen3's shapes 203 against 185 TFLOP/s (2048 tokens) and 254
-    against 235 (8192), level at 512 tokens and on Mixtral's shapes, and slower on Qwen3's 16-row
-    tiles; its one-matrix variant ran the down GEMM slower than grouped, so it has none."""
-    if wgmma_unavailable_reason() is not None:
-        return "grouped"
-    if (pairs >= STAGED_MIN_MEAN_ROWS * experts.num_experts and flag(STAGED_SWITCH)
-            and all(p.bits == 4 and p.group_size % 32 == 0 for p in experts.projections)):
-        return "grouped_wgmma_staged"
-    wgmma = stage == "first" and len(experts.projections) == 3 and experts.projections[0].bits == 4 and tile >= WGMMA_MIN_TILE
+def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
+    """The GEMM (GEMMS) of `stage` at tile height `tile`: grouped_wgmma for the gated first launch
+    of 4-bit experts at tiles of WGMMA_MIN_TILE rows or more on a GPU with wgmma, where its switch
+    is on (the default), else grouped. On the H200 (docs/benchmarks.md, fifteenth session) wgmma's gate+up ran at
+    Qwen3's shapes 203 against 185 TFLOP/s (2048 tokens) and 254 against 235 (8192), level at
+    512 tokens and on Mixtral's shapes, and slower on Qwen3's 16-row tiles; its one-matrix variant
+    ran the down GEMM slower than grouped, so it has none."""
+    wgmma = (stage == "first" and len(experts.projections) == 3 and experts.projections[0].bits == 4
+             and tile >= WGMMA_MIN_TILE and wgmma_unavailable_reason() is None)
     return "grouped_wgmma" if wgmma else "grouped"
 
 
@@ -189,7 +169,7 @@ WGMMA_MIN_BLOCKS = 2
 
 
 def launch_bounds_for(tile: int, gated: bool, gemm: str = "grouped") -> tuple:
-    if gemm != "grouped":
+    if gemm == "grouped_wgmma":
         return (WGMMA_THREADS, WGMMA_MIN_BLOCKS)
     return (threads(tile), ONE_MATRIX_MIN_BLOCKS) if not gated and tile == 64 else ()
 
@@ -199,23 +179,20 @@ def tile_height(pairs: int, num_experts: int) -> int:
     return max(t for t, rows in zip(TILES, TILE_MIN_MEAN_ROWS) if mean_rows >= rows)
 
 
-def grid_tiles(pairs: int, num_experts: int, tile: int, run: int = 0) -> int:
-    """The most tiles any routing of `pairs` pairs can fill with runs padded to `run` rows (a
-    multiple of `tile`; 0: `tile`): the grid's size, known on the host."""
-    run = run or tile
-    return (pairs // run + num_experts) * (run // tile)
+def grid_tiles(pairs: int, num_experts: int, tile: int) -> int:
+    """The most tiles any routing of `pairs` pairs can fill: the grid's size, known on the host."""
+    return pairs // tile + num_experts
 
 
-def route_kernel(flat_indices: mx.array, num_experts: int, tile: int = TILES[0], run: int = 0):
+def route_kernel(flat_indices: mx.array, num_experts: int, tile: int = TILES[0]):
     """route_reference's contract on CUDA in one launch (rows within an expert's run may come in
     another order)."""
     if num_experts > ROUTE_MAX_EXPERTS:
-        return route_reference(flat_indices, num_experts, tile, run)
-    run = run or tile
-    tiles = grid_tiles(flat_indices.size, num_experts, tile, run)
+        return route_reference(flat_indices, num_experts, tile)
+    tiles = grid_tiles(flat_indices.size, num_experts, tile)
     row_pair, tile_expert = cuda_kernel("route")(
         inputs=[flat_indices, int_array(flat_indices.size, num_experts, tiles)],
-        template=[("TILE", tile), ("RUN", run), ("MAX_EXPERTS", ROUTE_MAX_EXPERTS)],
+        template=[("TILE", tile), ("MAX_EXPERTS", ROUTE_MAX_EXPERTS)],
         grid=(ROUTE_THREADS, 1, 1),
         threadgroup=(ROUTE_THREADS, 1, 1),
         output_shapes=[(tiles * tile,), (tiles,)],
@@ -224,26 +201,23 @@ def route_kernel(flat_indices: mx.array, num_experts: int, tile: int = TILES[0],
     return row_pair, tile_expert, tiles
 
 
-def route_reference(flat_indices: mx.array, num_experts: int, tile: int = TILES[0], run: int = 0):
+def route_reference(flat_indices: mx.array, num_experts: int, tile: int = TILES[0]):
     """(row_pair, tile_expert, tiles): the pairs in expert order with each expert's run padded
-    to a multiple of `run` rows (a multiple of `tile`; 0: `tile`) (row_pair[r] is the pair in
-    padded row r, -1 for padding), and the expert of each `tile`-row tile (-1 for a tile of padding
-    alone, and past the last run). Lazy MLX ops only."""
+    to a multiple of `tile` rows (row_pair[r] is the pair in padded row r, -1 for padding), and
+    the expert of each `tile`-row tile (-1 past the last run). Lazy MLX ops only."""
     pairs = flat_indices.size
-    run = run or tile
     counts = mx.zeros((num_experts,), mx.int32).at[flat_indices].add(1)
-    padded = (counts + run - 1) // run * run
+    padded = (counts + tile - 1) // tile * tile
     padded_end = mx.cumsum(padded)
     order = mx.argsort(flat_indices)
     sorted_experts = flat_indices[order]
     rank = mx.arange(pairs, dtype=mx.int32) - (mx.cumsum(counts) - counts)[sorted_experts]
     padded_row = (padded_end - padded)[sorted_experts] + rank
-    tiles = grid_tiles(pairs, num_experts, tile, run)
+    tiles = grid_tiles(pairs, num_experts, tile)
     row_pair = mx.zeros((tiles * tile,), mx.int32).at[padded_row].add(order.astype(mx.int32) + 1) - 1
     tile_start = mx.arange(tiles, dtype=mx.int32) * tile
-    tile_expert = mx.minimum((padded_end[None, :] <= tile_start[:, None]).sum(axis=1), num_experts - 1).astype(mx.int32)
-    filled_end = (padded_end - padded + counts)[tile_expert]
-    tile_expert = mx.where(tile_start < filled_end, tile_expert, -1)
+    tile_expert = (padded_end[None, :] <= tile_start[:, None]).sum(axis=1).astype(mx.int32)
+    tile_expert = mx.where(tile_start < padded_end[-1], tile_expert, -1)
     return row_pair, tile_expert, tiles
 
 
@@ -302,7 +276,7 @@ def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtyp
          ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated),
          ("ACT", ACTIVATION_CODES[activation.kind] if activation is not None else 0),
          ("LIMITED", activation is not None and activation.limit is not None), bias_template(first)],
-        (-(-first.output_dims // block_n(gemm, gated)) * threads(tile, gemm), 1, 1),
+        (-(-first.output_dims // block_n(gemm)) * threads(tile, gemm), 1, 1),
         (threads(tile, gemm), 1, 1),
         [(tile, first.output_dims)],
         [dtype],
@@ -320,17 +294,8 @@ def grouped(a: mx.array, routing: tuple, pairs: int, top_k: int, experts: MoEExp
     launch = experts.memo(("grouped", stage, tile, top_k, a.dtype, gemm),
                           lambda: _grouped_launch(experts, stage, tile, top_k, a.dtype, gemm))
     rows = tiles * tile if stage == "first" else pairs
-    blocks = tiles * tile // STAGED_ROWS if gemm == "grouped_wgmma_staged" else tiles
-    return launch(a, row_pair, tile_expert, grid=(launch.grid[0], blocks, 1),
+    return launch(a, row_pair, tile_expert, grid=(launch.grid[0], tiles, 1),
                   output_shapes=[(rows, launch.output_shapes[0][1])])[0]
-
-
-def launch_plan(pairs: int, experts: MoEExperts) -> tuple:
-    """(tile height, the first launch's GEMM, the rows each expert's run is padded to) of a call
-    with `pairs` pairs."""
-    tile = tile_height(pairs, experts.num_experts)
-    first = gemm_kernel(experts, "first", tile, pairs)
-    return tile, first, STAGED_ROWS if first == "grouped_wgmma_staged" else tile
 
 
 def moe_prefill_kernel(
@@ -338,20 +303,21 @@ def moe_prefill_kernel(
 ) -> mx.array:
     """The CUDA implementation; same contract as moe_prefill_reference."""
     top_k, pairs = indices.shape[-1], indices.size
-    tile, first, run = launch_plan(pairs, experts)
-    tiles = grid_tiles(pairs, experts.num_experts, tile, run)
+    tile = tile_height(pairs, experts.num_experts)
+    tiles = grid_tiles(pairs, experts.num_experts, tile)
     widest = max(experts.input_dims, experts.projections[0].output_dims)
     if tiles > MAX_GRID_TILES or max(pairs, tiles * tile) * widest >= MAX_OFFSET:
         # Millions of pairs in one call (mlx-lm prefills in chunks of 2048 tokens): more tiles
         # than a CUDA grid's y dimension holds, or rows past 32-bit offsets.
         return moe_prefill_reference(x, indices, experts, weights)
     tokens = x.reshape(-1, x.shape[-1])
-    routing = (*route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile, run), tile)
+    routing = (*route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile), tile)
     if len(experts.projections) == 1:
-        out = grouped(tokens, routing, pairs, top_k, experts, "only", gemm_kernel(experts, "only", tile, pairs))
+        out = grouped(tokens, routing, pairs, top_k, experts, "only")
     else:
+        first = gemm_kernel(experts, "first", tile)
         hidden = grouped(gemm_rows(tokens, first), routing, pairs, top_k, experts, "first", first)
-        out = grouped(hidden, routing, pairs, top_k, experts, "last", gemm_kernel(experts, "last", tile, pairs))
+        out = grouped(hidden, routing, pairs, top_k, experts, "last")
     if weights is None:
         return out.reshape(*indices.shape, experts.output_dims)
     return combine_kernel(out, per_pair(weights, indices))

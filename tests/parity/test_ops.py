@@ -320,20 +320,17 @@ def test_metal_decode_kernel_matches_ref(metal_device, case):
     check_kernel(moe_decode_kernel, cuda_unsupported_reason(case.experts, case.dtype), moe_decode_reference, case)
 
 
-# The prefill kernel's gate+up GEMMs (moe_prefill.GEMMS): mma.sync, and Hopper's wgmma ones,
-# which production takes at 64-row tiles only, the staged one from many rows per expert: here
-# at every tile height and rows per expert, so that every case reaches the one chosen.
-PREFILL_GEMMS = pytest.mark.parametrize("gemm", ["grouped", "grouped_wgmma", "grouped_wgmma_staged"])
+# The prefill kernel's gate+up GEMMs (moe_prefill.GEMMS): mma.sync, and Hopper's wgmma, which
+# production takes at 64-row tiles only: here at every tile height, so that every case reaches it.
+PREFILL_GEMMS = pytest.mark.parametrize("wgmma", ["0", "1"], ids=["grouped", "grouped_wgmma"])
 
 
-def prefill_gemm(switch, monkeypatch, gemm: str) -> None:
+def prefill_gemm(switch, monkeypatch, wgmma: str) -> None:
     module = sys.modules["mlx_moe_fix.kernels.moe_prefill"]  # the package's name is the dispatcher's
-    if gemm != "grouped" and not module.wgmma_device():
+    if wgmma == "1" and not module.wgmma_device():
         pytest.skip("no Hopper GPU: wgmma needs compute capability 9.0")
-    switch(module.WGMMA_SWITCH, "0" if gemm == "grouped" else "1")
+    switch(module.WGMMA_SWITCH, wgmma)
     monkeypatch.setattr(module, "WGMMA_MIN_TILE", 0)
-    switch(module.STAGED_SWITCH, "1" if gemm == "grouped_wgmma_staged" else "0")
-    monkeypatch.setattr(module, "STAGED_MIN_MEAN_ROWS", 0)
 
 
 @pytest.mark.parametrize("info, expected", [
@@ -356,14 +353,6 @@ def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
         assert module.wgmma_device() is expected
         assert module.gemm_kernel(experts, "first", 64) == ("grouped_wgmma" if expected else "grouped")
         assert module.gemm_kernel(experts, "first", 32) == module.gemm_kernel(experts, "last", 64) == "grouped"
-        many = module.STAGED_MIN_MEAN_ROWS * experts.num_experts  # pairs: the staged GEMM's rows per expert
-        switch(module.STAGED_SWITCH, "1")
-        for stage in ("first", "last"):
-            assert module.gemm_kernel(experts, stage, 64, many) == ("grouped_wgmma_staged" if expected else "grouped")
-        assert module.gemm_kernel(experts, "first", 64, many - 1) == ("grouped_wgmma" if expected else "grouped")
-        switch(module.STAGED_SWITCH, "0")
-        assert module.gemm_kernel(experts, "first", 64, many) == ("grouped_wgmma" if expected else "grouped")
-        switch(module.STAGED_SWITCH, "")
         # status() says which GEMM gate+up takes, as where the kernel runs
         monkeypatch.setattr(module, "moe_prefill_implementation", lambda *args: Implementation(None, "kernel", "CUDA"))
         monkeypatch.setattr(module.mx.cuda, "is_available", lambda: True)
@@ -378,10 +367,10 @@ def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
 @PREFILL_GEMMS
 @CASES
 @given(case=layer_cases())
-def test_cuda_prefill_kernel_matches_ref(cuda_device, switch, monkeypatch, gemm, case):
+def test_cuda_prefill_kernel_matches_ref(cuda_device, switch, monkeypatch, wgmma, case):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel
 
-    prefill_gemm(switch, monkeypatch, gemm)
+    prefill_gemm(switch, monkeypatch, wgmma)
     check_kernel(moe_prefill_kernel, cuda_unsupported_reason(case.experts, case.dtype), moe_prefill_reference, case)
 
 
@@ -444,10 +433,10 @@ LARGE_PREFILL_CASES = {
 @PREFILL_GEMMS
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("name", LARGE_PREFILL_CASES)
-def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, switch, monkeypatch, gemm, name, dtype):
+def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, switch, monkeypatch, wgmma, name, dtype):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel, tile_height
 
-    prefill_gemm(switch, monkeypatch, gemm)
+    prefill_gemm(switch, monkeypatch, wgmma)
     quantization, glu, kind, tokens, routing, bias, tile = LARGE_PREFILL_CASES[name]
     case = make_case(dtype, quantization, glu, kind, 0.25, False, 256, 256, 8, 2, 1, tokens,
                      routing=routing, with_weights=True, bias=bias)
@@ -470,10 +459,10 @@ FP4_PREFILL_CASES = {
 
 @PREFILL_GEMMS
 @pytest.mark.parametrize("name", FP4_PREFILL_CASES)
-def test_cuda_prefill_kernel_matches_ref_on_fp4_experts(cuda_device, switch, monkeypatch, gemm, name):
+def test_cuda_prefill_kernel_matches_ref_on_fp4_experts(cuda_device, switch, monkeypatch, wgmma, name):
     from mlx_moe_fix.kernels.moe_prefill import cuda_unsupported_reason, moe_prefill_kernel, tile_height
 
-    prefill_gemm(switch, monkeypatch, gemm)
+    prefill_gemm(switch, monkeypatch, wgmma)
     mode, glu, kind, tokens, routing, bias, scaled, tile = FP4_PREFILL_CASES[name]
     group = 32 if mode == "mxfp4" else 16
     case = make_case(mx.bfloat16, (4, group, mode), glu, kind, 7.0, scaled, 256, 256, 8, 2, 1, tokens,
@@ -541,4 +530,3 @@ def test_wgmma_k_order_puts_each_physical_column_where_grouped_wgmma_reads_it():
         for t, half, e, s, h in itertools.product(range(4), range(2), range(2), range(2), range(2)):
             column = step * 64 + 32 * half + 16 * s + 8 * h + 2 * t + e
             assert permuted[1, column].item() == rows[1, step * 64 + 16 * t + 8 * half + 4 * e + 2 * s + h].item()
-

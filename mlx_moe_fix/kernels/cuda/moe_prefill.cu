@@ -35,10 +35,6 @@ constexpr int WGMMA_STAGES = 5;  // grouped_wgmma's
 // grouped_wgmma refills the stage read two k-steps back, whose wgmmas have completed, so that no
 // k-step waits for the previous one's last wgmmas: WGMMA_STAGES - 2 stages in flight.
 constexpr int WGMMA_AHEAD = WGMMA_STAGES - 2;
-// grouped_wgmma_staged's: STAGED_STAGES - 1 stages in flight (a k-step's wgmmas complete before
-// its barrier, so the stage they read is refilled at the next step).
-constexpr int STAGED_STAGES = 4;
-constexpr int STAGED_AHEAD = STAGED_STAGES - 1;
 constexpr int LDS = BK + 8;  // shared row stride of A (values of T): 144 bytes, so 8 rows' 16-byte reads hit distinct banks
 
 __device__ __forceinline__ unsigned smem_address(const void* p) {
@@ -215,20 +211,6 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 2], const unsigned (&a)[4],
   if constexpr (N == 32 && !BF16) MOE_WGMMA_OF("m64n32k16", "f16", MOE_N32);
   if constexpr (N == 64 && BF16) MOE_WGMMA_OF("m64n64k16", "bf16", MOE_N64);
   if constexpr (N == 64 && !BF16) MOE_WGMMA_OF("m64n64k16", "f16", MOE_N64);
-}
-
-// wgmma with both operands in shared memory (grouped_wgmma_staged): A[64 x 16] through a
-// descriptor as well (K-major, no swizzle, laid out as B is), N = 128.
-#define MOE_WGMMA_SS(SHAPE, TYPE, D_OPERANDS, ACCUMULATE, ...) asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACCUMULATE ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " D_OPERANDS ", p, 1, 1, 0, 0;\n}\n" : __VA_ARGS__ : "l"(a_descriptor), "l"(b_descriptor), "r"(accumulate))
-#define MOE_WGMMA_SS_OF(...) MOE_WGMMA_SS(__VA_ARGS__)
-#define MOE_SS_N128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65", "%66", MOE_D8(0), MOE_D8(8), MOE_D8(16), MOE_D8(24), MOE_D8(32), MOE_D8(40), MOE_D8(48), MOE_D8(56)
-
-template <typename T, int N>
-__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], unsigned long long a_descriptor, unsigned long long b_descriptor) {
-  static_assert(N == 128, "shared-operand wgmma width: 128");
-  const int accumulate = 1;
-  if constexpr (cuda::std::is_same_v<T, __nv_bfloat16>) MOE_WGMMA_SS_OF("m64n128k16", "bf16", MOE_SS_N128);
-  else MOE_WGMMA_SS_OF("m64n128k16", "f16", MOE_SS_N128);
 }
 
 // Orders this thread's register writes before the warpgroup's next wgmma reads them.
@@ -653,196 +635,15 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   store_staged_rows<T, BM, RBN, THREADS, true>(staged, out, row_pair, tile, n0, d.out_dim, tid);
 }
 
-//// grouped_wgmma_staged
-// `grouped` (same inputs, output and template constants; 4-bit experts) for experts with many rows
-// each: a block takes 128 rows of one expert's run (the route kernel pads runs to 128 rows; a
-// BM-row tile of padding alone has expert -1) and 128 weight rows (GATED: 64 output rows of each
-// matrix). Its 256 threads dequantise each k-step's weights once into shared memory, where both
-// warpgroups' wgmmas read them with the tile rows (m64n128k16, both operands in shared memory: A
-// the warpgroup's 64 tile rows, B the 128 weight rows), so a dequantised weight serves 128 rows
-// (grouped_wgmma's and grouped's serve 64) and no wgmma waits for registers. Thread i dequantises
-// weight row i % 128 at k 32 (i / 128) .. + 31 of each k-step from the 16 packed bytes it copied
-// itself (no barrier between its copy and its reads). Needs GROUP % 32 == 0 (a thread's 32 values
-// of a k-step share one group).
-// Dynamic shared memory: 2 x 128 rows x BK values of T (dequantised weights, double-buffered) +
-// STAGED_STAGES x (128 x BK values of T + 128 rows x BK x BITS / 8 bytes) (moe_prefill.shared_bytes).
-{
-  using namespace grouped;
-  constexpr int N = 128, ROWS = 128, THREADS = 256;  // weight rows (the wgmmas' width), tile rows per block
-  constexpr int RBN = GATED ? N / 2 : N;              // output rows per matrix
-  constexpr int W_ROW_BYTES = BK * BITS / 8;
-  constexpr int A_HALF_BYTES = 64 * BK * 2;           // a warpgroup's tile rows of one k-step
-  constexpr int A_STAGE_BYTES = 2 * A_HALF_BYTES;
-  constexpr int STAGE_BYTES = A_STAGE_BYTES + N * W_ROW_BYTES;
-  constexpr int DEQUANTISED_BYTES = N * BK * 2;
-  constexpr int K8_BYTES = N / 8 * 128;               // the dequantised rows' 8 k: 16 core matrices
-  constexpr int A_COPIES = ROWS * BK / 8 / THREADS;   // 16-byte copies per thread and stage
-  static_assert(BITS == 4 && ROWS % BM == 0 && 64 % BM == 0, "4-bit experts; tiles that split the block's halves");
-  static_assert(GROUP % 32 == 0 && N * W_ROW_BYTES == THREADS * 16, "a thread's 16 packed bytes, one group");
-  using Bias = cuda::std::conditional_t<FP4, T, S>;
-  static_assert(bias_signature_matches<HAS_BIAS, Bias, decltype(bias0)> &&
-                bias_signature_matches<HAS_BIAS, Bias, decltype(bias1)>, "HAS_BIAS disagrees with the bias inputs");
-  static_assert(!FP4 || GROUP == 32, "fp4: mxfp4's groups of 32");
-
-  extern __shared__ __align__(128) unsigned char shared_bytes[];
-  unsigned char* dequantised = shared_bytes;                       // [2][DEQUANTISED_BYTES]
-  unsigned char* stages = shared_bytes + 2 * DEQUANTISED_BYTES;    // [STAGED_STAGES][STAGE_BYTES]
-
-  const Dims d(dims);
-  const int block_tile = blockIdx.y;  // padded rows ROWS block_tile ..
-  const int expert = tile_expert[block_tile * ROWS / BM];
-  if (expert < 0) return;
-  const int n0 = blockIdx.x * RBN;
-  const int tid = threadIdx.x, lane = tid % 32, warpgroup = tid / 128;
-  const int g = lane / 4, t = lane % 4;
-  // a warpgroup whose 64 rows are all padding issues no wgmma and writes nothing
-  const bool live = warpgroup == 0 || tile_expert[(block_tile * ROWS + 64) / BM] >= 0;
-  const int k_steps = d.in_dim / BK, groups_per_row = d.in_dim / GROUP;
-  const size_t row_bytes = (size_t)d.in_dim * BITS / 8;
-
-  // Tile-row copies: copy c takes block row r = (c / 2) % ROWS, 8-value chunk kb = 2 ((c / 2) /
-  // ROWS) + c % 2 (two neighbouring lanes read a row's 32-byte sector), into warpgroup r / 64's
-  // core matrix (kb, (r % 64) / 8) at byte (kb 64 + r % 64) x 16 of its half of the stage.
-  unsigned a_offset[A_COPIES], a_slot[A_COPIES];
-  unsigned a_present = 0;
-#pragma unroll
-  for (int i = 0; i < A_COPIES; ++i) {
-    const int c = tid + i * THREADS;
-    const int r = c / 2 % ROWS, kb = c / 2 / ROWS * 2 + c % 2;
-    const int pair = row_pair[block_tile * ROWS + r];
-    const unsigned src_row = PAIRS_IN ? (pair >= 0 ? pair / d.top_k : 0) : block_tile * ROWS + r;
-    a_offset[i] = src_row * d.in_dim + kb * 8;
-    a_slot[i] = r / 64 * A_HALF_BYTES + (kb * 64 + r % 64) * 16;
-    a_present |= (pair >= 0 ? 1u : 0u) << i;
-  }
-  // This thread's weights: weight row n (GATED: gate's, then up's), k 32 k_half .. + 31 of each step.
-  const int n = tid % N, k_half = tid / N;
-  const bool second = GATED && n >= RBN;
-  const int out_row = n0 + n % RBN;
-  const bool row_exists = out_row < d.out_dim;
-  const size_t row_at = (size_t)expert * d.out_dim + (row_exists ? out_row : 0);
-  const unsigned char* packed = reinterpret_cast<const unsigned char*>(second ? w1 : w0) + row_at * row_bytes + k_half * 16;
-  const auto* group_scales = (second ? s1 : s0) + row_at * groups_per_row;
-  const auto* group_biases = (second ? b1 : b0) + row_at * groups_per_row;
-  auto load_stage = [&](int stage, int k0) {
-    unsigned char* destination = stages + stage * STAGE_BYTES;
-#pragma unroll
-    for (int i = 0; i < A_COPIES; ++i)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(destination + a_slot[i])),
-                   "l"(a + a_offset[i] + k0), "r"((a_present >> i & 1u) * 16));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(destination + A_STAGE_BYTES + tid * 16)),
-                 "l"(packed + (size_t)k0 * BITS / 8), "r"(row_exists ? 16 : 0));
-  };
-  // The scale and bias of this thread's group in k-step `step`, loaded a step before its use.
-  struct Affine { GroupScale<T, S, FP4> scale; S bias; };
-  auto load_affine = [&](int step) {
-    Affine affine{};
-    const int group = (step * BK + 32 * k_half) / GROUP;
-    affine.scale = group_scale_of<T, FP4, GROUP>(group_scales[group]);
-    if constexpr (!FP4) affine.bias = group_biases[group];
-    return affine;
-  };
-  // Step `step`'s 32 weights of this thread into dequantised buffer `buffer`, as wgmma's K-major
-  // core matrices: (n, k) at byte (k / 8) K8_BYTES + (n / 8) 128 + (n % 8) 16 + (k % 8) 2. A
-  // packed word's pair j holds its k j and j + 4 ((w >> 4j) & 0x000F000F under one exponent),
-  // permuted into k order.
-  auto dequantise = [&](int step, int buffer, const Affine& affine) {
-    const uint4 words = *reinterpret_cast<const uint4*>(stages + step % STAGED_STAGES * STAGE_BYTES + A_STAGE_BYTES + tid * 16);
-    const unsigned word[4] = {words.x, words.y, words.z, words.w};
-    unsigned char* row = dequantised + buffer * DEQUANTISED_BYTES + n / 8 * 128 + n % 8 * 16;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      unsigned pairs[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        pairs[j] = dequant_pair<T, S, BITS, FP4>(word[c] >> 4 * j & 0x000F000Fu, affine.scale, affine.bias);
-      *reinterpret_cast<uint4*>(row + (4 * k_half + c) * K8_BYTES) =
-          uint4{__byte_perm(pairs[0], pairs[1], 0x5410), __byte_perm(pairs[2], pairs[3], 0x5410),
-                __byte_perm(pairs[0], pairs[1], 0x7632), __byte_perm(pairs[2], pairs[3], 0x7632)};
-    }
-  };
-
-  float acc[N / 2];
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
-
-#pragma unroll
-  for (int s = 0; s < STAGED_AHEAD; ++s) {
-    if (s < k_steps) load_stage(s, s * BK);
-    asm volatile("cp.async.commit_group;\n" ::);
-  }
-  Affine affine = load_affine(0);
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGED_AHEAD - 1));
-  dequantise(0, 0, affine);
-  if (k_steps > 1) affine = load_affine(1);
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  __syncthreads();
-  const unsigned a_base = smem_address(stages) + warpgroup * A_HALF_BYTES, b_base = smem_address(dequantised);
-  for (int step = 0; step < k_steps; ++step) {
-    // This step's wgmmas: its tile rows and the weights dequantised before the last barrier.
-    if (live) {
-      pin(acc);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk)
-        wgmma_ss<T, N>(acc, wgmma_descriptor(a_base + step % STAGED_STAGES * STAGE_BYTES + 2 * kk * 1024, 1024),
-                       wgmma_descriptor(b_base + step % 2 * DEQUANTISED_BYTES + 2 * kk * K8_BYTES, K8_BYTES));
-      wgmma_commit();
-    }
-    // The previous step's stage is free: its wgmmas completed before the last barrier.
-    const int ahead = step + STAGED_AHEAD;
-    if (ahead < k_steps) load_stage(ahead % STAGED_STAGES, ahead * BK);
-    asm volatile("cp.async.commit_group;\n" ::);
-    if (step + 1 < k_steps) {
-      // the next step's copies; its dequantised buffer was read by the previous step's wgmmas
-      asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGED_AHEAD - 1));
-      dequantise(step + 1, (step + 1) % 2, affine);
-      if (step + 2 < k_steps) affine = load_affine(step + 2);
-    }
-    if (live) wgmma_wait<0>();
-    pin(acc);
-    // this thread's copies and dequantised weights, visible to the wgmmas (async proxy) after the barrier
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-  }
-
-  // The block's outputs through shared memory (free: every wgmma completed before the last
-  // barrier). acc[4j + e] is D row 16 (warp % 4) + g + 8 (e / 2), column (weight row) 8j + 2t +
-  // e % 2: GATED, gate's output column c at j < 8, up's at j + 8. Each output row leaves as
-  // 16-byte stores.
-  static_assert(ROWS * OUT_STRIDE * 2 <= 2 * DEQUANTISED_BYTES + STAGED_STAGES * STAGE_BYTES, "outputs fit the pipeline's memory");
-  T* staged = reinterpret_cast<T*>(shared_bytes);
-  if (live) {
-#pragma unroll
-    for (int j = 0; j < RBN / 8; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = 64 * warpgroup + 16 * (tid / 32 % 4) + g + 8 * h, column = 8 * j + 2 * t;
-        float value[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int out_column = n0 + column + e;
-          value[e] = finish<T, ACTIVATE, GATED, ACT, LIMITED>(acc[4 * j + 2 * h + e], acc[4 * (j + (GATED ? RBN / 8 : 0)) + 2 * h + e], d,
-                                                              bias0, bias1, scale, params, expert, out_column < d.out_dim ? out_column : 0);
-        }
-        *reinterpret_cast<unsigned*>(&staged[r * OUT_STRIDE + column]) = pack2<T>(value[0], value[1]);
-      }
-    }
-  }
-  __syncthreads();
-  store_staged_rows<T, ROWS, RBN, THREADS, ACTIVATE>(staged, out, row_pair, block_tile, n0, d.out_dim, tid);
-}
-
 //// route
 // The routing of `grouped`, in one block: per-expert counts by shared-memory atomics, each
-// expert's run padded to whole RUN-row pieces (RUN a multiple of TILE: grouped_wgmma_staged's
-// blocks take 128 rows) and laid out in expert order, the TILE-row tile -> expert map, then every
-// pair scattered into its expert's run. Rows within a run come in atomic order: each row's result
-// is independent of the others, so the outputs do not depend on it.
+// expert's run padded to whole TILE-row tiles and laid out in expert order, the tile -> expert
+// map, then every pair scattered into its expert's run. Rows within a run come in atomic order:
+// each row's result is independent of the others, so the outputs do not depend on it.
 // inputs: indices [pairs] (the expert of each pair), sizes = pairs, experts, tiles (the grid's
-//         worst case, moe_prefill.grid_tiles)
-// outputs: row_pair [tiles * TILE] (pair, -1: padding), tile_expert [tiles] (-1: padding alone, or unused)
-// Template constants: TILE, RUN, MAX_EXPERTS (the shared arrays' size; the launcher checks experts).
+//         worst case, pairs / TILE + experts)
+// outputs: row_pair [tiles * TILE] (pair, -1: padding), tile_expert [tiles] (-1: unused)
+// Template constants: TILE, MAX_EXPERTS (the shared arrays' size; the launcher checks experts).
 {
   __shared__ int count[MAX_EXPERTS], cursor[MAX_EXPERTS], start[MAX_EXPERTS + 1];
   const int pairs = sizes[0], experts = sizes[1], tiles = sizes[2];
@@ -856,7 +657,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     int run = 0;
     for (int e = 0; e < experts; ++e) {
       start[e] = run;
-      run += (count[e] + RUN - 1) / RUN * RUN;
+      run += (count[e] + TILE - 1) / TILE * TILE;
     }
     start[experts] = run;
   }
@@ -870,7 +671,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
         const int mid = (low + high + 1) / 2;
         if (start[mid] <= row) low = mid; else high = mid - 1;
       }
-      expert = row < start[low] + count[low] ? low : -1;  // -1: a tile of padding alone
+      expert = low;
     }
     tile_expert[t] = expert;
   }
