@@ -342,3 +342,18 @@ def test_one_matrix_prefill_gemm_fits_its_launch_bounds_without_spilling(tmp_pat
     text = translation_unit(PREFILL, "moe_prefill.cu", [("grouped", "__nv_bfloat16", constants)])
     usage = resource_usage(tmp_path, with_launch_bounds(text, "moe_prefill.cu", "grouped", PREFILL.launch_bounds_for(64, gated=False)))
     assert registers(usage) <= 65536 // (128 * PREFILL.ONE_MATRIX_MIN_BLOCKS) and "0 bytes spill stores" in usage, usage
+
+
+def test_wgmma_gemm_is_not_serialized_by_ptxas(tmp_path):
+    # ptxas serializes every wgmma of a kernel in which one is issued on a path it cannot prove
+    # uniform across the warpgroup ("C7518 Potential Performance Loss: wgmma.mma_async instructions
+    # are serialized"): each then waits for the one before. docs/benchmarks.md, sixty-third stop:
+    # a GEMM whose wgmmas sat under a per-warpgroup branch earned it and ran 0.62-0.89x.
+    variants = [("grouped_wgmma", t, {"BITS": 4, "GROUP": group, "FP4": fp4, "BM": 64, "PAIRS_IN": True, "ACTIVATE": True,
+                                      "GATED": True, "ACT": act, "LIMITED": act < 2, "HAS_BIAS": fp4 and act == 1})
+                for t, group, fp4 in (("__nv_bfloat16", 64, False), ("__half", 128, False), ("__nv_bfloat16", 32, True))
+                for act in (0, 1)]
+    texts = [with_launch_bounds(text, "moe_prefill.cu", "grouped_wgmma", PREFILL.launch_bounds_for(64, True, "grouped_wgmma"))
+             for text in translation_units(PREFILL, "moe_prefill.cu", variants)]
+    for usage in compile_all(tmp_path, texts, "--resource-usage"):
+        assert "wgmma.mma_async instructions are serialized" not in usage, usage
