@@ -348,7 +348,7 @@ def test_wgmma_gemm_is_not_serialized_by_ptxas(tmp_path):
     # ptxas serializes every wgmma of a kernel in which one is issued on a path it cannot prove
     # uniform across the warpgroup ("C7518 Potential Performance Loss: wgmma.mma_async instructions
     # are serialized"): each then waits for the one before. docs/benchmarks.md, sixty-third stop:
-    # a GEMM whose wgmmas sat under a per-warpgroup branch earned it and ran 0.62-0.89x.
+    # the staged GEMM (docs/experiments) with its wgmmas under a per-warpgroup branch earned it.
     variants = [("grouped_wgmma", t, {"BITS": 4, "GROUP": group, "FP4": fp4, "BM": 64, "PAIRS_IN": True, "ACTIVATE": True,
                                       "GATED": True, "ACT": act, "LIMITED": act < 2, "HAS_BIAS": fp4 and act == 1})
                 for t, group, fp4 in (("__nv_bfloat16", 64, False), ("__half", 128, False), ("__nv_bfloat16", 32, True))
