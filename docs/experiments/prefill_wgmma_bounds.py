@@ -1,0 +1,99 @@
+"""Trees of this repo whose grouped_wgmma (the prefill's gate+up GEMM on Hopper) leaves out one
+part of its k-loop's work, to time against main with `benchmarks.prefill_ab` and so bound what
+each part costs; and `pair`, a real variant: one barrier (and one `cp.async` wait and fence) a
+pair of k-steps instead of every k-step, the next pair's stages loaded after it.
+
+    python3 docs/experiments/prefill_wgmma_bounds.py scratch/bounds        # here: writes the trees
+    python3 -m benchmarks.prefill_ab --other scratch/bounds/nodq --parts gate_up --rounds 3 \\
+        --cases qwen3:2048,mixtral:2048                                        # on the GPU; carry scratch/
+
+Every tree but `pair` computes wrong outputs by design (prefill_ab prints their difference); they
+are measurements, not designs. `pair` passes the CPU emulation's prefill cases (run the tests in
+a copy of the repo with its moe_prefill.cu: pytest puts the repo root first on sys.path).
+  nodq:     the dequantisation left out: each A register is the packed word XOR its group's scale
+            and bias (the words' and scales' loads stay)
+  nomma:    no wgmma issued (fence, commit and wait stay; the A registers are kept alive)
+  skeleton: both of those left out: the loads, the pipeline and the barriers alone
+  noscale:  no scale or bias loads (constants in their place; the dequantisation stays)
+  nobar:    no per-k-step fence or barrier (races between stages: timing only)
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+DEQUANT = """af[m][2 * h + h8] = dequant_pair<T, S, BITS, FP4>(words[m][h8] >> (8 * s + 4 * h) & 0x000F000Fu,
+                                                                  group_scale[m][h8], group_bias[m][h8]);"""
+NO_DEQUANT = """af[m][2 * h + h8] = words[m][h8] ^ (*reinterpret_cast<const unsigned short*>(&group_scale[m][h8]) |
+                                                     (unsigned)*reinterpret_cast<const unsigned short*>(&group_bias[m][h8]) << 16);"""
+MMA = "wgmma<T, BM>(acc[m], af[m], wgmma_descriptor(b_stage + (2 * half + s) * 2 * BM * 16, BM * 16));"
+NO_MMA = "pin(af[m]);"
+SCALES = """group_scale[m][h8] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
+        if constexpr (!FP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];"""
+NO_SCALES = """group_scale[m][h8] = static_cast<T>(1.f + at % 2);
+        if constexpr (!FP4) group_bias[m][h8] = static_cast<S>(0.f);"""
+BARRIER = """    asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
+    __syncthreads();
+"""
+PROLOGUE = """  for (int s = 0; s < WGMMA_AHEAD; ++s) {
+    if (s < k_steps) load_stage(s, s * BK);
+    asm volatile("cp.async.commit_group;\\n" ::);
+  }"""
+PAIR_PROLOGUE = """  for (int s = 0; s < 2; ++s)
+    if (s < k_steps) load_stage(s, s * BK);
+  asm volatile("cp.async.commit_group;\\n" ::);"""
+LOOP_HEAD = """    asm volatile("cp.async.wait_group %0;\\n" ::"n"(WGMMA_AHEAD - 1));
+    // this thread's cp.async writes, visible to the wgmmas' (async proxy) reads after the barrier
+    asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
+    __syncthreads();
+    // The stage refilled here was read two k-steps back: every warpgroup has since waited until
+    // at most its last k16 step's wgmmas were pending, and every thread has passed the barrier.
+    const int ahead = step + WGMMA_AHEAD;
+    if (ahead < k_steps) load_stage(ahead % WGMMA_STAGES, ahead * BK);
+    asm volatile("cp.async.commit_group;\\n" ::);"""
+# Of the 5 stages, a pair's two are read, the last stage of the pair before may still be read by
+# its last wgmmas, and the two read three and two k-steps back are refilled.
+PAIR_LOOP_HEAD = """    if (step % 2 == 0) {
+      asm volatile("cp.async.wait_group %0;\\n" ::"n"(0));
+      asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
+      __syncthreads();
+      for (int ahead = step + 2; ahead < step + 4 && ahead < k_steps; ++ahead) load_stage(ahead % WGMMA_STAGES, ahead * BK);
+      asm volatile("cp.async.commit_group;\\n" ::);
+    }"""
+
+VARIANTS = {
+    "pair": [(PROLOGUE, PAIR_PROLOGUE), (LOOP_HEAD, PAIR_LOOP_HEAD)],
+    "nodq": [(DEQUANT, NO_DEQUANT)],
+    "nomma": [(MMA, NO_MMA)],
+    "skeleton": [(DEQUANT, NO_DEQUANT), (MMA, NO_MMA)],
+    "noscale": [(SCALES, NO_SCALES)],
+    "nobar": [(BARRIER, "")],
+}
+
+
+def write_tree(directory: Path, edits) -> None:
+    """HEAD's mlx_moe_fix under `directory`, grouped_wgmma's section edited (each edit found once)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    subprocess.run(f"git archive HEAD mlx_moe_fix | tar -x -C {directory}", shell=True, check=True)
+    source = directory / "mlx_moe_fix/kernels/cuda/moe_prefill.cu"
+    text = source.read_text()
+    start, end = text.index("//// grouped_wgmma"), text.index("//// route")
+    section = text[start:end]
+    for old, new in edits:
+        if section.count(old) != 1:
+            raise SystemExit(f"{directory.name}: grouped_wgmma no longer reads as this script expects ({old[:60]!r})")
+        section = section.replace(old, new)
+    source.write_text(text[:start] + section + text[end:])
+
+
+def main(argv) -> None:
+    if not argv:
+        raise SystemExit(__doc__)
+    root = Path(argv[0])
+    for name in argv[1:] or VARIANTS:
+        write_tree(root / name, VARIANTS[name])
+        print(f"{root / name}: {name}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
