@@ -18,6 +18,8 @@ a copy of the repo with its moe_prefill.cu: pytest puts the repo root first on s
   skeleton: both of those left out: the loads, the pipeline and the barriers alone
   noscale:  no scale or bias loads (constants in their place; the dequantisation stays)
   nobar:    no per-k-step fence or barrier (races between stages: timing only)
+  grouped_noscale: noscale's edit in `grouped`, the mma.sync GEMM (the down launch, and gate+up
+            at tiles under 64 rows): time it with `--parts down`
 """
 
 import subprocess
@@ -36,6 +38,10 @@ SCALES = """group_scale[m][h8] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1
         if constexpr (!FP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];"""
 NO_SCALES = """group_scale[m][h8] = static_cast<T>(1.f + at % 2);
         if constexpr (!FP4) group_bias[m][h8] = static_cast<S>(0.f);"""
+GROUPED_SCALES = """group_scale[m][j] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
+        if constexpr (!FP4) group_bias[m][j] = (m == 0 ? b0 : b1)[at];"""
+GROUPED_NO_SCALES = """group_scale[m][j] = static_cast<T>(1.f + at % 2);
+        if constexpr (!FP4) group_bias[m][j] = static_cast<S>(0.f);"""
 BARRIER = """    asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
     __syncthreads();
 """
@@ -72,20 +78,25 @@ VARIANTS = {
     "skeleton": [(DEQUANT, NO_DEQUANT), (MMA, NO_MMA)],
     "noscale": [(SCALES, NO_SCALES)],
     "nobar": [(BARRIER, "")],
+    "grouped_noscale": [(GROUPED_SCALES, GROUPED_NO_SCALES)],
 }
+# the kernel section each variant edits (sections of moe_prefill.cu, in file order)
+SECTIONS = ("//// grouped\n", "//// grouped_wgmma", "//// route")
 
 
 def write_tree(directory: Path, edits) -> None:
-    """HEAD's mlx_moe_fix under `directory`, grouped_wgmma's section edited (each edit found once)."""
+    """HEAD's mlx_moe_fix under `directory`, one GEMM's section edited (each edit found once): `grouped`'s
+    for the trees named grouped_*, else grouped_wgmma's."""
     directory.mkdir(parents=True, exist_ok=True)
     subprocess.run(f"git archive HEAD mlx_moe_fix | tar -x -C {directory}", shell=True, check=True)
     source = directory / "mlx_moe_fix/kernels/cuda/moe_prefill.cu"
     text = source.read_text()
-    start, end = text.index("//// grouped_wgmma"), text.index("//// route")
+    kernel = 0 if directory.name.startswith("grouped_") else 1
+    start, end = text.index(SECTIONS[kernel]), text.index(SECTIONS[kernel + 1])
     section = text[start:end]
     for old, new in edits:
         if section.count(old) != 1:
-            raise SystemExit(f"{directory.name}: grouped_wgmma no longer reads as this script expects ({old[:60]!r})")
+            raise SystemExit(f"{directory.name}: {SECTIONS[kernel][5:].strip()} no longer reads as this script expects ({old[:60]!r})")
         section = section.replace(old, new)
     source.write_text(text[:start] + section + text[end:])
 
