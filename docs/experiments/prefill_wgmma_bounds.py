@@ -38,10 +38,6 @@ SCALES = """group_scale[m][h8] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1
         if constexpr (!FP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];"""
 NO_SCALES = """group_scale[m][h8] = static_cast<T>(1.f + at % 2);
         if constexpr (!FP4) group_bias[m][h8] = static_cast<S>(0.f);"""
-GROUPED_SCALES = """group_scale[m][j] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
-        if constexpr (!FP4) group_bias[m][j] = (m == 0 ? b0 : b1)[at];"""
-GROUPED_NO_SCALES = """group_scale[m][j] = static_cast<T>(1.f + at % 2);
-        if constexpr (!FP4) group_bias[m][j] = static_cast<S>(0.f);"""
 BARRIER = """    asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
     __syncthreads();
 """
@@ -71,32 +67,32 @@ PAIR_LOOP_HEAD = """    if (step % 2 == 0) {
       asm volatile("cp.async.commit_group;\\n" ::);
     }"""
 
+# {tree: (the section of moe_prefill.cu it edits, its edits)}; `grouped` names its rows' n8 blocks j
+# where grouped_wgmma names its rows h8
 VARIANTS = {
-    "pair": [(PROLOGUE, PAIR_PROLOGUE), (LOOP_HEAD, PAIR_LOOP_HEAD)],
-    "nodq": [(DEQUANT, NO_DEQUANT)],
-    "nomma": [(MMA, NO_MMA)],
-    "skeleton": [(DEQUANT, NO_DEQUANT), (MMA, NO_MMA)],
-    "noscale": [(SCALES, NO_SCALES)],
-    "nobar": [(BARRIER, "")],
-    "grouped_noscale": [(GROUPED_SCALES, GROUPED_NO_SCALES)],
+    "pair": ("grouped_wgmma", [(PROLOGUE, PAIR_PROLOGUE), (LOOP_HEAD, PAIR_LOOP_HEAD)]),
+    "nodq": ("grouped_wgmma", [(DEQUANT, NO_DEQUANT)]),
+    "nomma": ("grouped_wgmma", [(MMA, NO_MMA)]),
+    "skeleton": ("grouped_wgmma", [(DEQUANT, NO_DEQUANT), (MMA, NO_MMA)]),
+    "noscale": ("grouped_wgmma", [(SCALES, NO_SCALES)]),
+    "nobar": ("grouped_wgmma", [(BARRIER, "")]),
+    "grouped_noscale": ("grouped", [(SCALES.replace("[h8]", "[j]"), NO_SCALES.replace("[h8]", "[j]"))]),
 }
-# the kernel section each variant edits (sections of moe_prefill.cu, in file order)
-SECTIONS = ("//// grouped\n", "//// grouped_wgmma", "//// route")
 
 
-def write_tree(directory: Path, edits) -> None:
-    """HEAD's mlx_moe_fix under `directory`, one GEMM's section edited (each edit found once): `grouped`'s
-    for the trees named grouped_*, else grouped_wgmma's."""
+def write_tree(directory: Path, kernel: str, edits) -> None:
+    """HEAD's mlx_moe_fix under `directory`, the section `kernel` of moe_prefill.cu edited (each
+    edit found once)."""
     directory.mkdir(parents=True, exist_ok=True)
     subprocess.run(f"git archive HEAD mlx_moe_fix | tar -x -C {directory}", shell=True, check=True)
     source = directory / "mlx_moe_fix/kernels/cuda/moe_prefill.cu"
     text = source.read_text()
-    kernel = 0 if directory.name.startswith("grouped_") else 1
-    start, end = text.index(SECTIONS[kernel]), text.index(SECTIONS[kernel + 1])
+    start = text.index(f"//// {kernel}\n")
+    end = text.index("\n//// ", start)
     section = text[start:end]
     for old, new in edits:
         if section.count(old) != 1:
-            raise SystemExit(f"{directory.name}: {SECTIONS[kernel][5:].strip()} no longer reads as this script expects ({old[:60]!r})")
+            raise SystemExit(f"{directory.name}: {kernel} no longer reads as this script expects ({old[:60]!r})")
         section = section.replace(old, new)
     source.write_text(text[:start] + section + text[end:])
 
@@ -106,7 +102,7 @@ def main(argv) -> None:
         raise SystemExit(__doc__)
     root = Path(argv[0])
     for name in argv[1:] or VARIANTS:
-        write_tree(root / name, VARIANTS[name])
+        write_tree(root / name, *VARIANTS[name])
         print(f"{root / name}: {name}")
 
 
