@@ -34,7 +34,7 @@ from mlx_moe_fix.kernels.sources import sections
 
 from .cuda_emulation import EmulatedCudaKernel
 from .metal_emulation import CXX
-from .parity.cases import GATED_KINDS, make_case
+from .parity.cases import GATED_KINDS, describe, make_case
 from .parity.test_greedy_tokens import N_TOKENS, assert_tokens_match_stock, record_stock_run
 from .parity.test_ops import assert_kernel_reads_every_fp4_code, check, float32_oracle
 from .parity.tolerance import assert_close, relative_error
@@ -137,11 +137,19 @@ PREFILL_CASES = {
     "bf16 mxfp4 gpt-oss swiglu biased": (mx.bfloat16, (4, 32, "mxfp4"), True, "swiglu_oai", 7.0, False, 20, "random", True, 16),
     "bf16 nvfp4 Inkling scales, 64-row tiles": (mx.bfloat16, (4, 16, "nvfp4"), True, "swiglu", 7.0, True, 130, "random", False, 64),
     "bf16 4-bit/64 swiglu, ragged widths": (mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 23, "random", False, 32),
+    "bf16 4-bit/32 swiglu, scale windows reloaded": (mx.bfloat16, (4, 32), True, "swiglu", 0.25, False, 20, "random", False, 32),
+    "fp16 4-bit/64 swiglu, scale windows reloaded": (mx.float16, (4, 64), True, "swiglu", 0.25, False, 20, "random", False, 32),
+    "bf16 mxfp4 swiglu biased, scale windows reloaded": (mx.bfloat16, (4, 32, "mxfp4"), True, "swiglu_oai", 7.0, False, 20, "random",
+                                                          True, 32),
 }
 # (hidden, intermediate, experts, top-k, batch) where not (256, 256, 8, 2, 1): 448 = seven k-steps of
 # gate+up (wgmma's five-stage pipeline wraps) and 3.5 column blocks of down, 192 = 1.5 of gate+up,
-# 5 experts top-3 over two batch rows.
-PREFILL_SHAPES = {"bf16 4-bit/64 swiglu, ragged widths": (448, 192, 5, 3, 2)}
+# 5 experts top-3 over two batch rows. Its rows of seven groups (14 bytes of bf16 scales) are not
+# whole 4-byte words: wgmma loads their scales a group a k-step. 640 = ten k-steps: wgmma's scale
+# windows (16 bytes of a row's scales: 4 to 8 k-steps) reloaded, the last one past the row's end.
+WINDOWS_RELOADED = (640, 192, 5, 3, 1)
+PREFILL_SHAPES = {"bf16 4-bit/64 swiglu, ragged widths": (448, 192, 5, 3, 2),
+                  **{name: WINDOWS_RELOADED for name in PREFILL_CASES if name.endswith("scale windows reloaded")}}
 
 
 def prefill_case(name):
@@ -149,16 +157,25 @@ def prefill_case(name):
     hidden, intermediate, experts, top_k, batch = PREFILL_SHAPES.get(name, (256, 256, 8, 2, 1))
     case = make_case(dtype, quantization, glu, kind, limit, scaled, hidden, intermediate, experts, top_k, batch, tokens,
                      routing=routing, with_weights=True, bias=bias)
+    if quantization[2:] == ("mxfp4",) and name.endswith("scale windows reloaded"):
+        # mx.quantize gives these normal weights one e8m0 scale (120) in every group: varied ones
+        # make a scale read from the wrong group show
+        for module in (case.layer[projection] for projection in ("gate_proj", "up_proj", "down_proj")):
+            module.scales = mx.random.randint(118, 123, module.scales.shape).astype(mx.uint8)
+        case = dataclasses.replace(case, experts=describe(case.layer, glu, scaled))
     assert PREFILL.cuda_unsupported_reason(case.experts, dtype) is None
     assert PREFILL.tile_height(case.indices.size, experts) == tile
     return case
 
 
-def take_wgmma(patch, wgmma: bool) -> None:
-    """Gate+up of 4-bit gated experts on wgmma (`wgmma`) or mma.sync, at any tile height (as
-    tests/parity/test_ops.py's prefill_gemm, for the GPU)."""
+def take_wgmma(patch, wgmma: bool, rows: int = 128) -> None:
+    """Gate+up of 4-bit gated experts on wgmma (`wgmma`) or mma.sync, at any tile height, wgmma's
+    blocks of `rows` weight rows (moe_prefill.wgmma_block_rows: these cases' widths take 128;
+    256 where set) (as tests/parity/test_ops.py's prefill_gemm, for the GPU)."""
     patch.setattr(PREFILL, "wgmma_device", lambda: wgmma)
     patch.setattr(PREFILL, "WGMMA_MIN_TILE", 0)
+    if rows == 256:
+        patch.setattr(PREFILL, "WGMMA_WIDE_MIN_K", 0)
 
 
 @pytest.mark.parametrize("name", PREFILL_CASES)
@@ -199,11 +216,11 @@ def random_prefill_cases(draw):
 # Each example compiles the kernel variants it reaches (a few seconds each): few examples.
 @settings(max_examples=int(os.environ.get("MLX_MOE_FIX_EMULATED_EXAMPLES", "10")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(case=random_prefill_cases(), wgmma=st.booleans())
-def test_emulated_cuda_prefill_kernel_matches_ref_on_random_layers(emulated_cuda_kernels, case, wgmma):
+@given(case=random_prefill_cases(), wgmma=st.booleans(), rows=st.sampled_from((128, 256)))
+def test_emulated_cuda_prefill_kernel_matches_ref_on_random_layers(emulated_cuda_kernels, case, wgmma, rows):
     assert PREFILL.cuda_unsupported_reason(case.experts, case.dtype) is None, case.label
     with pytest.MonkeyPatch.context() as patch:
-        take_wgmma(patch, wgmma)
+        take_wgmma(patch, wgmma, rows)
         check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
@@ -211,11 +228,13 @@ def test_emulated_cuda_prefill_kernel_matches_ref_on_random_layers(emulated_cuda
 WGMMA_CASES = [name for name, case in PREFILL_CASES.items() if case[1][0] == 4 and case[2]]
 
 
+@pytest.mark.parametrize("rows", [128, 256])
 @pytest.mark.parametrize("name", WGMMA_CASES)
-def test_emulated_cuda_prefill_kernel_matches_ref_with_wgmma(emulated_cuda_kernels, monkeypatch, name):
-    take_wgmma(monkeypatch, True)
+def test_emulated_cuda_prefill_kernel_matches_ref_with_wgmma(emulated_cuda_kernels, monkeypatch, name, rows):
+    take_wgmma(monkeypatch, True, rows)
     case = prefill_case(name)
     assert PREFILL.gemm_kernel(case.experts, "first", PREFILL_CASES[name][-1]) == "grouped_wgmma"
+    assert PREFILL.block_n("grouped_wgmma", case.experts.projections[0].input_dims) == rows
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
@@ -225,8 +244,10 @@ def test_emulated_cuda_prefill_kernel_matches_ref_with_wgmma(emulated_cuda_kerne
 # operands' layouts), each GEMM waiting for one cp.async group too few before it reads a stage
 # (the emulated copies land at the wait), and the wgmma GEMM without its waits for its wgmmas
 # (the emulated ones read B and write their sums at the wait: in the loop, a stage refilled while
-# its wgmmas are pending; at the end, sums read before the last ones). On the ragged-widths case,
-# whose seven k-steps take both pipelines round. {name: (GEMM, right source text, wrong)}
+# its wgmmas are pending; at the end, sums read before the last ones), and the wgmma GEMM that
+# keeps its first scale window: mma.sync's on the ragged-widths case (seven k-steps, its three
+# stages wrap), wgmma's on a case of ten (its five stages wrap, and its windows are reloaded).
+# {name: (GEMM, right source text, wrong)}
 WRONG_GEMMS = {
     "mma.sync's B registers swapped": ("grouped", "const unsigned (&a)[4], unsigned b0, unsigned b1)",
                                        "const unsigned (&a)[4], unsigned b1, unsigned b0)"),
@@ -236,7 +257,10 @@ WRONG_GEMMS = {
     "wgmma GEMM reads a stage before its copies": ("grouped_wgmma", '::"n"(WGMMA_AHEAD - 1));', '::"n"(WGMMA_AHEAD));'),
     "wgmma GEMM refills stages its wgmmas read": ("grouped_wgmma", "wgmma_wait<1>();", ""),
     "wgmma GEMM reads its sums before its last wgmmas": ("grouped_wgmma", "wgmma_wait<0>();", ""),
+    "wgmma GEMM keeps its first scale window": ("grouped_wgmma", "load_window((step + 2) / STEPS_PER_WINDOW);", "load_window(0);"),
 }
+# each GEMM's case: more k-steps than its pipeline's stages
+WRONG_GEMM_CASES = {"grouped": "bf16 4-bit/64 swiglu, ragged widths", "grouped_wgmma": "bf16 4-bit/32 swiglu, scale windows reloaded"}
 
 
 @pytest.mark.parametrize("name", WRONG_GEMMS)
@@ -249,8 +273,8 @@ def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch, name):
         return text.replace(right, wrong)
 
     monkeypatch.setattr(PREFILL, "cuda_kernel_object", emulated_kernel(broken, broken))
-    take_wgmma(monkeypatch, gemm == "grouped_wgmma")
-    case = prefill_case("bf16 4-bit/64 swiglu, ragged widths")
+    take_wgmma(monkeypatch, gemm == "grouped_wgmma", rows=256)  # wgmma's wider block: four warpgroups
+    case = prefill_case(WRONG_GEMM_CASES[gemm])
     assert PREFILL.gemm_kernel(case.experts, "first", 32) == gemm
     with pytest.raises(AssertionError, match="relative error|non-finite output"):  # a stage read early: NaN
         check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))

@@ -168,7 +168,8 @@ def test_prefill_kernel_compiles(tmp_path, t):
         quantizations += ((4, 32, 64, True), (4, 32, 16, True), (4, 16, 64, True))
     variants = [
         (gemm, t, {"BITS": bits, "GROUP": group, "FP4": fp4, "BM": bm, "PAIRS_IN": pairs_in, "ACTIVATE": activate,
-                   "GATED": gated, "ACT": act, "LIMITED": act < 2, "HAS_BIAS": bits == 8 or (fp4 and act == 1)})
+                   "GATED": gated, "ACT": act, "LIMITED": act < 2, "HAS_BIAS": bits == 8 or (fp4 and act == 1),
+                   **({"RBN": 128 << act} if gemm == "grouped_wgmma" else {})})  # wgmma's two block widths
         for bits, group, bm, fp4 in quantizations
         for pairs_in, activate, gated, act in ((True, True, True, 0), (True, True, True, 1), (True, True, False, 3),
                                                (False, False, False, 0), (True, False, False, 0))
@@ -344,16 +345,26 @@ def test_one_matrix_prefill_gemm_fits_its_launch_bounds_without_spilling(tmp_pat
     assert registers(usage) <= 65536 // (128 * PREFILL.ONE_MATRIX_MIN_BLOCKS) and "0 bytes spill stores" in usage, usage
 
 
-def test_wgmma_gemm_is_not_serialized_by_ptxas(tmp_path):
+def test_wgmma_gemm_is_neither_serialized_by_ptxas_nor_spilled(tmp_path):
     # ptxas serializes every wgmma of a kernel in which one is issued on a path it cannot prove
     # uniform across the warpgroup ("C7518 Potential Performance Loss: wgmma.mma_async instructions
     # are serialized"): each then waits for the one before. docs/benchmarks.md, sixty-third stop:
     # the staged GEMM (docs/experiments) with its wgmmas under a per-warpgroup branch earned it.
-    variants = [("grouped_wgmma", t, {"BITS": 4, "GROUP": group, "FP4": fp4, "BM": 64, "PAIRS_IN": True, "ACTIVATE": True,
-                                      "GATED": True, "ACT": act, "LIMITED": act < 2, "HAS_BIAS": fp4 and act == 1})
-                for t, group, fp4 in (("__nv_bfloat16", 64, False), ("__half", 128, False), ("__nv_bfloat16", 32, True))
-                for act in (0, 1)]
-    texts = [with_launch_bounds(text, "moe_prefill.cu", "grouped_wgmma", PREFILL.launch_bounds_for(64, True, "grouped_wgmma"))
-             for text in translation_units(PREFILL, "moe_prefill.cu", variants)]
+    # Both block widths (moe_prefill.wgmma_block_rows), each under its launch bounds: 128
+    # registers a thread, unspilled.
+    texts, widths = [], []
+    for in_dim in (PREFILL.WGMMA_WIDE_MIN_K // 2, PREFILL.WGMMA_WIDE_MIN_K):
+        rows = PREFILL.wgmma_block_rows(in_dim)
+        widths.append(rows)
+        variants = [("grouped_wgmma", t, {"BITS": 4, "GROUP": group, "FP4": fp4, "BM": 64, "PAIRS_IN": True, "ACTIVATE": True,
+                                          "GATED": True, "ACT": act, "LIMITED": act < 2, "HAS_BIAS": fp4 and act == 1, "RBN": rows})
+                    for t, group, fp4 in (("__nv_bfloat16", 64, False), ("__half", 128, False), ("__nv_bfloat16", 32, True))
+                    for act in (0, 1)]
+        bounds = PREFILL.launch_bounds_for(64, True, "grouped_wgmma", in_dim)
+        assert bounds == (2 * rows, 512 // (2 * rows))
+        texts += [with_launch_bounds(text, "moe_prefill.cu", "grouped_wgmma", bounds)
+                  for text in translation_units(PREFILL, "moe_prefill.cu", variants)]
+    assert widths == [128, 256]
     for usage in compile_all(tmp_path, texts, "--resource-usage"):
         assert "wgmma.mma_async instructions are serialized" not in usage, usage
+        assert registers(usage) <= 128 and "0 bytes spill stores" in usage, usage

@@ -62,6 +62,27 @@ def test_grouped_launches_are_built_once_per_layer_stage_and_tile(monkeypatch):
     assert len(recorders["combine"].calls) == 2
 
 
+def test_wgmma_gate_up_takes_256_row_blocks_where_its_k_loop_is_long(monkeypatch):
+    # moe_prefill.wgmma_block_rows: four warpgroups (512 threads, one block an SM) at in_dim >=
+    # WGMMA_WIDE_MIN_K, two (256, two blocks) below; RBN, the grid and the shared memory follow.
+    created = []
+    monkeypatch.setattr(PREFILL, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bounds, constants=():
+                        created.append((section, shared, bounds)) or Recorder(section))
+    monkeypatch.setattr(PREFILL, "wgmma_device", lambda: True)
+    plans = []
+    for hidden in (PREFILL.WGMMA_WIDE_MIN_K - 64, PREFILL.WGMMA_WIDE_MIN_K):
+        case = make_case(mx.bfloat16, (4, 64), True, "swiglu", None, False, hidden, 640, 2, 1, 1, 128, with_weights=True)
+        tile = PREFILL.tile_height(case.indices.size, 2)
+        assert tile >= PREFILL.WGMMA_MIN_TILE and PREFILL.gemm_kernel(case.experts, "first", tile) == "grouped_wgmma"
+        launch = PREFILL._grouped_launch(case.experts, "first", tile, 1, mx.bfloat16, "grouped_wgmma")
+        section, shared, bounds = created[-1]
+        weight_bytes = 2 * dict(launch.template)["RBN"] * PREFILL.BLOCK_K // 2
+        assert section == "grouped_wgmma" and shared == PREFILL.WGMMA_STAGES * (tile * PREFILL.BLOCK_K * 2 + weight_bytes)
+        plans.append((dict(launch.template)["RBN"], launch.threadgroup[0], launch.grid[0], bounds))
+    # 640 output rows: 5 blocks of 128, 3 of 256 (the last half past the rows)
+    assert plans == [(128, 256, 5 * 256, (256, 2)), (256, 512, 3 * 512, (512, 1))]
+
+
 def test_a_16_bit_gate_up_splits_its_activation_row_once_a_block_where_it_fits(monkeypatch):
     # moe_decode.shared_split_bytes: CUDA gate+up launches in fixed point (16-bit activations)
     # get SPLIT_BYTES_PER_VECTOR of shared memory a 128-bit weight vector of the row and

@@ -20,7 +20,9 @@ from pathlib import Path
 sys.path.append("tests")
 import test_cuda_sources as sources  # noqa: E402
 
-KERNELS = [("grouped_wgmma", 64, True)] + [("grouped", tile, gated) for gated in (True, False) for tile in (16, 32, 64)]
+# (GEMM, tile, gated, in_dim): wgmma's blocks of 128 and 256 rows (moe_prefill.wgmma_block_rows)
+KERNELS = [("grouped_wgmma", 64, True, 2048), ("grouped_wgmma", 64, True, 4096)]
+KERNELS += [("grouped", tile, gated, 2048) for gated in (True, False) for tile in (16, 32, 64)]
 INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
@@ -35,10 +37,12 @@ def loop_opcodes(sass: str, mma: str) -> collections.Counter:
 
 
 def main(nvdisasm: str) -> None:
-    for stage, tile, gated in KERNELS:
+    for stage, tile, gated, in_dim in KERNELS:
         constants = {"BITS": 4, "GROUP": 64, "FP4": False, "BM": tile, "PAIRS_IN": gated, "ACTIVATE": gated, "GATED": gated,
                      "ACT": 0, "LIMITED": False, "HAS_BIAS": False}
-        bounds = sources.PREFILL.launch_bounds_for(tile, gated, stage)
+        if stage == "grouped_wgmma":
+            constants["RBN"] = sources.PREFILL.block_n(stage, in_dim)
+        bounds = sources.PREFILL.launch_bounds_for(tile, gated, stage, in_dim)
         (text,) = sources.translation_units(sources.PREFILL, "moe_prefill.cu", [(stage, "__nv_bfloat16", constants)])
         with tempfile.TemporaryDirectory() as directory:
             (usage,) = sources.compile_all(Path(directory), [sources.with_launch_bounds(text, "moe_prefill.cu", stage, bounds)],
@@ -49,7 +53,8 @@ def main(nvdisasm: str) -> None:
         spills = re.search(r"(\d+) bytes spill stores", usage)[1]
         registers = re.search(r"Used (\d+) registers", usage)[1]
         top = " ".join(f"{op}:{n}" for op, n in opcodes.most_common(8))
-        print(f"{stage} BM {tile} {'gated' if gated else 'down'}: {sum(opcodes.values())} instructions a k-step, "
+        width = f" RBN {constants['RBN']}" if "RBN" in constants else ""
+        print(f"{stage}{width} BM {tile} {'gated' if gated else 'down'}: {sum(opcodes.values())} instructions a k-step, "
               f"{registers} registers, {spills} bytes spilled; {top}")
 
 

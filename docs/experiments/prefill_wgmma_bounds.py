@@ -7,6 +7,10 @@ pair of k-steps instead of every k-step, the next pair's stages loaded after it.
     python3 -m benchmarks.prefill_ab --other scratch/bounds/nodq --parts gate_up --rounds 3 \\
         --cases qwen3:2048,mixtral:2048                                        # on the GPU; carry scratch/
 
+The grouped_wgmma edits read that kernel as it was at c5b3817 (stop 66: 128-row blocks, a scale
+load a k-step); at a later HEAD they stop with "no longer reads as this script expects" (run
+the script in a worktree of c5b3817 to rebuild those trees).
+
 Every tree but `pair` computes wrong outputs by design (prefill_ab prints their difference); they
 are measurements, not designs. `pair` passes the CPU emulation's prefill cases (run the tests in
 a copy of the repo with its moe_prefill.cu: pytest puts the repo root first on sys.path).

@@ -53,8 +53,9 @@ OUTPUTS = {"grouped": ["out"], "grouped_wgmma": ["out"], "route": ["row_pair", "
 GEMMS = ("grouped", "grouped_wgmma")
 WGMMA_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL_WGMMA"
 WGMMA_STAGES = 5
-WGMMA_BLOCK_N = 128  # two warpgroups of 64 output columns
-WGMMA_THREADS = 256
+# grouped_wgmma's block: RBN weight rows a matrix, a warpgroup (128 threads) for each 64; 256 rows
+# where the k-loop is WGMMA_WIDE_MIN_K deep or more, else 128 (wgmma_block_rows).
+WGMMA_WIDE_MIN_K = 4096
 WGMMA_MIN_TILE = 64
 COMBINE_THREADS = 256
 ROUTE_MAX_EXPERTS = 1024  # the route kernel's shared arrays
@@ -79,24 +80,34 @@ def moe_prefill_reference(
     return combine(y, weights)
 
 
-def shared_bytes(tile: int, gated: bool, bits: int, gemm: str = "grouped") -> int:
+def shared_bytes(tile: int, gated: bool, bits: int, gemm: str = "grouped", in_dim: int = 0) -> int:
     """The grouped GEMM's dynamic shared memory: per pipeline stage, activation rows and packed
     weight rows."""
-    weights = (2 if gated else 1) * block_n(gemm) * BLOCK_K * bits // 8
+    weights = (2 if gated else 1) * block_n(gemm, in_dim) * BLOCK_K * bits // 8
     if gemm == "grouped_wgmma":
         return WGMMA_STAGES * (tile * BLOCK_K * 2 + weights)
     return PIPELINE_STAGES * (tile * SHARED_ROW * 2 + weights)
 
 
-def block_n(gemm: str = "grouped") -> int:
-    """Output columns per block (per matrix)."""
-    return WGMMA_BLOCK_N if gemm == "grouped_wgmma" else BLOCK_N
+def wgmma_block_rows(in_dim: int) -> int:
+    """grouped_wgmma's weight rows a block (RBN) for a k-loop over `in_dim`. 256 copy a tile's
+    activations once for twice the weights (the GEMM is bound by its copies); 128 leave two blocks
+    an SM, one's prologue and output stores beside the other's k-loop, which counts where the loop is
+    short. On the H200 (docs/benchmarks.md, sixty-seventh stop), both with scale windows, against
+    the 128-row block without them: Mixtral's gate+up (K 4096) 1.11-1.15x at 256 rows, 1.07-1.10x
+    at 128; Qwen3-30B-A3B's (K 2048) 0.92-0.98x at 256, 0.99-1.01x at 128."""
+    return 256 if in_dim >= WGMMA_WIDE_MIN_K else 128
 
 
-def threads(tile: int, gemm: str = "grouped") -> int:
+def block_n(gemm: str = "grouped", in_dim: int = 0) -> int:
+    """Output columns per block (per matrix) of `gemm` over `in_dim` (grouped's do not depend on it)."""
+    return wgmma_block_rows(in_dim) if gemm == "grouped_wgmma" else BLOCK_N
+
+
+def threads(tile: int, gemm: str = "grouped", in_dim: int = 0) -> int:
     """mma.sync: warps of 64 (or `tile`) rows x 32 columns, four across the block's 128 columns;
-    wgmma: two warpgroups of 64 columns."""
-    return WGMMA_THREADS if gemm == "grouped_wgmma" else max(tile // 64, 1) * 4 * 32
+    wgmma: a warpgroup for each 64 columns."""
+    return 2 * block_n(gemm, in_dim) if gemm == "grouped_wgmma" else max(tile // 64, 1) * 4 * 32
 
 
 def wgmma_device() -> bool:
@@ -164,13 +175,15 @@ def cuda_kernel(section: str, shared: int = 0, bounds: tuple = ()):
 ONE_MATRIX_MIN_BLOCKS = 3
 
 
-# grouped_wgmma: two blocks per SM (128 registers a thread; unbounded it takes 140, one block).
-WGMMA_MIN_BLOCKS = 2
+# grouped_wgmma: 512 threads an SM (one block of four warpgroups or two of two), 128 registers a
+# thread (the register file); unbounded, two warpgroups take 140.
+WGMMA_THREADS_PER_SM = 512
 
 
-def launch_bounds_for(tile: int, gated: bool, gemm: str = "grouped") -> tuple:
+def launch_bounds_for(tile: int, gated: bool, gemm: str = "grouped", in_dim: int = 0) -> tuple:
     if gemm == "grouped_wgmma":
-        return (WGMMA_THREADS, WGMMA_MIN_BLOCKS)
+        block = threads(tile, gemm, in_dim)
+        return (block, WGMMA_THREADS_PER_SM // block)
     return (threads(tile), ONE_MATRIX_MIN_BLOCKS) if not gated and tile == 64 else ()
 
 
@@ -265,8 +278,10 @@ def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtyp
     pairs_in, activate = stage != "last", stage == "first"
     first, second = matrices[0], matrices[-1]
     gated = len(matrices) == 2
+    in_dim = first.input_dims
+    wgmma_template = [("RBN", block_n(gemm, in_dim))] if gemm == "grouped_wgmma" else []
     return Launch(
-        cuda_kernel(gemm, shared_bytes(tile, gated, first.bits, gemm), launch_bounds_for(tile, gated, gemm)),
+        cuda_kernel(gemm, shared_bytes(tile, gated, first.bits, gemm, in_dim), launch_bounds_for(tile, gated, gemm, in_dim)),
         [first.weight, first.scales, or_absent(first.biases), second.weight, second.scales, or_absent(second.biases),
          or_absent(first.bias), or_absent(second.bias), or_absent(scale),
          kernel_dims(first.input_dims, first.output_dims, top_k, activation, first.bias is not None, scale is not None),
@@ -275,9 +290,9 @@ def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtyp
          ("BITS", first.bits), ("GROUP", first.group_size), ("FP4", first.mode in FP4_GROUP_SIZES), ("BM", tile),
          ("PAIRS_IN", pairs_in), ("ACTIVATE", activate), ("GATED", gated),
          ("ACT", ACTIVATION_CODES[activation.kind] if activation is not None else 0),
-         ("LIMITED", activation is not None and activation.limit is not None), bias_template(first)],
-        (-(-first.output_dims // block_n(gemm)) * threads(tile, gemm), 1, 1),
-        (threads(tile, gemm), 1, 1),
+         ("LIMITED", activation is not None and activation.limit is not None), bias_template(first), *wgmma_template],
+        (-(-first.output_dims // block_n(gemm, in_dim)) * threads(tile, gemm, in_dim), 1, 1),
+        (threads(tile, gemm, in_dim), 1, 1),
         [(tile, first.output_dims)],
         [dtype],
     )

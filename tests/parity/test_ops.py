@@ -321,16 +321,19 @@ def test_metal_decode_kernel_matches_ref(metal_device, case):
 
 
 # The prefill kernel's gate+up GEMMs (moe_prefill.GEMMS): mma.sync, and Hopper's wgmma, which
-# production takes at 64-row tiles only: here at every tile height, so that every case reaches it.
-PREFILL_GEMMS = pytest.mark.parametrize("wgmma", ["0", "1"], ids=["grouped", "grouped_wgmma"])
+# production takes at 64-row tiles only: here at every tile height, so that every case reaches it,
+# in blocks of 128 weight rows (these cases' widths) and of 256 (moe_prefill.wgmma_block_rows).
+PREFILL_GEMMS = pytest.mark.parametrize("wgmma", ["0", "1", "256"], ids=["grouped", "grouped_wgmma", "grouped_wgmma_256_rows"])
 
 
 def prefill_gemm(switch, monkeypatch, wgmma: str) -> None:
     module = sys.modules["mlx_moe_fix.kernels.moe_prefill"]  # the package's name is the dispatcher's
-    if wgmma == "1" and not module.wgmma_device():
+    if wgmma != "0" and not module.wgmma_device():
         pytest.skip("no Hopper GPU: wgmma needs compute capability 9.0")
-    switch(module.WGMMA_SWITCH, wgmma)
+    switch(module.WGMMA_SWITCH, "0" if wgmma == "0" else "1")
     monkeypatch.setattr(module, "WGMMA_MIN_TILE", 0)
+    if wgmma == "256":
+        monkeypatch.setattr(module, "WGMMA_WIDE_MIN_K", 0)
 
 
 @pytest.mark.parametrize("info, expected", [

@@ -111,6 +111,21 @@ __device__ __forceinline__ GroupScale<T, S, FP4> group_scale_of(S scale) {
   else return scale;
 }
 
+// Word `first / (4 / sizeof(S))` of a row of scales (or biases) for grouped_wgmma's windows
+// (rows of whole 4-byte words, `count` groups), zero past the row's end.
+template <typename S>
+__device__ __forceinline__ unsigned window_word(const S* row, int first, int count) {
+  return first < count ? *reinterpret_cast<const unsigned*>(row + first) : 0u;
+}
+
+// The group at the bottom of a window word (shifted there), as its type S.
+template <typename S>
+__device__ __forceinline__ S word_value(unsigned word) {
+  using Bits = cuda::std::conditional_t<sizeof(S) == 1, unsigned char, cuda::std::conditional_t<sizeof(S) == 2, unsigned short, unsigned>>;
+  const Bits bits = static_cast<Bits>(word);
+  return *reinterpret_cast<const S*>(&bits);
+}
+
 // Two packed values of one group at bits 0 and 16 of `q`, dequantised and packed as two T.
 // Affine: small unsigned integers, q * scale + bias; in T's two-lane arithmetic where MAGIC + q is
 // exact in T (4-bit in bf16, 4/8-bit in fp16, scales of type T): the integers under MAGIC's
@@ -161,14 +176,14 @@ __device__ __forceinline__ float finish(float first, float second, const Dims& d
   return activate<T>(ACT, LIMITED, up, gate, params[0], params[1]);
 }
 
-// A block's BM x RBN outputs, staged in shared memory as rows OUT_STRIDE values apart, leave as
+// A block's BM x RBN outputs, staged in shared memory as rows out_stride<RBN> values apart, leave as
 // 16-byte row pieces: to padded row tile x BM + r (ACTIVATE), or to row `pair` of the per-pair
 // output; padding rows and columns past out_dim stay unwritten. Scattered 2-byte stores of the
 // fragments wrote each 32-byte sector in several partial pieces.
-constexpr int OUT_STRIDE = 128 + 8;  // values of T: rows 16 bytes apart in the banks
+template <int RBN>
+constexpr int out_stride = RBN + 8;  // values of T: rows 16 bytes apart in the banks (RBN a multiple of 64)
 template <typename T, int BM, int RBN, int THREADS, bool ACTIVATE>
 __device__ __forceinline__ void store_staged_rows(const T* staged, T* out, const int* row_pair, int tile, int n0, int out_dim, int tid) {
-  static_assert(RBN <= OUT_STRIDE - 8, "a staged row holds the block's columns");
   constexpr int CHUNKS = RBN / 8;  // 16-byte pieces of an output row
 #pragma unroll
   for (int i = 0; i < BM * CHUNKS / THREADS + (BM * CHUNKS % THREADS != 0); ++i) {
@@ -178,7 +193,7 @@ __device__ __forceinline__ void store_staged_rows(const T* staged, T* out, const
     const int pair = row_pair[tile * BM + r];
     if (pair < 0) continue;
     const size_t row = ACTIVATE ? (size_t)tile * BM + r : (size_t)pair;
-    *reinterpret_cast<uint4*>(&out[row * out_dim + column]) = *reinterpret_cast<const uint4*>(&staged[r * OUT_STRIDE + c % CHUNKS * 8]);
+    *reinterpret_cast<uint4*>(&out[row * out_dim + column]) = *reinterpret_cast<const uint4*>(&staged[r * out_stride<RBN> + c % CHUNKS * 8]);
   }
 }
 
@@ -423,7 +438,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   }
 
   // The outputs through shared memory (the pipeline's, free once every warp is here).
-  static_assert(BM * OUT_STRIDE * sizeof(T) <= STAGES * (A_STAGE * sizeof(T) + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
+  static_assert(BM * out_stride<RBN> * sizeof(T) <= STAGES * (A_STAGE * sizeof(T) + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
   T* staged = reinterpret_cast<T*>(shared_bytes);
   __syncthreads();
 #pragma unroll
@@ -441,7 +456,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
         for (int j = 0; j < 2; ++j)
           value[j] = finish<T, ACTIVATE, GATED, ACT, LIMITED>(acc[0][mi][ni][half * 2 + j], acc[MATRICES - 1][mi][ni][half * 2 + j],
                                                               d, bias0, bias1, scale, params, expert, n + j);
-        *reinterpret_cast<unsigned*>(&staged[r * OUT_STRIDE + column]) = pack2<T>(value[0], value[1]);
+        *reinterpret_cast<unsigned*>(&staged[r * out_stride<RBN> + column]) = pack2<T>(value[0], value[1]);
       }
     }
   }
@@ -451,23 +466,27 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 
 //// grouped_wgmma
 // `grouped`'s gate+up launch (GATED, ACTIVATE, PAIRS_IN; same inputs, output and template
-// constants) on Hopper's warpgroup MMA, with the operands swapped: out^T = W x^T. `a`'s columns
+// constants, and RBN) on Hopper's warpgroup MMA, with the operands swapped: out^T = W x^T. `a`'s columns
 // come permuted within each 64-wide k-step (moe_prefill.wgmma_k_order): the thread with
 // lane % 4 = t dequantises its weight rows at physical k p = 16t + 8 half + 4e + 2s + h (e: the
 // lane of a register pair, h: the pair's second register, k16 step 2 half + s), which wgmma reads
 // as column L = 32 half + 16 s + 8 h + 2t + e of the step; `a` column L holds x column p.
-// Each block computes 128 output rows of each matrix x BM tile rows with two warpgroups of 64:
-// the weights are the register operand A, each thread dequantising its own two rows (g, g + 8 of
-// its warp's 16), so that no dequantised weight passes through shared memory; the tile's BM rows
-// of `a` are the shared operand B (N = BM), copied by cp.async into core matrices, so that each
-// wgmma reads them in place. A 64-row tile holds 64 fp32 accumulators a thread where mma.sync's
-// took 128 (254 registers, spilling). The down launch stays on `grouped`, which ran it faster
+// Each block computes RBN output rows of each matrix x BM tile rows with RBN / 64 warpgroups of
+// 64: the weights are the register operand A, each thread dequantising its own two rows (g, g + 8
+// of its warp's 16), so that no dequantised weight passes through shared memory; the tile's BM
+// rows of `a` are the shared operand B (N = BM), copied by cp.async into core matrices, so that
+// each wgmma reads them in place. A 64-row tile holds 64 fp32 accumulators a thread where
+// mma.sync's took 128 (254 registers, spilling). RBN (moe_prefill.wgmma_block_rows): 256 rows
+// copy a tile's activations once for twice the weights (the GEMM is bound by its copies), 128 run
+// two blocks an SM, one's prologue and stores beside the other's k-loop (docs/benchmarks.md,
+// sixty-seventh stop). The down launch stays on `grouped`, which ran it faster
 // (docs/benchmarks.md, fifteenth session).
-// Dynamic shared memory: WGMMA_STAGES x (BM x BK values of T + 2 x 128 rows x BK x BITS / 8
+// Dynamic shared memory: WGMMA_STAGES x (BM x BK values of T + 2 x RBN rows x BK x BITS / 8
 // bytes) (moe_prefill.shared_bytes).
 {
   using namespace grouped;
-  constexpr int MATRICES = 2, RBN = 128, THREADS = 256;  // two warpgroups of 64 output rows
+  constexpr int MATRICES = 2, THREADS = 2 * RBN;  // RBN / 64 warpgroups of 64 output rows
+  static_assert(RBN == 128 || RBN == 256, "two or four warpgroups");
   constexpr int W_ROW_BYTES = BK * BITS / 8;
   constexpr int W_STAGE_BYTES = RBN * W_ROW_BYTES;          // per matrix
   constexpr int B_STAGE_BYTES = BM * BK * 2;
@@ -526,19 +545,52 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
                     sw + (stage * MATRICES + m) * W_STAGE_BYTES, tid);
   };
 
-  // Scales and biases of this thread's two rows for the next k-step: loaded as soon as the last
-  // k16 step has dequantised with the current ones, so that their latency overlaps the step's end.
+  // Scales and biases of this thread's two rows, read in windows of 16 bytes of a row (WINDOW
+  // groups): lane t of a quad holds word t of its rows' windows, loaded once every
+  // STEPS_PER_WINDOW k-steps, and each k-step takes its group's value from the word's lane by a
+  // shuffle. A 2-byte load a thread a k-step touched eight 128-byte lines a warp's load (one a row
+  // of the warp's eight), eight loads a step: on Mixtral's 128-byte rows, 16% of the GEMM's time.
+  constexpr int WINDOW = 16 / sizeof(S), PER_WORD = 4 / sizeof(S);
+  constexpr int STEPS_PER_WINDOW = WINDOW * GROUP / BK;
+  static_assert(STEPS_PER_WINDOW >= 2 && (GROUP >= BK || WINDOW % (BK / GROUP) == 0),
+                "a k-step's groups lie in one window, and a window lasts two k-steps or more");
   GroupScale<T, S, FP4> group_scale[MATRICES][2];
   S group_bias[MATRICES][2];
-  auto load_scales = [&](int k0) {
+  unsigned held_scale[MATRICES][2], held_bias[MATRICES][2];
+  // Rows of whole 4-byte words (gpt-oss's 90 one-byte groups are not) load a group a k-step.
+  const bool windows = groups_per_row * sizeof(S) % 4 == 0 &&
+                       (reinterpret_cast<size_t>(s0) | reinterpret_cast<size_t>(s1) |
+                        (FP4 ? 0 : reinterpret_cast<size_t>(b0) | reinterpret_cast<size_t>(b1))) % 4 == 0;
+  auto row_start = [&](int h8) {  // the first group of this thread's row g + 8 h8 (rows past out_dim read row 0)
+    const int n = n0 + row + 8 * h8;
+    return ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * groups_per_row;
+  };
+  auto load_window = [&](int window) {
+    const int first = window * WINDOW + t * PER_WORD;  // this lane's word's first group
 #pragma unroll
     for (int m = 0; m < MATRICES; ++m) {
 #pragma unroll
       for (int h8 = 0; h8 < 2; ++h8) {
-        const int n = n0 + row + 8 * h8;
-        const size_t at = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * groups_per_row + (k0 + 16 * t) / GROUP;
-        group_scale[m][h8] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
-        if constexpr (!FP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];
+        held_scale[m][h8] = window_word((m == 0 ? s0 : s1) + row_start(h8), first, groups_per_row);
+        if constexpr (!FP4) held_bias[m][h8] = window_word((m == 0 ? b0 : b1) + row_start(h8), first, groups_per_row);
+      }
+    }
+  };
+  auto take_scales = [&](int step) {
+    const int group = (step * BK + 16 * t) / GROUP, in_window = group % WINDOW;
+    const int from = (lane & ~3) | in_window / PER_WORD, shift = 8 * sizeof(S) * (in_window % PER_WORD);
+#pragma unroll
+    for (int m = 0; m < MATRICES; ++m) {
+#pragma unroll
+      for (int h8 = 0; h8 < 2; ++h8) {
+        if (windows) {
+          group_scale[m][h8] = group_scale_of<T, FP4, GROUP>(word_value<S>(__shfl_sync(0xffffffffu, held_scale[m][h8], from) >> shift));
+          if constexpr (!FP4) group_bias[m][h8] = word_value<S>(__shfl_sync(0xffffffffu, held_bias[m][h8], from) >> shift);
+        } else {
+          const size_t at = row_start(h8) + group;
+          group_scale[m][h8] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
+          if constexpr (!FP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];
+        }
       }
     }
   };
@@ -554,7 +606,8 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     if (s < k_steps) load_stage(s, s * BK);
     asm volatile("cp.async.commit_group;\n" ::);
   }
-  load_scales(0);
+  if (windows) load_window(0);
+  take_scales(0);
   for (int step = 0; step < k_steps; ++step) {
     const int stage = step % WGMMA_STAGES;
     asm volatile("cp.async.wait_group %0;\n" ::"n"(WGMMA_AHEAD - 1));
@@ -595,7 +648,12 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
             }
           }
         }
-        if (half == 1 && s == 1 && step + 1 < k_steps) load_scales((step + 1) * BK);
+        // the next step's scales, once the last k16 step has dequantised with the current ones;
+        // then, if that was its window's last step, the next window
+        if (half == 1 && s == 1 && step + 1 < k_steps) {
+          take_scales(step + 1);
+          if (windows && (step + 2) % STEPS_PER_WINDOW == 0 && step + 2 < k_steps) load_window((step + 2) / STEPS_PER_WINDOW);
+        }
 #pragma unroll
         for (int m = 0; m < MATRICES; ++m) pin(af[m]), pin(acc[m]);
         wgmma_fence();
@@ -615,7 +673,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   // The block's outputs through shared memory (the pipeline's, free once every warp is here): a
   // thread's accumulators are 2-byte pieces of BM rows, each output row leaves as 16-byte stores.
   // acc[m][4j + 2 h8 + e] is block column row + 8 h8 of tile row 8j + 2t + e.
-  static_assert(BM * OUT_STRIDE * 2 <= WGMMA_STAGES * (B_STAGE_BYTES + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
+  static_assert(BM * out_stride<RBN> * 2 <= WGMMA_STAGES * (B_STAGE_BYTES + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
   T* staged = reinterpret_cast<T*>(shared_bytes);
   __syncthreads();
 #pragma unroll
@@ -627,7 +685,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
         const int n = n0 + row + 8 * h8;
         const float value = finish<T, true, true, ACT, LIMITED>(acc[0][4 * j + 2 * h8 + e], acc[1][4 * j + 2 * h8 + e], d, bias0,
                                                                bias1, scale, params, expert, n < d.out_dim ? n : 0);
-        staged[(8 * j + 2 * t + e) * OUT_STRIDE + row + 8 * h8] = static_cast<T>(value);
+        staged[(8 * j + 2 * t + e) * out_stride<RBN> + row + 8 * h8] = static_cast<T>(value);
       }
     }
   }
