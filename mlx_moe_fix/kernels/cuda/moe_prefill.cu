@@ -622,16 +622,23 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 
     const unsigned char* w_stage = sw + stage * MATRICES * W_STAGE_BYTES + row * W_ROW_BYTES + t * 8;
     const unsigned b_stage = smem_address(sb + stage * B_STAGE_BYTES);
+    // This thread's packed words of each row at physical k 16t .. 16t + 15, both halves' in one
+    // 8-byte shared load: the dequantisation waited on each half's own 4-byte loads (ncu: its
+    // shifts and masks stalled on them; docs/benchmarks.md, sixty-seventh stop).
+    uint2 step_words[MATRICES][2];
+#pragma unroll
+    for (int m = 0; m < MATRICES; ++m)
+#pragma unroll
+      for (int h8 = 0; h8 < 2; ++h8)
+        step_words[m][h8] = *reinterpret_cast<const uint2*>(w_stage + m * W_STAGE_BYTES + 8 * h8 * W_ROW_BYTES);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      // this thread's packed word of each row at physical k 16t + 8 half .. + 7 (a step's words
-      // read per half: all at once cost registers that spilled)
-      unsigned words[MATRICES][2];
+      unsigned words[MATRICES][2];  // physical k 16t + 8 half .. + 7
 #pragma unroll
       for (int m = 0; m < MATRICES; ++m)
 #pragma unroll
         for (int h8 = 0; h8 < 2; ++h8)
-          words[m][h8] = *reinterpret_cast<const unsigned*>(w_stage + m * W_STAGE_BYTES + 8 * h8 * W_ROW_BYTES + half * 4);
+          words[m][h8] = half == 0 ? step_words[m][h8].x : step_words[m][h8].y;
 #pragma unroll
       for (int s = 0; s < 2; ++s) {  // k16 step 2 half + s
         unsigned af[MATRICES][4];  // (row g, h 0), (row g + 8, h 0), (row g, h 1), (row g + 8, h 1)
