@@ -632,13 +632,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
       for (int h8 = 0; h8 < 2; ++h8)
         step_words[m][h8] = *reinterpret_cast<const uint2*>(w_stage + m * W_STAGE_BYTES + 8 * h8 * W_ROW_BYTES);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      unsigned words[MATRICES][2];  // physical k 16t + 8 half .. + 7
-#pragma unroll
-      for (int m = 0; m < MATRICES; ++m)
-#pragma unroll
-        for (int h8 = 0; h8 < 2; ++h8)
-          words[m][h8] = half == 0 ? step_words[m][h8].x : step_words[m][h8].y;
+    for (int half = 0; half < 2; ++half) {  // physical k 16t + 8 half .. + 7: word .x, then .y
 #pragma unroll
       for (int s = 0; s < 2; ++s) {  // k16 step 2 half + s
         unsigned af[MATRICES][4];  // (row g, h 0), (row g + 8, h 0), (row g, h 1), (row g + 8, h 1)
@@ -650,7 +644,8 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
             for (int h8 = 0; h8 < 2; ++h8) {
               // the pair (e = 0, 1) at physical k 16t + 8 half + 4e + 2s + h: nibbles 2s + h and
               // 2s + h + 4 of the half's word
-              af[m][2 * h + h8] = dequant_pair<T, S, BITS, FP4>(words[m][h8] >> (8 * s + 4 * h) & 0x000F000Fu,
+              const unsigned word = half == 0 ? step_words[m][h8].x : step_words[m][h8].y;
+              af[m][2 * h + h8] = dequant_pair<T, S, BITS, FP4>(word >> (8 * s + 4 * h) & 0x000F000Fu,
                                                                   group_scale[m][h8], group_bias[m][h8]);
             }
           }
