@@ -10,7 +10,10 @@ spread over rounds is printed with it): main against itself read 0.993-1.026 (ro
     python3 -m benchmarks.prefill_ab --other scratch/main --cases qwen3:512,qwen3:2048,mixtral:2048
 
 The other tree's package (its Python and its kernel sources together) is imported under another
-name, `mlx_moe_fix_other`. Per case: one SwitchGLU layer (4-bit g64, bf16) and random routing,
+name, `mlx_moe_fix_other`. Per case: one SwitchGLU layer (4-bit g64, bf16) and random routing
+(`--routing balanced`: every expert the same number of pairs, so that at Qwen3-30B-A3B's T=2048
+no expert's run ends in a partial tile: the padding's share of the time; docs/benchmarks.md,
+sixty-eighth stop),
 `moe_prefill_kernel` of each tree with routing weights (routing, gate+up, down, combine), and
 with `--parts`, its gate+up or down GEMM launch alone (each tree's own routing and GEMM choice,
 computed once a case); `--launches` layers (or launches) per timed graph, median of `--reps`
@@ -30,7 +33,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 
-from .kernels import random_routing
+from .kernels import balanced_routing, random_routing
 from .switch_glu import experts_of, quantized_switch_glu
 from .timing import bench, fmt, markdown_table, relative_error, repeated
 
@@ -96,22 +99,26 @@ def same_output(this: mx.array, other: mx.array) -> str:
     return "yes" if mx.array_equal(this, other).item() else f"no ({relative_error(this, other):.1e})"
 
 
-def build_case(shape: str, tokens: int) -> tuple:
-    """(one random quantized SwitchGLU layer of the shape, x [tokens, hidden], its random routing's
-    indices and weights), evaluated."""
+ROUTINGS = {"random": random_routing, "balanced": balanced_routing}
+
+
+def build_case(shape: str, tokens: int, routing: str = "random") -> tuple:
+    """(one random quantized SwitchGLU layer of the shape, x [tokens, hidden], the indices of its
+    `routing` (ROUTINGS) and random weights), evaluated."""
     hidden, ffn, count, top_k = SHAPES[shape]
     layer = quantized_switch_glu(SimpleNamespace(hidden=hidden, ffn=ffn, experts=count))
     x = (mx.random.normal((tokens, hidden)) * 0.5).astype(mx.bfloat16)
-    indices = random_routing(tokens, count, top_k)
+    indices = ROUTINGS[routing](tokens, count, top_k)
     weights = mx.softmax(mx.random.normal(indices.shape), axis=-1).astype(mx.bfloat16)
     mx.eval(x, indices, weights)
     return layer, x, indices, weights
 
 
-def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, launches: int, parts=("layer",)):
+def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, launches: int, parts=("layer",),
+              routing: str = "random"):
     """A table row per part (PARTS) of one case, as each is timed; the case is built once."""
     hidden, ffn = SHAPES[shape][:2]
-    layer, x, indices, weights = build_case(shape, tokens)
+    layer, x, indices, weights = build_case(shape, tokens, routing)
     trees = {name: part_calls(importlib.import_module(f"{package.__name__}.moe_prefill"), experts_of(layer, package),
                               x, indices, weights)
              for name, package in kernels.items()}
@@ -134,6 +141,10 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--launches", type=int, default=4, help="layers (or launches) per timed graph")
     parser.add_argument("--parts", default="layer", help=f"what to time, of {','.join(PARTS)}")
+    parser.add_argument("--routing", choices=tuple(ROUTINGS), default="random",
+                        help="random: top-k distinct experts a token uniformly at random; balanced: every expert the "
+                             "same number of pairs (no partial tiles where tokens x top-k / experts is a multiple of the "
+                             "tile), to tell the padding's cost from the GEMM's")
     args = parser.parse_args(argv)
     if not mx.cuda.is_available():
         raise SystemExit("prefill_ab times the CUDA prefill kernels: run it on a CUDA GPU")
@@ -143,7 +154,8 @@ def main(argv=None):
         rows = []
         for case in args.cases.split(","):
             shape, tokens = case.split(":")
-            for row in time_case(shape, int(tokens), kernels, args.rounds, args.reps, args.launches, args.parts.split(",")):
+            for row in time_case(shape, int(tokens), kernels, args.rounds, args.reps, args.launches, args.parts.split(","),
+                                 args.routing):
                 rows.append(row)
                 print(markdown_table(columns, rows[-1:]), flush=True)
         print(markdown_table(columns, rows))

@@ -790,3 +790,22 @@ def test_build_decode_pair_builds_the_same_weights_whatever_the_random_state():
     assert weights[0].keys() == weights[1].keys()
     for name, value in weights[0].items():
         assert mx.array_equal(value, weights[1][name]).item(), name
+
+
+def test_balanced_routing_gives_every_expert_the_same_pairs_and_each_token_distinct_experts():
+    # prefill_ab --routing balanced: the padding's share of a prefill GEMM's time is read against
+    # random routing, so no expert's run may end in a partial tile where tokens x top-k / experts
+    # is a multiple of the tile.
+    import mlx.core as mx
+    import numpy as np
+
+    from benchmarks.kernels import balanced_routing
+    from benchmarks.prefill_ab import ROUTINGS
+
+    indices = np.array(balanced_routing(2048, 128, 8))
+    assert indices.shape == (2048, 8) and ROUTINGS["balanced"] is balanced_routing
+    assert np.bincount(indices.ravel(), minlength=128).tolist() == [128] * 128
+    assert all(len(set(row)) == 8 for row in indices.tolist())
+    assert balanced_routing(3, 4, 4).dtype == mx.uint32
+    with pytest.raises(ValueError, match="would repeat"):
+        balanced_routing(4, 2, 3)
