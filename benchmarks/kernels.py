@@ -123,8 +123,9 @@ def random_routing(tokens: int, experts: int, top_k: int) -> mx.array:
 
 def balanced_routing(tokens: int, experts: int, top_k: int) -> mx.array:
     """top_k distinct experts per token, token t taking experts (t top_k + j) mod `experts`: every
-    expert gets tokens * top_k / experts pairs where that divides (no expert's run ends in a
-    partial tile). [tokens, top_k] uint32; top_k <= experts."""
+    expert gets tokens * top_k / experts pairs where that divides (and where that is a multiple of
+    the prefill's tile, no expert's run ends in a partial tile). [tokens, top_k] uint32;
+    top_k <= experts."""
     if top_k > experts:
         raise ValueError(f"top_k {top_k} > experts {experts}: a token's experts would repeat")
     slots = mx.arange(tokens)[:, None] * top_k + mx.arange(top_k)[None, :]
