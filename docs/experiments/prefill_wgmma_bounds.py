@@ -7,9 +7,10 @@ pair of k-steps instead of every k-step, the next pair's stages loaded after it.
     python3 -m benchmarks.prefill_ab --other scratch/bounds/nodq --parts gate_up --rounds 3 \\
         --cases qwen3:2048,mixtral:2048                                        # on the GPU; carry scratch/
 
-The grouped_wgmma edits read that kernel as it was at c5b3817 (stop 66: 128-row blocks, a scale
-load a k-step); at a later HEAD they stop with "no longer reads as this script expects" (run
-the script in a worktree of c5b3817 to rebuild those trees).
+The edits read grouped_wgmma as it is since ebe982d (stop 68: the scale windows, a step's packed
+words in one load); stop 66's trees (docs/benchmarks.md, sixty-sixth stop, item 2) were built from
+c5b3817's kernel by the script of that commit. Where the kernel changes, the script stops with "no
+longer reads as this script expects".
 
 Every tree but `pair` computes wrong outputs by design (prefill_ab prints their difference); they
 are measurements, not designs. `pair` passes the CPU emulation's prefill cases (run the tests in
@@ -30,17 +31,30 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEQUANT = """af[m][2 * h + h8] = dequant_pair<T, S, BITS, FP4>(words[m][h8] >> (8 * s + 4 * h) & 0x000F000Fu,
+DEQUANT = """af[m][2 * h + h8] = dequant_pair<T, S, BITS, FP4>(word >> (8 * s + 4 * h) & 0x000F000Fu,
                                                                   group_scale[m][h8], group_bias[m][h8]);"""
-NO_DEQUANT = """af[m][2 * h + h8] = words[m][h8] ^ (*reinterpret_cast<const unsigned short*>(&group_scale[m][h8]) |
-                                                     (unsigned)*reinterpret_cast<const unsigned short*>(&group_bias[m][h8]) << 16);"""
+NO_DEQUANT = """af[m][2 * h + h8] = word ^ (*reinterpret_cast<const unsigned short*>(&group_scale[m][h8]) |
+                                              (unsigned)*reinterpret_cast<const unsigned short*>(&group_bias[m][h8]) << 16);"""
 MMA = "wgmma<T, BM>(acc[m], af[m], wgmma_descriptor(b_stage + (2 * half + s) * 2 * BM * 16, BM * 16));"
 # ptxas drops whatever only fed the wgmma (an empty asm is no use in PTX): the registers go into
 # one accumulator instead, 3 instructions a matrix and k16 step where the wgmma was 1.
 NO_MMA = "acc[m][0] += __uint_as_float(af[m][0] ^ af[m][1] ^ af[m][2] ^ af[m][3]);"
-SCALES = """group_scale[m][h8] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
-        if constexpr (!FP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];"""
-NO_SCALES = """group_scale[m][h8] = static_cast<T>(1.f + at % 2);
+# grouped's scale loads (a row's group each k-step; `grouped_noscale`)
+SCALES = """group_scale[m][j] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
+        if constexpr (!FP4) group_bias[m][j] = (m == 0 ? b0 : b1)[at];"""
+NO_SCALES = """group_scale[m][j] = static_cast<T>(1.f + at % 2);
+        if constexpr (!FP4) group_bias[m][j] = static_cast<S>(0.f);"""
+# grouped_wgmma's: each k-step's value from its window (or, for rows not of whole words, its own
+# load); without them the windows' loads feed nothing and go too
+WINDOW_SCALES = """        if (windows) {
+          group_scale[m][h8] = group_scale_of<T, FP4, GROUP>(word_value<S>(__shfl_sync(0xffffffffu, held_scale[m][h8], from) >> shift));
+          if constexpr (!FP4) group_bias[m][h8] = word_value<S>(__shfl_sync(0xffffffffu, held_bias[m][h8], from) >> shift);
+        } else {
+          const size_t at = row_start(h8) + group;
+          group_scale[m][h8] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
+          if constexpr (!FP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];
+        }"""
+NO_WINDOW_SCALES = """        group_scale[m][h8] = static_cast<T>(1.f + (group + h8) % 2);
         if constexpr (!FP4) group_bias[m][h8] = static_cast<S>(0.f);"""
 BARRIER = """    asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
     __syncthreads();
@@ -71,16 +85,15 @@ PAIR_LOOP_HEAD = """    if (step % 2 == 0) {
       asm volatile("cp.async.commit_group;\\n" ::);
     }"""
 
-# {tree: (the section of moe_prefill.cu it edits, its edits)}; `grouped` names its rows' n8 blocks j
-# where grouped_wgmma names its rows h8
+# {tree: (the section of moe_prefill.cu it edits, its edits)}
 VARIANTS = {
     "pair": ("grouped_wgmma", [(PROLOGUE, PAIR_PROLOGUE), (LOOP_HEAD, PAIR_LOOP_HEAD)]),
     "nodq": ("grouped_wgmma", [(DEQUANT, NO_DEQUANT)]),
     "nomma": ("grouped_wgmma", [(MMA, NO_MMA)]),
     "skeleton": ("grouped_wgmma", [(DEQUANT, NO_DEQUANT), (MMA, NO_MMA)]),
-    "noscale": ("grouped_wgmma", [(SCALES, NO_SCALES)]),
+    "noscale": ("grouped_wgmma", [(WINDOW_SCALES, NO_WINDOW_SCALES)]),
     "nobar": ("grouped_wgmma", [(BARRIER, "")]),
-    "grouped_noscale": ("grouped", [(SCALES.replace("[h8]", "[j]"), NO_SCALES.replace("[h8]", "[j]"))]),
+    "grouped_noscale": ("grouped", [(SCALES, NO_SCALES)]),
 }
 
 
