@@ -142,7 +142,8 @@ def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
     is on (the default), else grouped. On the H200 (docs/benchmarks.md, fifteenth session) wgmma's gate+up ran at
     Qwen3's shapes 203 against 185 TFLOP/s (2048 tokens) and 254 against 235 (8192), level at
     512 tokens and on Mixtral's shapes, and slower on Qwen3's 16-row tiles; its one-matrix variant
-    ran the down GEMM slower than grouped, so it has none."""
+    ran the down GEMM slower than grouped (again in the sixty-eighth stop, item 5: 0.81-0.95x on
+    Qwen3's shapes, on an H100), so it has none."""
     wgmma = (stage == "first" and len(experts.projections) == 3 and experts.projections[0].bits == 4
              and tile >= WGMMA_MIN_TILE and wgmma_unavailable_reason() is None)
     return "grouped_wgmma" if wgmma else "grouped"

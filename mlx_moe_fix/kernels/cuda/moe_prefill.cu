@@ -480,7 +480,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 // copy a tile's activations once for twice the weights (the GEMM is bound by its copies), 128 run
 // two blocks an SM, one's prologue and stores beside the other's k-loop (docs/benchmarks.md,
 // sixty-seventh stop). The down launch stays on `grouped`, which ran it faster
-// (docs/benchmarks.md, fifteenth session).
+// (docs/benchmarks.md, fifteenth session; again in the sixty-eighth stop, item 5).
 // Dynamic shared memory: WGMMA_STAGES x (BM x BK values of T + 2 x RBN rows x BK x BITS / 8
 // bytes) (moe_prefill.shared_bytes).
 {
