@@ -159,19 +159,22 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned q, GroupScale<T, S, FP
 // One output of a grouped GEMM from its fp32 sums (`second`: the up projection's, GATED), rounded
 // where stock rounds: the additive biases, the per-expert scale (of gate, or of the output), the
 // activation (ACTIVATE).
-template <typename T, bool ACTIVATE, bool GATED, int ACT, bool LIMITED, typename B, typename SC>
+// EXTRAS false: the caller knows the launch has neither bias nor scale (d.has_bias and
+// d.has_scale false), and the per-output checks of both go.
+template <typename T, bool ACTIVATE, bool GATED, int ACT, bool LIMITED, bool EXTRAS = true, typename B, typename SC>
 __device__ __forceinline__ float finish(float first, float second, const Dims& d, const B* bias0, const B* bias1,
                                         const SC* scale, const float* params, int expert, int n) {
   const size_t bias_at = (size_t)expert * d.out_dim + n;
+  const bool has_bias = EXTRAS && d.has_bias, has_scale = EXTRAS && d.has_scale;
   first = rnd<T>(first);
-  if (d.has_bias) first = rnd<T>(first + static_cast<float>(bias0[bias_at]));
-  if (!ACTIVATE) return d.has_scale ? rnd<T>(first * rnd<T>(static_cast<float>(scale[expert]))) : first;
+  if (has_bias) first = rnd<T>(first + static_cast<float>(bias0[bias_at]));
+  if (!ACTIVATE) return has_scale ? rnd<T>(first * rnd<T>(static_cast<float>(scale[expert]))) : first;
   float up = first, gate = 0.f;
   if (GATED) {
     gate = first;
     up = rnd<T>(second);
-    if (d.has_bias) up = rnd<T>(up + static_cast<float>(bias1[bias_at]));
-    if (d.has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(scale[expert])));
+    if (has_bias) up = rnd<T>(up + static_cast<float>(bias1[bias_at]));
+    if (has_scale) gate = rnd<T>(gate * rnd<T>(static_cast<float>(scale[expert])));
   }
   return activate<T>(ACT, LIMITED, up, gate, params[0], params[1]);
 }
@@ -441,25 +444,33 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   static_assert(BM * out_stride<RBN> * sizeof(T) <= STAGES * (A_STAGE * sizeof(T) + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
   T* staged = reinterpret_cast<T*>(shared_bytes);
   __syncthreads();
+  // Whether the launch has a bias or a scale, checked once for the block: checked for each
+  // output, their branches and loads made 2127 instructions of code after the k-loop of the 4-bit
+  // down at 64-row tiles against 584 without them, where its k-loop is 424 a k-step (nvcc, sm_90a;
+  // docs/benchmarks.md, sixty-ninth stop, item 5). Not yet timed on a GPU.
+  auto stage_outputs = [&](auto extras) {
 #pragma unroll
-  for (int mi = 0; mi < MI; ++mi) {
+    for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = wm * WM + mi * 16 + g + half * 8;
-      if (row_pair[tile * BM + r] < 0) continue;
+      for (int half = 0; half < 2; ++half) {
+        const int r = wm * WM + mi * 16 + g + half * 8;
+        if (row_pair[tile * BM + r] < 0) continue;
 #pragma unroll
-      for (int ni = 0; ni < WN / 8; ++ni) {
-        const int column = wn * WN + ni * 8 + 2 * t, n = n0 + column;
-        if (n >= d.out_dim) continue;
-        float value[2];
+        for (int ni = 0; ni < WN / 8; ++ni) {
+          const int column = wn * WN + ni * 8 + 2 * t, n = n0 + column;
+          if (n >= d.out_dim) continue;
+          float value[2];
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-          value[j] = finish<T, ACTIVATE, GATED, ACT, LIMITED>(acc[0][mi][ni][half * 2 + j], acc[MATRICES - 1][mi][ni][half * 2 + j],
-                                                              d, bias0, bias1, scale, params, expert, n + j);
-        *reinterpret_cast<unsigned*>(&staged[r * out_stride<RBN> + column]) = pack2<T>(value[0], value[1]);
+          for (int j = 0; j < 2; ++j)
+            value[j] = finish<T, ACTIVATE, GATED, ACT, LIMITED, decltype(extras)::value>(
+                acc[0][mi][ni][half * 2 + j], acc[MATRICES - 1][mi][ni][half * 2 + j], d, bias0, bias1, scale, params, expert, n + j);
+          *reinterpret_cast<unsigned*>(&staged[r * out_stride<RBN> + column]) = pack2<T>(value[0], value[1]);
+        }
       }
     }
-  }
+  };
+  if (d.has_bias || d.has_scale) stage_outputs(cuda::std::true_type{});
+  else stage_outputs(cuda::std::false_type{});
   __syncthreads();
   store_staged_rows<T, BM, RBN, THREADS, ACTIVATE>(staged, out, row_pair, tile, n0, d.out_dim, tid);
 }
@@ -678,19 +689,23 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   static_assert(BM * out_stride<RBN> * 2 <= WGMMA_STAGES * (B_STAGE_BYTES + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
   T* staged = reinterpret_cast<T*>(shared_bytes);
   __syncthreads();
+  auto stage_outputs = [&](auto extras) {  // as grouped's: bias and scale checked once
 #pragma unroll
-  for (int j = 0; j < BM / 8; ++j) {
+    for (int j = 0; j < BM / 8; ++j) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
+      for (int e = 0; e < 2; ++e) {
 #pragma unroll
-      for (int h8 = 0; h8 < 2; ++h8) {
-        const int n = n0 + row + 8 * h8;
-        const float value = finish<T, true, true, ACT, LIMITED>(acc[0][4 * j + 2 * h8 + e], acc[1][4 * j + 2 * h8 + e], d, bias0,
-                                                               bias1, scale, params, expert, n < d.out_dim ? n : 0);
-        staged[(8 * j + 2 * t + e) * out_stride<RBN> + row + 8 * h8] = static_cast<T>(value);
+        for (int h8 = 0; h8 < 2; ++h8) {
+          const int n = n0 + row + 8 * h8;
+          const float value = finish<T, true, true, ACT, LIMITED, decltype(extras)::value>(
+              acc[0][4 * j + 2 * h8 + e], acc[1][4 * j + 2 * h8 + e], d, bias0, bias1, scale, params, expert, n < d.out_dim ? n : 0);
+          staged[(8 * j + 2 * t + e) * out_stride<RBN> + row + 8 * h8] = static_cast<T>(value);
+        }
       }
     }
-  }
+  };
+  if (d.has_bias || d.has_scale) stage_outputs(cuda::std::true_type{});
+  else stage_outputs(cuda::std::false_type{});
   __syncthreads();
   store_staged_rows<T, BM, RBN, THREADS, true>(staged, out, row_pair, tile, n0, d.out_dim, tid);
 }
