@@ -246,8 +246,9 @@ def test_emulated_cuda_prefill_kernel_matches_ref_with_wgmma(emulated_cuda_kerne
 # (the emulated ones read B and write their sums at the wait: in the loop, a stage refilled while
 # its wgmmas are pending; at the end, sums read before the last ones), and the wgmma GEMM that
 # keeps its first scale window: mma.sync's on the ragged-widths case (seven k-steps, its three
-# stages wrap), wgmma's on a case of ten (its five stages wrap, and its windows are reloaded).
-# {name: (GEMM, right source text, wrong)}
+# stages wrap), wgmma's on a case of ten (its five stages wrap, and its windows are reloaded); and
+# each GEMM whose epilogue never takes its bias, on a biased case.
+# {name: (GEMM, right source text, wrong[, case: else WRONG_GEMM_CASES'])}
 WRONG_GEMMS = {
     "mma.sync's B registers swapped": ("grouped", "const unsigned (&a)[4], unsigned b0, unsigned b1)",
                                        "const unsigned (&a)[4], unsigned b1, unsigned b0)"),
@@ -258,6 +259,10 @@ WRONG_GEMMS = {
     "wgmma GEMM refills stages its wgmmas read": ("grouped_wgmma", "wgmma_wait<1>();", ""),
     "wgmma GEMM reads its sums before its last wgmmas": ("grouped_wgmma", "wgmma_wait<0>();", ""),
     "wgmma GEMM keeps its first scale window": ("grouped_wgmma", "load_window((step + 2) / STEPS_PER_WINDOW);", "load_window(0);"),
+    "mma.sync GEMM drops its bias": ("grouped", "if (d.has_bias || d.has_scale) stage_outputs(cuda::std::true_type{});",
+                                     "if (false) stage_outputs(cuda::std::true_type{});", "bf16 mxfp4 swiglu biased, scale windows reloaded"),
+    "wgmma GEMM drops its bias": ("grouped_wgmma", "if (d.has_bias || d.has_scale) stage_outputs(cuda::std::true_type{});",
+                                  "if (false) stage_outputs(cuda::std::true_type{});", "bf16 mxfp4 swiglu biased, scale windows reloaded"),
 }
 # each GEMM's case: more k-steps than its pipeline's stages
 WRONG_GEMM_CASES = {"grouped": "bf16 4-bit/64 swiglu, ragged widths", "grouped_wgmma": "bf16 4-bit/32 swiglu, scale windows reloaded"}
@@ -265,7 +270,7 @@ WRONG_GEMM_CASES = {"grouped": "bf16 4-bit/64 swiglu, ragged widths", "grouped_w
 
 @pytest.mark.parametrize("name", WRONG_GEMMS)
 def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch, name):
-    gemm, right, wrong = WRONG_GEMMS[name]
+    gemm, right, wrong, *case_name = WRONG_GEMMS[name]
     source = sections("cuda", "moe_prefill.cu")
     assert (source["header"] + source[gemm]).count(right) == 1
 
@@ -274,7 +279,7 @@ def test_the_emulation_finds_a_wrong_cuda_prefill_gemm(monkeypatch, name):
 
     monkeypatch.setattr(PREFILL, "cuda_kernel_object", emulated_kernel(broken, broken))
     take_wgmma(monkeypatch, gemm == "grouped_wgmma", rows=256)  # wgmma's wider block: four warpgroups
-    case = prefill_case(WRONG_GEMM_CASES[gemm])
+    case = prefill_case(case_name[0] if case_name else WRONG_GEMM_CASES[gemm])
     assert PREFILL.gemm_kernel(case.experts, "first", 32) == gemm
     with pytest.raises(AssertionError, match="relative error|non-finite output"):  # a stage read early: NaN
         check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
