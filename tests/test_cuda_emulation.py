@@ -259,10 +259,10 @@ WRONG_GEMMS = {
     "wgmma GEMM refills stages its wgmmas read": ("grouped_wgmma", "wgmma_wait<1>();", ""),
     "wgmma GEMM reads its sums before its last wgmmas": ("grouped_wgmma", "wgmma_wait<0>();", ""),
     "wgmma GEMM keeps its first scale window": ("grouped_wgmma", "load_window((step + 2) / STEPS_PER_WINDOW);", "load_window(0);"),
-    "mma.sync GEMM drops its bias": ("grouped", "if (d.has_bias || d.has_scale) stage_outputs(cuda::std::true_type{});",
-                                     "if (false) stage_outputs(cuda::std::true_type{});", "bf16 mxfp4 swiglu biased, scale windows reloaded"),
-    "wgmma GEMM drops its bias": ("grouped_wgmma", "if (d.has_bias || d.has_scale) stage_outputs(cuda::std::true_type{});",
-                                  "if (false) stage_outputs(cuda::std::true_type{});", "bf16 mxfp4 swiglu biased, scale windows reloaded"),
+    "mma.sync GEMM drops its bias": ("grouped", "finish<T, ACTIVATE, GATED, ACT, LIMITED, decltype(extras)::value>(",
+                                     "finish<T, ACTIVATE, GATED, ACT, LIMITED, false>(", "bf16 mxfp4 swiglu biased, scale windows reloaded"),
+    "wgmma GEMM drops its bias": ("grouped_wgmma", "finish<T, true, true, ACT, LIMITED, decltype(extras)::value>(",
+                                  "finish<T, true, true, ACT, LIMITED, false>(", "bf16 mxfp4 swiglu biased, scale windows reloaded"),
 }
 # each GEMM's case: more k-steps than its pipeline's stages
 WRONG_GEMM_CASES = {"grouped": "bf16 4-bit/64 swiglu, ragged widths", "grouped_wgmma": "bf16 4-bit/32 swiglu, scale windows reloaded"}

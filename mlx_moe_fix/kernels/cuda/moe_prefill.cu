@@ -179,6 +179,17 @@ __device__ __forceinline__ float finish(float first, float second, const Dims& d
   return activate<T>(ACT, LIMITED, up, gate, params[0], params[1]);
 }
 
+// Runs a GEMM's epilogue `stage_outputs(extras)` with finish's EXTRAS as a type: checked once for
+// the block whether the launch has a bias or a scale. Checked for each output, their branches and
+// loads made 2127 instructions of code after the k-loop of the 4-bit down at 64-row tiles against
+// 584 without them, where its k-loop is 424 a k-step (nvcc, sm_90a; docs/benchmarks.md,
+// sixty-ninth stop, item 5). Not yet timed on a GPU.
+template <typename StageOutputs>
+__device__ __forceinline__ void with_extras(const Dims& d, StageOutputs&& stage_outputs) {
+  if (d.has_bias || d.has_scale) stage_outputs(cuda::std::true_type{});
+  else stage_outputs(cuda::std::false_type{});
+}
+
 // A block's BM x RBN outputs, staged in shared memory as rows out_stride<RBN> values apart, leave as
 // 16-byte row pieces: to padded row tile x BM + r (ACTIVATE), or to row `pair` of the per-pair
 // output; padding rows and columns past out_dim stay unwritten. Scattered 2-byte stores of the
@@ -444,11 +455,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   static_assert(BM * out_stride<RBN> * sizeof(T) <= STAGES * (A_STAGE * sizeof(T) + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
   T* staged = reinterpret_cast<T*>(shared_bytes);
   __syncthreads();
-  // Whether the launch has a bias or a scale, checked once for the block: checked for each
-  // output, their branches and loads made 2127 instructions of code after the k-loop of the 4-bit
-  // down at 64-row tiles against 584 without them, where its k-loop is 424 a k-step (nvcc, sm_90a;
-  // docs/benchmarks.md, sixty-ninth stop, item 5). Not yet timed on a GPU.
-  auto stage_outputs = [&](auto extras) {
+  with_extras(d, [&](auto extras) {
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
@@ -468,9 +475,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
         }
       }
     }
-  };
-  if (d.has_bias || d.has_scale) stage_outputs(cuda::std::true_type{});
-  else stage_outputs(cuda::std::false_type{});
+  });
   __syncthreads();
   store_staged_rows<T, BM, RBN, THREADS, ACTIVATE>(staged, out, row_pair, tile, n0, d.out_dim, tid);
 }
@@ -689,7 +694,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   static_assert(BM * out_stride<RBN> * 2 <= WGMMA_STAGES * (B_STAGE_BYTES + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
   T* staged = reinterpret_cast<T*>(shared_bytes);
   __syncthreads();
-  auto stage_outputs = [&](auto extras) {  // as grouped's: bias and scale checked once
+  with_extras(d, [&](auto extras) {
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
 #pragma unroll
@@ -703,9 +708,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
         }
       }
     }
-  };
-  if (d.has_bias || d.has_scale) stage_outputs(cuda::std::true_type{});
-  else stage_outputs(cuda::std::false_type{});
+  });
   __syncthreads();
   store_staged_rows<T, BM, RBN, THREADS, true>(staged, out, row_pair, tile, n0, d.out_dim, tid);
 }
