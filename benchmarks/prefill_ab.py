@@ -38,7 +38,11 @@ from .switch_glu import experts_of, quantized_switch_glu
 from .timing import bench, fmt, markdown_table, relative_error, repeated
 
 OTHER = "mlx_moe_fix_other"
-SHAPES = {"qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2)}
+# (hidden, intermediate, experts, top-k). q3f1536 / q3f3072 / q3h4096: Qwen3-30B-A3B with a wider
+# intermediate (the down's K) or hidden (gate+up's K), for how the rates move with the k-loop's
+# length over the same tiles (docs/benchmarks.md, sixty-eighth and seventieth stops).
+SHAPES = {"qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2),
+          "q3f1536": (2048, 1536, 128, 8), "q3f3072": (2048, 3072, 128, 8), "q3h4096": (4096, 768, 128, 8)}
 
 
 def load_other(tree: str, into: str):
