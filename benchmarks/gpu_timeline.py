@@ -10,6 +10,7 @@ ones included), beside the host's build and evaluation of the same work. Needs t
     python3 -m benchmarks.gpu_timeline --parts blocks --shapes qwen3 --block-shapes gate_up=4x2x24
                                        # production's block shapes, then these (benchmarks/block_shapes.py)
     python3 -m benchmarks.gpu_timeline --parts blocks --routers   # also with each layer's quantized router
+    python3 -m benchmarks.gpu_timeline --parts prefill --cases qwen3:2048,mixtral:2048 --launches 8
 
 The host's build and evaluation are timed while traced, and CUPTI adds host time to each launch:
 they are upper bounds, and busy / evaluation a lower bound of the GPU's busy share (benchmarks.
@@ -27,6 +28,10 @@ or inside the gate+up launch ("router inside"), so that the router's device time
 tokens: one decode token of --model (of --batch sequences at once), patched, and of its dense
 equivalent (mlx-lm's generate_step loop, benchmarks.decode_timeline.Decoder): the token's build and evaluation against
 the kernels' device time (where the device time is well under the token's, the token is host time).
+prefill: the CUDA prefill op's gate+up launch, down launch and whole layer (benchmarks.prefill_ab's
+cases and calls), --launches a traced graph, side by side and in sequence (prefill_part): the
+evaluation's wall time against the kernels' busy time, as TFLOP/s (issue 4's rates on the kernels'
+own time, which is how torch._grouped_mm's are timed in benchmarks.kernels: CUDA events).
 Per part the kernels are also listed by name (the longest summed time first: count a layer or token, mean
 µs), the first --top-kernels of them (0: all).
 """
@@ -40,7 +45,7 @@ import tempfile
 
 import mlx.core as mx
 
-from .timing import build_and_evaluation, markdown_table, warm_up
+from .timing import build_and_evaluation, in_sequence, markdown_table, repeated, warm_up
 
 TOP_KERNELS = 6  # kernels listed a part, the longest summed time first (--top-kernels)
 
@@ -204,12 +209,56 @@ def tokens_part(args, reps: int) -> list:
     return results
 
 
+def prefill_part(cases: list, launches: int, reps: int) -> tuple:
+    """Per case (shape:tokens, benchmarks.prefill_ab's), part (gate_up, down, layer: prefill_ab's
+    calls) and order (ORDERS), `launches` launches a traced graph: (table rows, kernel lines). The
+    rows set the part's useful FLOPs over the evaluation's wall time (what prefill_ab reports,
+    the build left out) beside the same FLOPs over the GPU's busy time, so that time spent outside
+    the kernels shows as their gap."""
+    import importlib
+
+    from .prefill_ab import SHAPES, build_case, part_calls
+    from .switch_glu import experts_of
+
+    package = importlib.import_module("mlx_moe_fix.kernels")
+    prefill = importlib.import_module("mlx_moe_fix.kernels.moe_prefill")
+    rows, lines = [], []
+    for case in cases:
+        shape, tokens = case.split(":")
+        hidden, ffn = SHAPES[shape][:2]
+        layer, x, indices, weights = build_case(shape, int(tokens))
+        calls = part_calls(prefill, experts_of(layer, package), x, indices, weights)
+        for part, projections in (("gate_up", 2), ("down", 1), ("layer", 3)):
+            flops = projections * 2 * indices.size * hidden * ffn * launches
+            for order, graph in ORDERS.items():
+                phases, kernels = traced(graph(calls[part][0], launches), reps)
+                evaluation = statistics.median(p[1] for p in phases)
+                busy = busy_time(kernels) / reps * 1e-6
+                label = f"{case} {part}, {order}"
+                rows.append([label, str(launches), f"{evaluation * 1e6 / launches:.1f}", f"{busy * 1e6 / launches:.1f}",
+                             f"{len(kernels) / reps / launches:.1f}", f"{flops / evaluation / 1e12:.1f}",
+                             f"{flops / busy / 1e12:.1f}"])
+                lines += summary(label, phases, kernels, reps, launches)[1]
+                print(markdown_table(PREFILL_COLUMNS, rows[-1:]), flush=True)
+    return rows, lines
+
+
+# How a traced prefill graph holds its launches: independent (benchmarks.prefill_ab's timing; the
+# GPU may overlap one launch's tail with the next one's start) or each after the previous one's
+# output, as a model's layers run.
+ORDERS = {"side by side": repeated, "in sequence": in_sequence}
+PREFILL_COLUMNS = ["case, part, order", "launches a graph", "evaluation µs a launch", "GPU busy µs a launch",
+                   "kernels a launch", "TF/s on evaluation", "TF/s on busy time"]
+
+
 def main(argv=None):
     from . import block_shapes, models
     from .decode_timeline import add_batch_argument
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="blocks,tokens", help="blocks and / or tokens")
+    parser.add_argument("--parts", default="blocks,tokens", help="blocks, tokens and / or prefill")
+    parser.add_argument("--cases", default="qwen3:2048,mixtral:2048", help="prefill: shape:tokens,... (benchmarks.prefill_ab's)")
+    parser.add_argument("--launches", type=int, default=4, help="prefill: launches a traced graph (prefill_ab's --launches)")
     parser.add_argument("--shapes", default="qwen3,mixtral")
     parser.add_argument("--layers", type=int, default=16, help="chained decode blocks a traced graph holds")
     parser.add_argument("--reps", type=int, default=5, help="traced calls a part")
@@ -236,6 +285,12 @@ def main(argv=None):
         results += blocks_part(args.shapes.split(","), args.layers, args.reps, args.bits, variants, args.routers)
     if "tokens" in parts:
         results += tokens_part(args, args.reps)
+    if "prefill" in parts:
+        prefill_rows, prefill_lines = prefill_part(args.cases.split(","), args.launches, args.reps)
+        print("\n".join(prefill_lines))
+        print(markdown_table(PREFILL_COLUMNS, prefill_rows))
+        if not results:
+            return
     print(f"MLX {mx.__version__}, {mx.default_device()}; medians of {args.reps} traced calls; µs a layer or token")
     for _, lines in results:
         print("\n".join(lines[:args.top_kernels or None]))

@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from .kernels import balanced_routing, random_routing
 from .switch_glu import experts_of, quantized_switch_glu
-from .timing import bench, fmt, markdown_table, relative_error, repeated
+from .timing import after, bench, fmt, markdown_table, relative_error, repeated
 
 OTHER = "mlx_moe_fix_other"
 # (hidden, intermediate, experts, top-k). q3f1536 / q3f3072 / q3h4096: Qwen3-30B-A3B with a wider
@@ -80,7 +80,8 @@ def part_calls(prefill, experts, x, indices, weights) -> dict:
     """Per part (PARTS), a call of this tree's kernels on the case, and what its output is compared
     on: the whole layer; gate+up's launch (its rows in pair order: the route kernel places an
     expert's rows in atomic order, and neither tree writes the padding rows); the down launch on
-    the gate+up's rows."""
+    the gate+up's rows. Each call takes an optional array its launch must follow
+    (timing.in_sequence)."""
     top_k, pairs = indices.shape[-1], indices.size
     tile = prefill.tile_height(pairs, experts.num_experts)
     routing = (*prefill.route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile), tile)
@@ -90,10 +91,13 @@ def part_calls(prefill, experts, x, indices, weights) -> dict:
     hidden = prefill.grouped(rows, routing, pairs, top_k, experts, "first", first)
     mx.eval(hidden)
     return {
-        "layer": (lambda: prefill.moe_prefill_kernel(x, indices, experts, weights), lambda out: out),
-        "gate_up": (lambda: prefill.grouped(rows, routing, pairs, top_k, experts, "first", first),
+        "layer": (lambda dependency=None: prefill.moe_prefill_kernel(after(x, dependency), indices, experts, weights),
+                  lambda out: out),
+        "gate_up": (lambda dependency=None: prefill.grouped(after(rows, dependency), routing, pairs, top_k, experts, "first",
+                                                            first),
                     lambda out: in_pair_order(out, routing[0], pairs)),
-        "down": (lambda: prefill.grouped(hidden, routing, pairs, top_k, experts, "last"), lambda out: out),
+        "down": (lambda dependency=None: prefill.grouped(after(hidden, dependency), routing, pairs, top_k, experts, "last"),
+                 lambda out: out),
     }
 
 

@@ -95,6 +95,26 @@ def repeated(fn: Callable[[], Any], launches: int) -> Callable[[], List[Any]]:
     return lambda: [fn() for _ in range(launches)]
 
 
+def in_sequence(fn: Callable[[Any], Any], launches: int) -> Callable[[], List[Any]]:
+    """`fn` built `launches` times into one graph, each launch after the previous one's output:
+    `fn(after)` makes its input depend on the array `after` (None for the first launch; see
+    `after`). Independent launches (`repeated`) may run side by side on the GPU, as no model's
+    layers do. Divide its times by `launches`."""
+
+    def launches_in_sequence():
+        outputs = [fn(None)]
+        for _ in range(launches - 1):
+            outputs.append(fn(outputs[-1]))
+        return outputs
+
+    return launches_in_sequence
+
+
+def after(a: mx.array, dependency: Optional[mx.array]) -> mx.array:
+    """`a`, computed only after `dependency` (no copy: MLX's depends shares the buffer)."""
+    return a if dependency is None else mx.depends([a], [dependency])[0]
+
+
 def bench(
     fn: Callable[[], Any],
     warmup: int = 3,

@@ -809,3 +809,30 @@ def test_balanced_routing_gives_every_expert_the_same_pairs_and_each_token_disti
     assert balanced_routing(3, 4, 4).dtype == mx.uint32
     with pytest.raises(ValueError, match="would repeat"):
         balanced_routing(4, 2, 3)
+
+
+
+def test_in_sequence_makes_each_launch_follow_the_previous_ones_output():
+    import mlx.core as mx
+
+    from benchmarks.timing import after, in_sequence, repeated
+
+    x = mx.arange(4, dtype=mx.float32)
+    seen = []
+
+    def launch(dependency):
+        seen.append(dependency)
+        return after(x, dependency) * 2
+
+    def multiplies_reached(out) -> int:
+        dot = io.StringIO()
+        mx.export_to_dot(dot, out)
+        return dot.getvalue().count('label ="Multiply"')
+
+    outputs = in_sequence(launch, 3)()
+    assert seen[0] is None and seen[1] is outputs[0] and seen[2] is outputs[1]
+    # the last launch's graph holds all three launches; side by side, each holds its own
+    assert multiplies_reached(outputs[-1]) == 3
+    assert multiplies_reached(repeated(lambda: launch(None), 3)()[-1]) == 1
+    # the dependency orders the graph without changing the values
+    assert all(mx.array_equal(out, x * 2).item() for out in outputs)
