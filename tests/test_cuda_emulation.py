@@ -238,6 +238,20 @@ def test_emulated_cuda_prefill_kernel_matches_ref_with_wgmma(emulated_cuda_kerne
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_emulated_cuda_k_order_kernel_is_the_mlx_transpose(emulated_cuda_kernels, dtype):
+    # gemm_rows takes the k_order launch from K_ORDER_KERNEL_MIN_VALUES values on, above every
+    # emulated layer: its permutation checked here on its own, bit for bit, on 5 x 384 rows (240
+    # 16-byte chunks: one block, part-filled), and a wrong mapping must fail
+    rows = mx.random.normal((5, 384), key=mx.random.key(2)).astype(dtype)
+    assert mx.array_equal(PREFILL.wgmma_k_order_kernel(rows), PREFILL.wgmma_k_order(rows)).item()
+    right, wrong = "source[16 * t + 4 * e]", "source[4 * t + 16 * e]"
+    swapped = emulated_kernel(section_edit=lambda section: section.replace(right, wrong) if right in section else section)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PREFILL, "cuda_kernel_object", swapped)
+        assert not mx.array_equal(PREFILL.wgmma_k_order_kernel(rows), PREFILL.wgmma_k_order(rows)).item()
+
+
 # GEMMs that must fail: one that feeds mma.sync its two B registers the wrong way round (k 2t,
 # 2t + 1 against 2t + 8, 2t + 9), a wgmma descriptor whose offset to the next 8 k lands in the
 # field of the offset to the next 8 columns (the emulated tensor-core instructions read their

@@ -176,6 +176,7 @@ def test_prefill_kernel_compiles(tmp_path, t):
         for gemm in PREFILL.GEMMS if gemm == "grouped" or (activate and gated and bits == 4)  # wgmma: 4-bit gate+up
     ]
     variants.append(("route", t, {"TILE": 128, "MAX_EXPERTS": PREFILL.ROUTE_MAX_EXPERTS}))
+    variants.append(("k_order", t, {"THREADS": PREFILL.K_ORDER_THREADS}))
     variants.append(("combine", t, {}))
     compile_all(tmp_path, translation_units(PREFILL, "moe_prefill.cu", variants))
 

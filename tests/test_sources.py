@@ -24,7 +24,7 @@ def test_no_string_literal_in_the_sources_holds_a_comment_marker():
 
 
 def test_every_file_has_a_header_and_its_kernels_and_they_are_compact():
-    for name, kernels in (("moe_decode.cu", {"gate_up", "down", "routed_down", "shared_gate_up", "shared_down", "routed_shared_down"}), ("moe_prefill.cu", {"grouped", "grouped_wgmma", "route", "combine"}),
+    for name, kernels in (("moe_decode.cu", {"gate_up", "down", "routed_down", "shared_gate_up", "shared_down", "routed_shared_down"}), ("moe_prefill.cu", {"grouped", "grouped_wgmma", "route", "k_order", "combine"}),
                           ("moe_router.cu", {"topk", "sigmoid_topk", "sqrtsoftplus_topk", "sqrtsoftplus_hash"}), ("moe_routed_decode.cu", {"routed_gate_up", "router_gate_up", "sigmoid_shared_gate_up"})):
         parts = sections("cuda", name)
         assert set(parts) == {"header", *kernels}

@@ -8,7 +8,8 @@ CUDA kernel (`cuda/moe_prefill.cu`), on by default (MLX_MOE_FIX_CUDA_PREFILL=0 t
 since its greedy tokens match stock on every GPU parity model: routing in one launch (per-expert counts, each expert's run padded to the tile
 height, a tile -> expert map; the grid sized for the worst case, so no host synchronisation;
 `route_reference` does the same with MLX ops), then two launches of one grouped tensor-core
-GEMM: gate+up with the activation in the epilogue into expert-sorted padded rows, and down
+GEMM: gate+up with the activation in the epilogue into expert-sorted padded rows (on wgmma, its
+activation rows permuted first: `gemm_rows`), and down
 written back per (token, expert) pair; then, given routing weights, one launch of their
 weighted sum over each token's pairs.
 
@@ -46,8 +47,9 @@ CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL"
 GROUPED_INPUTS = ["a", "row_pair", "tile_expert", "w0", "s0", "b0", "w1", "s1", "b1", "bias0", "bias1", "scale", "dims",
                   "params"]
 INPUTS = {"grouped": GROUPED_INPUTS, "grouped_wgmma": GROUPED_INPUTS, "route": ["indices", "sizes"],
-          "combine": ["rows", "weights", "sizes"]}
-OUTPUTS = {"grouped": ["out"], "grouped_wgmma": ["out"], "route": ["row_pair", "tile_expert"], "combine": ["out"]}
+          "k_order": ["rows", "sizes"], "combine": ["rows", "weights", "sizes"]}
+OUTPUTS = {"grouped": ["out"], "grouped_wgmma": ["out"], "route": ["row_pair", "tile_expert"], "k_order": ["out"],
+           "combine": ["out"]}
 # The GEMM kernels: mma.sync, every launch; Hopper's warpgroup MMA (sm_90a), the gated first
 # launch (gate+up) of 4-bit experts, its activation rows in wgmma_k_order (gemm_kernel).
 GEMMS = ("grouped", "grouped_wgmma")
@@ -58,6 +60,7 @@ WGMMA_STAGES = 5
 WGMMA_WIDE_MIN_K = 4096
 WGMMA_MIN_TILE = 64
 COMBINE_THREADS = 256
+K_ORDER_THREADS = 256
 ROUTE_MAX_EXPERTS = 1024  # the route kernel's shared arrays
 ROUTE_THREADS = 1024
 MAX_GRID_TILES = 65535  # the grouped GEMM's grid has one y index per tile
@@ -149,17 +152,39 @@ def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
     return "grouped_wgmma" if wgmma else "grouped"
 
 
+# Activation rows of at least this many values take the k_order launch, fewer MLX's transpose. On
+# the H200 (docs/benchmarks.md, seventy-second stop) the launch ran the layer 1.03-1.07x at Qwen3's
+# 2048 x 2048 and 8192 x 2048 rows, level at 1024 x 2048 and Mixtral's 512 x 4096, and 0.97x
+# (twice) at Qwen3's 512 x 2048.
+K_ORDER_KERNEL_MIN_VALUES = 1024 * 2048
+
+
 def gemm_rows(rows: mx.array, gemm: str) -> mx.array:
     """The activation rows as the GEMM `gemm` reads them: grouped_wgmma's in wgmma_k_order."""
-    return wgmma_k_order(rows) if gemm == "grouped_wgmma" else rows
+    if gemm != "grouped_wgmma":
+        return rows
+    return wgmma_k_order_kernel(rows) if rows.size >= K_ORDER_KERNEL_MIN_VALUES else wgmma_k_order(rows)
 
 
 def wgmma_k_order(rows: mx.array) -> mx.array:
     """`rows` [n, K] (K a multiple of 64) with each 64 columns in the order grouped_wgmma reads
     them (cuda/moe_prefill.cu): column 32 half + 16 s + 8 h + 2 t + e holds column
-    16 t + 8 half + 4 e + 2 s + h."""
+    16 t + 8 half + 4 e + 2 s + h. The reference of wgmma_k_order_kernel."""
     n, k = rows.shape
     return rows.reshape(n, k // 64, 4, 2, 2, 2, 2).transpose(0, 1, 3, 5, 6, 2, 4).reshape(n, k)
+
+
+def wgmma_k_order_kernel(rows: mx.array) -> mx.array:
+    """wgmma_k_order in one launch of the `k_order` section (bf16 / fp16 rows)."""
+    n, k = rows.shape
+    return cuda_kernel("k_order")(
+        inputs=[rows, int_array(n, k)],
+        template=[("T", rows.dtype), ("THREADS", K_ORDER_THREADS)],
+        grid=(n * (k // 8), 1, 1),
+        threadgroup=(K_ORDER_THREADS, 1, 1),
+        output_shapes=[(n, k)],
+        output_dtypes=[rows.dtype],
+    )[0]
 
 
 def cuda_kernel(section: str, shared: int = 0, bounds: tuple = ()):

@@ -322,7 +322,9 @@ def test_metal_decode_kernel_matches_ref(metal_device, case):
 
 # The prefill kernel's gate+up GEMMs (moe_prefill.GEMMS): mma.sync, and Hopper's wgmma, which
 # production takes at 64-row tiles only: here at every tile height, so that every case reaches it,
-# in blocks of 128 weight rows (these cases' widths) and of 256 (moe_prefill.wgmma_block_rows).
+# in blocks of 128 weight rows (these cases' widths) and of 256 (moe_prefill.wgmma_block_rows);
+# the activation rows permuted by MLX's transpose at 128 rows, by the k_order launch at 256 (which
+# production takes from K_ORDER_KERNEL_MIN_VALUES values on, above these cases).
 PREFILL_GEMMS = pytest.mark.parametrize("wgmma", ["0", "1", "256"], ids=["grouped", "grouped_wgmma", "grouped_wgmma_256_rows"])
 
 
@@ -334,6 +336,7 @@ def prefill_gemm(switch, monkeypatch, wgmma: str) -> None:
     monkeypatch.setattr(module, "WGMMA_MIN_TILE", 0)
     if wgmma == "256":
         monkeypatch.setattr(module, "WGMMA_WIDE_MIN_K", 0)
+        monkeypatch.setattr(module, "K_ORDER_KERNEL_MIN_VALUES", 0)
 
 
 @pytest.mark.parametrize("info, expected", [
@@ -395,6 +398,32 @@ def test_cuda_prefill_combine_kernel_matches_ref(cuda_device, tokens, top_k, wid
     expected = combine(rows.reshape(1, tokens, top_k, width), weights)
     assert out.shape == expected.shape == (1, tokens, width) and out.dtype == dtype
     assert_close(out, expected, dtype)
+
+
+@CASES
+@given(rows=st.integers(1, 300), steps=st.integers(1, 48), dtype=st.sampled_from([mx.bfloat16, mx.float16]),
+       seed=st.integers(0, 2**16))
+def test_cuda_wgmma_k_order_kernel_matches_ref(cuda_device, rows, steps, dtype, seed):
+    # grouped_wgmma's activation rows permuted in one launch, bit for bit as the MLX transpose
+    # (wgmma_k_order, checked against the GEMM's reading order on the CPU) permutes them.
+    from mlx_moe_fix.kernels.moe_prefill import wgmma_k_order, wgmma_k_order_kernel
+
+    x = mx.random.normal((rows, 64 * steps), key=mx.random.key(seed)).astype(dtype)
+    out = wgmma_k_order_kernel(x)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert mx.array_equal(out, wgmma_k_order(x)).item()
+
+
+def test_gemm_rows_permute_large_rows_in_the_k_order_launch_and_small_ones_in_mlx(monkeypatch):
+    moe_prefill = sys.modules["mlx_moe_fix.kernels.moe_prefill"]  # the package's name is the dispatcher
+
+    monkeypatch.setattr(moe_prefill, "wgmma_k_order_kernel", lambda rows: "k_order launch")
+    width = 2048
+    small = mx.zeros((moe_prefill.K_ORDER_KERNEL_MIN_VALUES // width - 1, width), dtype=mx.bfloat16)
+    large = mx.zeros((moe_prefill.K_ORDER_KERNEL_MIN_VALUES // width, width), dtype=mx.bfloat16)
+    assert moe_prefill.gemm_rows(large, "grouped_wgmma") == "k_order launch"
+    assert moe_prefill.gemm_rows(small, "grouped_wgmma").shape == small.shape
+    assert moe_prefill.gemm_rows(large, "grouped") is large
 
 
 def test_weights_per_pair_broadcast_as_the_references_broadcast_them():

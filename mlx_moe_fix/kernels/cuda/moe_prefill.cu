@@ -3,7 +3,7 @@
 // belongs to one expert (`tile_expert`, -1 for tiles past the last run). Tensor cores through
 // mma.sync (bf16 / fp16 in, fp32 accumulate), the weights dequantised in registers.
 //
-// Sections are split on "//// <name>" lines (`header`, `grouped`, `route`, `combine`). Template
+// Sections are split on "//// <name>" lines (`header`, `grouped`, `route`, `k_order`, `combine`). Template
 // constants:
 //   T (bf16 or fp16), S (scales, biases and additive bias type), SC (per-expert scale type),
 //   WT (routing weight type; `combine` only),
@@ -758,6 +758,37 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     const int e = indices[p];
     row_pair[start[e] + atomicAdd(&cursor[e], 1)] = p;
   }
+}
+
+
+//// k_order
+// grouped_wgmma's activation rows: each 64-wide k-step's columns in the order its wgmmas read them
+// (moe_prefill.wgmma_k_order, the reference: column 32 half + 16 s + 8 h + 2 t + e holds column
+// 16 t + 8 half + 4 e + 2 s + h), a permutation within each 64 values of the contiguous rows.
+// MLX's transpose of the same permutation is a general 7-axis copy: 44 us for Qwen3-30B-A3B's
+// 2048 x 2048 bf16 rows on the H200 (docs/benchmarks.md, seventy-second stop).
+// inputs: rows [n, K] (K a multiple of 64), sizes = n, K; outputs: out [n, K]
+// Template constants: T, THREADS (the block's threads). A block's threads each load 16 bytes into
+// shared memory (whole k-steps: THREADS is a multiple of 8), then gather their 8 outputs from there
+// and store them as 16 bytes.
+{
+  __shared__ uint4 staged[THREADS];
+  const long long chunks = static_cast<long long>(sizes[0]) * sizes[1] / 8;
+  const long long chunk = static_cast<long long>(blockIdx.x) * THREADS + threadIdx.x;
+  if (chunk < chunks) staged[threadIdx.x] = reinterpret_cast<const uint4*>(rows)[chunk];
+  __syncthreads();
+  if (chunk >= chunks) return;
+  const int quarter = threadIdx.x % 8;  // 4 half + 2 s + h
+  const T* source = reinterpret_cast<const T*>(staged) + (threadIdx.x / 8) * 64 + 8 * (quarter >> 2) +
+                    2 * ((quarter >> 1) & 1) + (quarter & 1);
+  uint4 packed;
+  T* values = reinterpret_cast<T*>(&packed);
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) values[2 * t + e] = source[16 * t + 4 * e];
+  }
+  reinterpret_cast<uint4*>(out)[chunk] = packed;
 }
 
 
