@@ -209,12 +209,12 @@ def tokens_part(args, reps: int) -> list:
     return results
 
 
-def prefill_part(cases: list, launches: int, reps: int) -> tuple:
+def prefill_part(cases: list, launches: int, reps: int, top_kernels: int = TOP_KERNELS) -> tuple:
     """Per case (shape:tokens, benchmarks.prefill_ab's), part (gate_up, down, layer: prefill_ab's
-    calls) and order (ORDERS), `launches` launches a traced graph: (table rows, kernel lines). The
-    rows set the part's useful FLOPs over the evaluation's wall time (what prefill_ab reports,
-    the build left out) beside the same FLOPs over the GPU's busy time, so that time spent outside
-    the kernels shows as their gap."""
+    calls) and order (ORDERS), `launches` launches a traced graph: (table rows, the first
+    `top_kernels` kernel lines of each, 0: all). The rows set the part's useful FLOPs over the
+    evaluation's wall time (what prefill_ab reports, the build left out) beside the same FLOPs over
+    the GPU's busy time, so that time spent outside the kernels shows as their gap."""
     import importlib
 
     from .prefill_ab import SHAPES, build_case, part_calls
@@ -238,7 +238,7 @@ def prefill_part(cases: list, launches: int, reps: int) -> tuple:
                 rows.append([label, str(launches), f"{evaluation * 1e6 / launches:.1f}", f"{busy * 1e6 / launches:.1f}",
                              f"{len(kernels) / reps / launches:.1f}", f"{flops / evaluation / 1e12:.1f}",
                              f"{flops / busy / 1e12:.1f}"])
-                lines += summary(label, phases, kernels, reps, launches)[1]
+                lines += summary(label, phases, kernels, reps, launches)[1][:top_kernels or None]
                 print(markdown_table(PREFILL_COLUMNS, rows[-1:]), flush=True)
     return rows, lines
 
@@ -286,7 +286,7 @@ def main(argv=None):
     if "tokens" in parts:
         results += tokens_part(args, args.reps)
     if "prefill" in parts:
-        prefill_rows, prefill_lines = prefill_part(args.cases.split(","), args.launches, args.reps)
+        prefill_rows, prefill_lines = prefill_part(args.cases.split(","), args.launches, args.reps, args.top_kernels)
         print("\n".join(prefill_lines))
         print(markdown_table(PREFILL_COLUMNS, prefill_rows))
         if not results:
