@@ -83,11 +83,16 @@ def traced(fn, reps: int) -> tuple:
     warm_up(fn)
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         phases = [build_and_evaluation(fn) for _ in range(reps)]
+    return phases, kernel_events(exported_trace(profiler))
+
+
+def exported_trace(profiler) -> dict:
+    """The Chrome trace of a finished torch.profiler run."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         profiler.export_chrome_trace(path)
         with open(path) as f:
-            return phases, kernel_events(json.load(f))
+            return json.load(f)
 
 
 def summary(label: str, phases: list, kernels: list, reps: int, per: int, nbytes=None) -> tuple:
@@ -217,7 +222,7 @@ def prefill_part(cases: list, launches: int, reps: int, top_kernels: int = TOP_K
     the GPU's busy time, so that time spent outside the kernels shows as their gap."""
     import importlib
 
-    from .prefill_ab import SHAPES, build_case, part_calls
+    from .prefill_ab import PARTS, build_case, part_calls, part_flops
     from .switch_glu import experts_of
 
     package = importlib.import_module("mlx_moe_fix.kernels")
@@ -225,11 +230,10 @@ def prefill_part(cases: list, launches: int, reps: int, top_kernels: int = TOP_K
     rows, lines = [], []
     for case in cases:
         shape, tokens = case.split(":")
-        hidden, ffn = SHAPES[shape][:2]
         layer, x, indices, weights = build_case(shape, int(tokens))
         calls = part_calls(prefill, experts_of(layer, package), x, indices, weights)
-        for part, projections in (("gate_up", 2), ("down", 1), ("layer", 3)):
-            flops = projections * 2 * indices.size * hidden * ffn * launches
+        for part in PARTS:
+            flops = part_flops(part, shape, indices.size) * launches
             for order, graph in ORDERS.items():
                 phases, kernels = traced(graph(calls[part][0], launches), reps)
                 evaluation = statistics.median(p[1] for p in phases)

@@ -70,6 +70,13 @@ def alternating_rounds(calls: dict, rounds: int, seconds) -> tuple:
 PARTS = ("layer", "gate_up", "down")
 
 
+def part_flops(part: str, shape: str, pairs: int) -> int:
+    """The useful FLOPs of one launch of `part` (PARTS) on `pairs` (token, expert) pairs of `shape`:
+    2 x pairs x hidden x intermediate per projection, padding rows not counted."""
+    hidden, ffn = SHAPES[shape][:2]
+    return {"layer": 3, "gate_up": 2, "down": 1}[part] * 2 * pairs * hidden * ffn
+
+
 def in_pair_order(rows: mx.array, row_pair: mx.array, pairs: int) -> mx.array:
     """The rows of an expert-sorted launch's output (row r holds pair row_pair[r], -1: padding) in
     pair order: two trees' route kernels may place an expert's rows in different orders."""
@@ -125,7 +132,6 @@ def build_case(shape: str, tokens: int, routing: str = "random") -> tuple:
 def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, launches: int, parts=("layer",),
               routing: str = "random"):
     """A table row per part (PARTS) of one case, as each is timed; the case is built once."""
-    hidden, ffn = SHAPES[shape][:2]
     layer, x, indices, weights = build_case(shape, tokens, routing)
     trees = {name: part_calls(importlib.import_module(f"{package.__name__}.moe_prefill"), experts_of(layer, package),
                               x, indices, weights)
@@ -135,8 +141,7 @@ def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, la
         outputs = {name: trees[name][part][1](call()) for name, call in calls.items()}
         mx.eval(list(outputs.values()))
         times, ratio = alternating_rounds(calls, rounds, lambda call: bench(repeated(call, launches), 2, reps).median / launches)
-        projections = {"layer": 3, "gate_up": 2, "down": 1}[part]
-        flops = projections * 2 * indices.size * hidden * ffn
+        flops = part_flops(part, shape, indices.size)
         yield [f"{shape} T={tokens}", part, *(fmt(flops / statistics.median(times[n]) / 1e12) for n in ("other", "this")),
                *ratio, same_output(outputs["this"], outputs["other"])]
 

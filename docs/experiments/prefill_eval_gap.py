@@ -12,15 +12,13 @@ docs/benchmarks.md, seventy-second stop.
 """
 
 import importlib
-import json
-import os
 import sys
-import tempfile
 
 import mlx.core as mx
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from benchmarks.gpu_timeline import exported_trace
 from benchmarks.prefill_ab import build_case, part_calls
 from benchmarks.switch_glu import experts_of
 from benchmarks.timing import bench, repeated, warm_up
@@ -36,11 +34,7 @@ def traced_evaluations(graph, reps: int = 5) -> list:
             with record_function("EVAL"):
                 mx.eval(out)
                 mx.synchronize()
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "trace.json")
-        profiler.export_chrome_trace(path)
-        with open(path) as f:
-            return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    return [e for e in exported_trace(profiler)["traceEvents"] if e.get("ph") == "X"]
 
 
 def main():
