@@ -171,6 +171,9 @@ _folder = tempfile.TemporaryDirectory(prefix="metal-emulation-")  # removed at e
 # signature gives the small ones `volatile` instead: a kernel handing such a pointer to a helper
 # that takes `const device T*` (erased to `const T*`) then fails to compile here as on Metal.
 CONSTANT_BELOW = 8
+# Every output byte before a kernel runs: all ones (NaN in floating point, -1 in integers), so an
+# output it fails to write shows; a test of a kernel whose outputs are meant to hold -1 sets another.
+OUTPUT_FILL_BYTE = 0xFF
 
 
 def address_space(array) -> str:
@@ -215,7 +218,7 @@ def run_grid(compose, language: str, inputs, input_parameters: list, output_shap
     assert threadgroup[1:] == (1, 1) and threads % 32 == 0, "one-dimensional groups of whole simdgroups / warps only"
     assert all(g % t == 0 for g, t in zip(grid, threadgroup)), "a grid of whole groups only"
     arrays = [np.ascontiguousarray(np.array(a.view(STORAGE[a.dtype][0]))) for a in inputs]
-    outputs = [np.full(tuple(shape) + (dtype.size,), 0xFF, dtype=np.uint8).view(STORAGE[dtype][1]).reshape(shape)
+    outputs = [np.full(tuple(shape) + (dtype.size,), OUTPUT_FILL_BYTE, dtype=np.uint8).view(STORAGE[dtype][1]).reshape(shape)
                for shape, dtype in zip(output_shapes, output_dtypes)]
     parameters = input_parameters + output_parameters
     arguments = ", ".join(f"({p.rsplit(' ', 1)[0]})buffers[{i}]" for i, p in enumerate(parameters))

@@ -19,6 +19,7 @@ import os
 import sys
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,10 +34,12 @@ from mlx_moe_fix.kernels.moe_router import Routing
 from mlx_moe_fix.kernels.sources import sections
 
 from .cuda_emulation import EmulatedCudaKernel
+from . import metal_emulation
 from .metal_emulation import CXX
 from .parity.cases import GATED_KINDS, describe, make_case
 from .parity.test_greedy_tokens import N_TOKENS, assert_tokens_match_stock, record_stock_run
 from .parity.test_ops import assert_kernel_reads_every_fp4_code, check, float32_oracle
+from .parity.test_routing import assert_routes
 from .parity.tolerance import assert_close, relative_error
 from .test_metal_emulation import CASES
 
@@ -182,6 +185,29 @@ def take_wgmma(patch, wgmma: bool, rows: int = 128) -> None:
 def test_emulated_cuda_prefill_kernel_matches_ref(emulated_cuda_kernels, name):
     case = prefill_case(name)
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
+
+
+@pytest.mark.parametrize("chunk_offset", ["taken", "left out"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(num_experts=st.integers(1, 40), pairs=st.integers(65, 300), seed=st.integers(0, 2**16),
+       tile=st.sampled_from(PREFILL.TILES))
+def test_emulated_cuda_route_kernel_routes_in_many_blocks(monkeypatch, chunk_offset, num_experts, pairs, seed, tile):
+    # test_routing's GPU check on the emulation, every block scattering its 64 pairs, the outputs
+    # zero-filled first: the kernel writes the -1 of padding rows and unused tiles itself. A block
+    # that leaves out the pairs before its chunk puts its pairs over another block's, and must fail.
+    edit = ((lambda section: section) if chunk_offset == "taken"
+            else lambda section: section.replace("start[e] + before[e] + atomicAdd", "start[e] + atomicAdd"))
+    monkeypatch.setattr(PREFILL, "cuda_kernel_object", emulated_kernel(section_edit=edit))
+    monkeypatch.setattr(PREFILL, "ROUTE_PAIRS_PER_BLOCK", 64)
+    monkeypatch.setattr(metal_emulation, "OUTPUT_FILL_BYTE", 0)
+    experts = np.random.default_rng(seed).integers(0, num_experts, pairs).astype(np.uint32)
+    experts[64] = experts[0]  # an expert in two blocks' chunks
+    routing = PREFILL.route_kernel(mx.array(experts), num_experts, tile)
+    if chunk_offset == "taken":
+        assert_routes(experts, num_experts, tile, *routing)
+    else:
+        with pytest.raises(AssertionError, match="every pair exactly once"):
+            assert_routes(experts, num_experts, tile, *routing)
 
 
 @pytest.mark.parametrize("name", ["bf16 8-bit/64 clamped swiglu binding, biased", "bf16 4-bit/64 swiglu, 64-row tiles"])

@@ -61,8 +61,9 @@ WGMMA_WIDE_MIN_K = 4096
 WGMMA_MIN_TILE = 64
 COMBINE_THREADS = 256
 K_ORDER_THREADS = 256
-ROUTE_MAX_EXPERTS = 1024  # the route kernel's shared arrays
 ROUTE_THREADS = 1024
+ROUTE_MAX_EXPERTS = ROUTE_THREADS  # the route kernel's shared arrays; its scan takes a thread an expert
+ROUTE_PAIRS_PER_BLOCK = 1024  # each route block counts every pair and scatters this many
 MAX_GRID_TILES = 65535  # the grouped GEMM's grid has one y index per tile
 MAX_OFFSET = 2**32  # the grouped GEMM addresses its activation rows with 32-bit offsets
 QUANTIZATION_MODES = ("affine", *FP4_GROUP_SIZES)
@@ -228,11 +229,14 @@ def route_kernel(flat_indices: mx.array, num_experts: int, tile: int = TILES[0])
     another order)."""
     if num_experts > ROUTE_MAX_EXPERTS:
         return route_reference(flat_indices, num_experts, tile)
-    tiles = grid_tiles(flat_indices.size, num_experts, tile)
+    pairs = flat_indices.size
+    tiles = grid_tiles(pairs, num_experts, tile)
+    blocks = max(1, -(-pairs // ROUTE_PAIRS_PER_BLOCK))
+    chunk = -(-pairs // blocks)
     row_pair, tile_expert = cuda_kernel("route")(
-        inputs=[flat_indices, int_array(flat_indices.size, num_experts, tiles)],
+        inputs=[flat_indices, int_array(pairs, num_experts, tiles, chunk)],
         template=[("TILE", tile), ("MAX_EXPERTS", ROUTE_MAX_EXPERTS)],
-        grid=(ROUTE_THREADS, 1, 1),
+        grid=(blocks * ROUTE_THREADS, 1, 1),
         threadgroup=(ROUTE_THREADS, 1, 1),
         output_shapes=[(tiles * tile,), (tiles,)],
         output_dtypes=[mx.int32, mx.int32],

@@ -8,16 +8,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mlx_moe_fix.kernels import moe_prefill
 from mlx_moe_fix.kernels.moe_prefill import TILES, route_kernel, route_reference
 
 
-@pytest.fixture(params=["ref", pytest.param("cuda", marks=pytest.mark.gpu)])
-def route(request):
+@pytest.fixture(params=["ref", pytest.param("cuda", marks=pytest.mark.gpu),
+                        pytest.param("cuda, 64 pairs a block", marks=pytest.mark.gpu)])
+def route(request, monkeypatch):
     if request.param == "ref":
         yield route_reference
         return
     if not mx.cuda.is_available():
         pytest.skip("no CUDA: MLX reports no CUDA GPU on this machine")
+    if request.param.endswith("a block"):  # many blocks, each scattering its chunk of the pairs
+        monkeypatch.setattr(moe_prefill, "ROUTE_PAIRS_PER_BLOCK", 64)
     previous = mx.default_device()
     mx.set_default_device(mx.gpu)
     yield route_kernel
@@ -36,7 +40,12 @@ def test_route_pads_each_expert_run_to_whole_tiles(route, num_experts, pairs, sk
     rng = np.random.default_rng(seed)
     high = {"uniform": num_experts, "one_expert": 1, "two_experts": min(2, num_experts)}[skew]
     experts = rng.integers(0, high, pairs).astype(np.uint32)
-    row_pair, tile_expert, tiles = route(mx.array(experts), num_experts, tile)
+    assert_routes(experts, num_experts, tile, *route(mx.array(experts), num_experts, tile))
+
+
+def assert_routes(experts: np.ndarray, num_experts: int, tile: int, row_pair, tile_expert, tiles: int) -> None:
+    """route_reference's contract for the pairs' `experts`, rows within a run in any order."""
+    pairs = len(experts)
     row_pair, tile_expert = np.array(row_pair), np.array(tile_expert)
 
     assert row_pair.shape == (tiles * tile,) and tile_expert.shape == (tiles,)

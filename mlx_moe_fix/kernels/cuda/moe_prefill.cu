@@ -715,36 +715,57 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 }
 
 //// route
-// The routing of `grouped`, in one block: per-expert counts by shared-memory atomics, each
-// expert's run padded to whole TILE-row tiles and laid out in expert order, the tile -> expert
-// map, then every pair scattered into its expert's run. Rows within a run come in atomic order:
-// each row's result is independent of the others, so the outputs do not depend on it.
+// The routing of `grouped`: per-expert counts, each expert's run padded to whole TILE-row tiles
+// and laid out in expert order, the tile -> expert map, then every pair scattered into its
+// expert's run. Each block counts every pair in shared memory (those before its own chunk of
+// `chunk` pairs apart), so it knows every run and where its chunk's pairs go in them without
+// waiting on another block; the blocks then share the writes. Rows within a run come in atomic
+// order: each row's result is independent of the others, so the outputs do not depend on it.
 // inputs: indices [pairs] (the expert of each pair), sizes = pairs, experts, tiles (the grid's
-//         worst case, pairs / TILE + experts)
+//         worst case, pairs / TILE + experts), chunk
 // outputs: row_pair [tiles * TILE] (pair, -1: padding), tile_expert [tiles] (-1: unused)
-// Template constants: TILE, MAX_EXPERTS (the shared arrays' size; the launcher checks experts).
+// Template constants: TILE, MAX_EXPERTS (the shared arrays' size; the launcher checks experts and
+// launches 32-warp blocks, a thread an expert in the scan).
 {
-  __shared__ int count[MAX_EXPERTS], cursor[MAX_EXPERTS], start[MAX_EXPERTS + 1];
-  const int pairs = sizes[0], experts = sizes[1], tiles = sizes[2];
-  const int tid = threadIdx.x, threads = blockDim.x;
-  for (int e = tid; e < experts; e += threads) count[e] = cursor[e] = 0;
-  for (int r = tid; r < tiles * TILE; r += threads) row_pair[r] = -1;
+  __shared__ int total[MAX_EXPERTS], before[MAX_EXPERTS], cursor[MAX_EXPERTS], start[MAX_EXPERTS + 1];
+  __shared__ int warp_runs[32];
+  const int pairs = sizes[0], experts = sizes[1], tiles = sizes[2], chunk = sizes[3];
+  const int tid = threadIdx.x, threads = blockDim.x, lane = tid % 32, warp = tid / 32;
+  const int first = blockIdx.x * chunk, end = min(first + chunk, pairs);
+  for (int e = tid; e < experts; e += threads) total[e] = before[e] = cursor[e] = 0;
   __syncthreads();
-  for (int p = tid; p < pairs; p += threads) atomicAdd(&count[indices[p]], 1);
-  __syncthreads();
-  if (tid == 0) {
-    int run = 0;
-    for (int e = 0; e < experts; ++e) {
-      start[e] = run;
-      run += (count[e] + TILE - 1) / TILE * TILE;
-    }
-    start[experts] = run;
+  for (int p = tid; p < pairs; p += threads) {
+    const int e = indices[p];
+    atomicAdd(&total[e], 1);
+    if (p < first) atomicAdd(&before[e], 1);
   }
   __syncthreads();
-  for (int t = tid; t < tiles; t += threads) {
+  // start[e + 1]: the padded runs of experts 0..e, an inclusive scan over the block's threads
+  int run = tid < experts ? (total[tid] + TILE - 1) / TILE * TILE : 0;
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const int below = __shfl_sync(0xffffffffu, run, lane >= offset ? lane - offset : lane);
+    if (lane >= offset) run += below;
+  }
+  if (lane == 31) warp_runs[warp] = run;
+  __syncthreads();
+  if (warp == 0) {
+    int runs = warp_runs[lane];
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const int below = __shfl_sync(0xffffffffu, runs, lane >= offset ? lane - offset : lane);
+      if (lane >= offset) runs += below;
+    }
+    warp_runs[lane] = runs;
+  }
+  __syncthreads();
+  if (tid < experts) start[tid + 1] = run + (warp > 0 ? warp_runs[warp - 1] : 0);
+  if (tid == 0) start[0] = 0;
+  __syncthreads();
+  const int used_rows = start[experts];
+  const int grid_tid = blockIdx.x * threads + tid, grid_threads = gridDim.x * threads;
+  for (int t = grid_tid; t < tiles; t += grid_threads) {
     const int row = t * TILE;
     int expert = -1;
-    if (row < start[experts]) {  // the last expert whose run starts at or before `row`
+    if (row < used_rows) {  // the last expert whose run starts at or before `row`
       int low = 0, high = experts - 1;
       while (low < high) {
         const int mid = (low + high + 1) / 2;
@@ -754,9 +775,14 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     }
     tile_expert[t] = expert;
   }
-  for (int p = tid; p < pairs; p += threads) {
+  for (int i = grid_tid; i < experts * TILE; i += grid_threads) {  // each run's padding rows
+    const int e = i / TILE, row = start[e] + total[e] + i % TILE;
+    if (row < start[e + 1]) row_pair[row] = -1;
+  }
+  for (int row = used_rows + grid_tid; row < tiles * TILE; row += grid_threads) row_pair[row] = -1;
+  for (int p = first + tid; p < end; p += threads) {
     const int e = indices[p];
-    row_pair[start[e] + atomicAdd(&cursor[e], 1)] = p;
+    row_pair[start[e] + before[e] + atomicAdd(&cursor[e], 1)] = p;
   }
 }
 
