@@ -17,7 +17,9 @@ sixty-eighth stop),
 `moe_prefill_kernel` of each tree with routing weights (routing, gate+up, down, combine), and
 with `--parts`, its gate+up or down GEMM launch alone (each tree's own routing and GEMM choice,
 computed once a case); `--launches` layers (or launches) per timed graph, median of `--reps`
-calls, `--rounds` rounds that alternate which tree goes first. The table gives each tree's TFLOP/s (the layer's useful FLOPs over the
+calls, `--rounds` rounds that alternate which tree goes first; the launches of a graph side by side,
+or with `--in-sequence` each after the previous one's output, its routing too (as a model's router
+reads the layer's input, so the route launch waits for it). The table gives each tree's TFLOP/s (the layer's useful FLOPs over the
 median), the median and range over rounds of the speed ratio (this tree / the other), and
 whether both trees' outputs are equal (else their relative difference).
 """
@@ -35,7 +37,7 @@ import mlx.core as mx
 
 from .kernels import balanced_routing, random_routing
 from .switch_glu import experts_of, quantized_switch_glu
-from .timing import after, bench, fmt, markdown_table, relative_error, repeated
+from .timing import after, bench, fmt, in_sequence, markdown_table, relative_error, repeated
 
 OTHER = "mlx_moe_fix_other"
 # (hidden, intermediate, experts, top-k). q3f1536 / q3f3072 / q3h4096: Qwen3-30B-A3B with a wider
@@ -88,7 +90,7 @@ def part_calls(prefill, experts, x, indices, weights) -> dict:
     on: the whole layer; gate+up's launch (its rows in pair order: the route kernel places an
     expert's rows in atomic order, and neither tree writes the padding rows); the down launch on
     the gate+up's rows. Each call takes an optional array its launch must follow
-    (timing.in_sequence)."""
+    (timing.in_sequence): the layer's routing too, as a model's router reads the layer's input."""
     top_k, pairs = indices.shape[-1], indices.size
     tile = prefill.tile_height(pairs, experts.num_experts)
     routing = (*prefill.route_kernel(indices.reshape(-1).astype(mx.uint32), experts.num_experts, tile), tile)
@@ -98,7 +100,8 @@ def part_calls(prefill, experts, x, indices, weights) -> dict:
     hidden = prefill.grouped(rows, routing, pairs, top_k, experts, "first", first)
     mx.eval(hidden)
     return {
-        "layer": (lambda dependency=None: prefill.moe_prefill_kernel(after(x, dependency), indices, experts, weights),
+        "layer": (lambda dependency=None: prefill.moe_prefill_kernel(after(x, dependency), after(indices, dependency),
+                                                                     experts, weights),
                   lambda out: out),
         "gate_up": (lambda dependency=None: prefill.grouped(after(rows, dependency), routing, pairs, top_k, experts, "first",
                                                             first),
@@ -130,7 +133,7 @@ def build_case(shape: str, tokens: int, routing: str = "random") -> tuple:
 
 
 def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, launches: int, parts=("layer",),
-              routing: str = "random"):
+              routing: str = "random", order=repeated):
     """A table row per part (PARTS) of one case, as each is timed; the case is built once."""
     layer, x, indices, weights = build_case(shape, tokens, routing)
     trees = {name: part_calls(importlib.import_module(f"{package.__name__}.moe_prefill"), experts_of(layer, package),
@@ -140,7 +143,7 @@ def time_case(shape: str, tokens: int, kernels: dict, rounds: int, reps: int, la
         calls = {name: tree[part][0] for name, tree in trees.items()}
         outputs = {name: trees[name][part][1](call()) for name, call in calls.items()}
         mx.eval(list(outputs.values()))
-        times, ratio = alternating_rounds(calls, rounds, lambda call: bench(repeated(call, launches), 2, reps).median / launches)
+        times, ratio = alternating_rounds(calls, rounds, lambda call: bench(order(call, launches), 2, reps).median / launches)
         flops = part_flops(part, shape, indices.size)
         yield [f"{shape} T={tokens}", part, *(fmt(flops / statistics.median(times[n]) / 1e12) for n in ("other", "this")),
                *ratio, same_output(outputs["this"], outputs["other"])]
@@ -158,6 +161,9 @@ def main(argv=None):
                         help="random: top-k distinct experts a token uniformly at random; balanced: every expert the "
                              "same number of pairs (no partial tiles where tokens x top-k / experts is a multiple of the "
                              "tile), to tell the padding's cost from the GEMM's")
+    parser.add_argument("--in-sequence", action="store_true",
+                        help="each launch of a graph after the previous one's output (its routing too), as a model's "
+                             "layers run; else side by side")
     args = parser.parse_args(argv)
     if not mx.cuda.is_available():
         raise SystemExit("prefill_ab times the CUDA prefill kernels: run it on a CUDA GPU")
@@ -168,7 +174,7 @@ def main(argv=None):
         for case in args.cases.split(","):
             shape, tokens = case.split(":")
             for row in time_case(shape, int(tokens), kernels, args.rounds, args.reps, args.launches, args.parts.split(","),
-                                 args.routing):
+                                 args.routing, in_sequence if args.in_sequence else repeated):
                 rows.append(row)
                 print(markdown_table(columns, rows[-1:]), flush=True)
         print(markdown_table(columns, rows))

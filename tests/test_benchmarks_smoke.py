@@ -836,3 +836,33 @@ def test_in_sequence_makes_each_launch_follow_the_previous_ones_output():
     assert multiplies_reached(repeated(lambda: launch(None), 3)()[-1]) == 1
     # the dependency orders the graph without changing the values
     assert all(mx.array_equal(out, x * 2).item() for out in outputs)
+
+
+def test_prefill_ab_layer_routes_after_the_previous_launch():
+    # prefill_ab --in-sequence: a model's router reads the layer's input, so the layer's routing
+    # (its route launch) must wait for the previous launch as its rows do, not run ahead of it
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from benchmarks.prefill_ab import part_calls
+
+    taken = []
+    prefill = SimpleNamespace(
+        tile_height=lambda pairs, experts: 16,
+        route_kernel=lambda flat, experts, tile: (mx.zeros((16,), mx.int32), mx.zeros((1,), mx.int32), 1),
+        gemm_kernel=lambda experts, stage, tile: None, gemm_rows=lambda rows, first: rows,
+        grouped=lambda rows, *unused: rows,
+        moe_prefill_kernel=lambda x, indices, experts, weights: taken.append((x, indices)) or x)
+    x, indices = mx.ones((4, 8)), mx.zeros((4, 2), mx.uint32)
+    layer = part_calls(prefill, SimpleNamespace(num_experts=4), x, indices, None)["layer"][0]
+
+    def reaches_multiply(a) -> bool:
+        dot = io.StringIO()
+        mx.export_to_dot(dot, a)
+        return 'label ="Multiply"' in dot.getvalue()
+
+    layer(mx.ones((4, 8)) * 3)
+    assert all(reaches_multiply(a) for a in taken[-1])
+    layer()
+    assert not any(reaches_multiply(a) for a in taken[-1])

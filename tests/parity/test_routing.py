@@ -2,14 +2,18 @@
 kernel, against the same properties (the kernel may order rows within an expert's run
 differently)."""
 
+import importlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_moe_fix.kernels import moe_prefill
 from mlx_moe_fix.kernels.moe_prefill import TILES, route_kernel, route_reference
+
+# the module (the package's name moe_prefill is its dispatcher)
+PREFILL = importlib.import_module("mlx_moe_fix.kernels.moe_prefill")
 
 
 @pytest.fixture(params=["ref", pytest.param("cuda", marks=pytest.mark.gpu),
@@ -21,7 +25,7 @@ def route(request, monkeypatch):
     if not mx.cuda.is_available():
         pytest.skip("no CUDA: MLX reports no CUDA GPU on this machine")
     if request.param.endswith("a block"):  # many blocks, each scattering its chunk of the pairs
-        monkeypatch.setattr(moe_prefill, "ROUTE_PAIRS_PER_BLOCK", 64)
+        monkeypatch.setattr(PREFILL, "ROUTE_PAIRS_PER_BLOCK", 64)
     previous = mx.default_device()
     mx.set_default_device(mx.gpu)
     yield route_kernel
