@@ -111,8 +111,16 @@ def in_sequence(fn: Callable[[Any], Any], launches: int) -> Callable[[], List[An
 
 
 def after(a: mx.array, dependency: Optional[mx.array]) -> mx.array:
-    """`a`, computed only after `dependency` (no copy: MLX's depends shares the buffer)."""
-    return a if dependency is None else mx.depends([a], [dependency])[0]
+    """`a`, computed only after `dependency`, on the GPU too: `a` plus a zero taken from the
+    dependency's first element (an integer product, exact whatever that element holds), a new
+    buffer that one elementwise pass writes after the dependency, as a model's norm writes its MoE
+    block's input. MLX's CUDA graph orders a kernel after the kernels that wrote its inputs'
+    buffers; `mx.depends` shares `a`'s buffer and orders only the host's evaluation, so launches
+    chained through it ran side by side on the GPU (docs/benchmarks.md, seventy-third stop)."""
+    if dependency is None:
+        return a
+    zero = dependency.reshape(-1)[:1].astype(mx.uint32) * 0
+    return a + zero.astype(a.dtype)
 
 
 def bench(
