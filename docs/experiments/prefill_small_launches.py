@@ -16,19 +16,14 @@ import mlx.core as mx
 
 from benchmarks.gpu_timeline import busy_time, kernel_table, traced
 from benchmarks.kernels import random_routing
-from benchmarks.timing import after
+from benchmarks.timing import after, in_sequence
 
 P = importlib.import_module("mlx_moe_fix.kernels.moe_prefill")
 CHAIN, REPS = 16, 5
 
 
 def chained(step):
-    def run():
-        out = [step(None)]
-        for _ in range(CHAIN - 1):
-            out.append(step(out[-1]))
-        return out
-    return run
+    return in_sequence(step, CHAIN)
 
 
 def report(label, fn):
