@@ -37,6 +37,15 @@ constexpr int WGMMA_STAGES = 5;  // grouped_wgmma's
 constexpr int WGMMA_AHEAD = WGMMA_STAGES - 2;
 constexpr int LDS = BK + 8;  // shared row stride of A (values of T): 144 bytes, so 8 rows' 16-byte reads hit distinct banks
 
+// The sum of `value` over lanes 0..lane of the warp (every lane calls it).
+__device__ __forceinline__ int warp_inclusive_sum(int value, int lane) {
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const int below = __shfl_sync(0xffffffffu, value, lane >= offset ? lane - offset : lane);
+    if (lane >= offset) value += below;
+  }
+  return value;
+}
+
 __device__ __forceinline__ unsigned smem_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -741,21 +750,10 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   }
   __syncthreads();
   // start[e + 1]: the padded runs of experts 0..e, an inclusive scan over the block's threads
-  int run = tid < experts ? (total[tid] + TILE - 1) / TILE * TILE : 0;
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const int below = __shfl_sync(0xffffffffu, run, lane >= offset ? lane - offset : lane);
-    if (lane >= offset) run += below;
-  }
+  const int run = grouped::warp_inclusive_sum(tid < experts ? (total[tid] + TILE - 1) / TILE * TILE : 0, lane);
   if (lane == 31) warp_runs[warp] = run;
   __syncthreads();
-  if (warp == 0) {
-    int runs = warp_runs[lane];
-    for (int offset = 1; offset < 32; offset *= 2) {
-      const int below = __shfl_sync(0xffffffffu, runs, lane >= offset ? lane - offset : lane);
-      if (lane >= offset) runs += below;
-    }
-    warp_runs[lane] = runs;
-  }
+  if (warp == 0) warp_runs[lane] = grouped::warp_inclusive_sum(warp_runs[lane], lane);
   __syncthreads();
   if (tid < experts) start[tid + 1] = run + (warp > 0 ? warp_runs[warp - 1] : 0);
   if (tid == 0) start[0] = 0;
