@@ -31,7 +31,10 @@ the kernels' device time (where the device time is well under the token's, the t
 prefill: the CUDA prefill op's gate+up launch, down launch and whole layer (benchmarks.prefill_ab's
 cases and calls), --launches a traced graph, side by side and in sequence (prefill_part): the
 evaluation's wall time against the kernels' busy time, as TFLOP/s (issue 4's rates on the kernels'
-own time, which is how torch._grouped_mm's are timed in benchmarks.kernels: CUDA events).
+own time, which is how torch._grouped_mm's are timed in benchmarks.kernels: CUDA events), and
+against the summed time of this package's kernels alone (own_kernel_time): in sequence that leaves
+out the passes that chain the launches (docs/benchmarks.md, seventy-fourth stop: there the GEMMs
+ran as fast as side by side, and the busy time's gap was those passes and the idle time between).
 Per part the kernels are also listed by name (the longest summed time first: count a layer or token, mean
 µs), the first --top-kernels of them (0: all).
 """
@@ -64,6 +67,18 @@ def busy_time(kernels: list) -> float:
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
     return busy
+
+
+# Every kernel this package launches through mx.fast.cuda_kernel has this in its name (MLX prefixes
+# custom_kernel_; launch._kernel_name names each mlx_moe_fix_<source file>_<section>_<digest>).
+OWN_KERNEL_MARK = "custom_kernel_mlx_moe_fix_"
+
+
+def own_kernel_time(kernels: list) -> float:
+    """The summed time (µs) of this package's kernels among `kernels`: in sequence, the op's own
+    time without the benchmark's dependency passes (MLX's kernels); side by side, overlapping
+    launches count twice, so it is each launch's time as if alone."""
+    return sum(k["dur"] for k in kernels if OWN_KERNEL_MARK in k["name"])
 
 
 def kernel_table(kernels: list, per: int) -> list:
@@ -238,10 +253,11 @@ def prefill_part(cases: list, launches: int, reps: int, top_kernels: int = TOP_K
                 phases, kernels = traced(graph(calls[part][0], launches), reps)
                 evaluation = statistics.median(p[1] for p in phases)
                 busy = busy_time(kernels) / reps * 1e-6
+                own = own_kernel_time(kernels) / reps * 1e-6
                 label = f"{case} {part}, {order}"
                 rows.append([label, str(launches), f"{evaluation * 1e6 / launches:.1f}", f"{busy * 1e6 / launches:.1f}",
                              f"{len(kernels) / reps / launches:.1f}", f"{flops / evaluation / 1e12:.1f}",
-                             f"{flops / busy / 1e12:.1f}"])
+                             f"{flops / busy / 1e12:.1f}", f"{flops / own / 1e12:.1f}" if own else "-"])
                 lines += summary(label, phases, kernels, reps, launches)[1][:top_kernels or None]
                 print(markdown_table(PREFILL_COLUMNS, rows[-1:]), flush=True)
     return rows, lines
@@ -252,7 +268,7 @@ def prefill_part(cases: list, launches: int, reps: int, top_kernels: int = TOP_K
 # output, as a model's layers run.
 ORDERS = {"side by side": repeated, "in sequence": in_sequence}
 PREFILL_COLUMNS = ["case, part, order", "launches a graph", "evaluation µs a launch", "GPU busy µs a launch",
-                   "kernels a launch", "TF/s on evaluation", "TF/s on busy time"]
+                   "kernels a launch", "TF/s on evaluation", "TF/s on busy time", "TF/s on our kernels' summed time"]
 
 
 def main(argv=None):

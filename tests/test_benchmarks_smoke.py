@@ -704,6 +704,17 @@ def test_gpu_timeline_counts_overlapping_kernels_once_in_the_busy_time():
     assert busy_time([]) == 0.0
 
 
+def test_gpu_timeline_times_this_packages_kernels_apart_from_mlxs():
+    from benchmarks.gpu_timeline import own_kernel_time
+
+    events = [{"name": "mlx::core::cu::custom_kernel_mlx_moe_fix_moe_prefill_grouped_smem1", "ts": 0, "dur": 10},
+              {"name": "void mlx::core::cu::binary_vs<mlx::core::cu::Add>", "ts": 10, "dur": 4},
+              {"name": "mlx::core::cu::custom_kernel_mlx_moe_fix_moe_prefill_route_smem0", "ts": 12, "dur": 3},
+              {"name": "mlx::core::cu::custom_kernel_other_package", "ts": 20, "dur": 7}]
+    assert own_kernel_time(events) == 13
+    assert own_kernel_time(events[1:2]) == 0
+
+
 def test_gpu_timeline_says_it_needs_a_cuda_gpu():
     import mlx.core as mx
 
