@@ -15,7 +15,9 @@ down. The whole layer is checked against moe_prefill_reference once per case.
 
 --stalls reads ncu's source page (`--page source --csv --print-source sass`, from a report taken
 with the SourceCounters section) and prints, per kernel, the share of warp-stall samples each
-opcode takes with its leading stall reasons, then the instructions with the most samples.
+opcode takes with its leading stall reasons, then the instructions with the most samples; first
+their split before, in and after the kernel's main loop (`regions`: where a short k-loop's
+prologue and epilogue weigh).
 """
 
 import argparse
@@ -62,6 +64,37 @@ def opcode(source: str) -> str:
     return words[0].split(".")[0] if words else "?"
 
 
+def branch_target(source: str):
+    """`@P0 BRA 0x7fd08f7be660` -> 0x7fd08f7be660; None for any other instruction."""
+    words = [word for word in source.split() if not word.startswith("@")]
+    if len(words) == 2 and words[0].split(".")[0] == "BRA" and words[1].startswith("0x"):
+        return int(words[1], 16)
+    return None
+
+
+def regions(rows: list) -> list:
+    """The kernel's stall samples before its main loop, in it and after it, as [(region, samples)]:
+    the main loop is the span of the backward branch whose span holds the most samples (the
+    GEMMs' k-loop; the loops inside it are unrolled), so that a short k-loop's prologue and
+    epilogue show apart from it. Without a backward branch, all samples are "no loop"."""
+    if not rows:
+        return [("no loop", 0)]
+    address = next(key for key in rows[0] if key.lstrip("# ").startswith("Address"))  # ncu's header: "Address" or "# Address"
+    at = [int(row[address], 16) for row in rows]
+    samples = [int(row[SAMPLES]) for row in rows]
+    spans = []
+    for i, row in enumerate(rows):
+        target = branch_target(row["Source"])
+        if target is not None and target <= at[i]:
+            spans.append((sum(n for a, n in zip(at, samples) if target <= a <= at[i]), target, at[i]))
+    if not spans:
+        return [("no loop", sum(samples))]
+    _, start, end = max(spans)
+    before = sum(n for a, n in zip(at, samples) if a < start)
+    inside = sum(n for a, n in zip(at, samples) if start <= a <= end)
+    return [("before the main loop", before), ("main loop", inside), ("after it", sum(samples) - before - inside)]
+
+
 def stalls(text: str, top: int = 12) -> list:
     """ncu's source page (csv, SASS) -> per kernel (label, samples, by-opcode rows, top-instruction
     rows); each row holds the share of the kernel's stall samples and its leading reasons."""
@@ -88,13 +121,16 @@ def stalls(text: str, top: int = 12) -> list:
         busiest = sorted(rows, key=lambda row: -int(row[SAMPLES]))[:top]
         instructions = [(row["Source"].strip()[:56], f"{int(row[SAMPLES]) * 100 / total:.2f}",
                          leading(collections.Counter({key: int(row[key]) for key in reasons}))) for row in busiest]
-        kernels.append((kernel_label(name), total, opcodes, instructions))
+        split = [(region, f"{n * 100 / total:.1f}") for region, n in regions(rows)]
+        kernels.append((kernel_label(name), total, opcodes, instructions, split))
     return kernels
 
 
 def print_stalls(kernels: list) -> None:
-    for label, total, opcodes, instructions in kernels:
+    for label, total, opcodes, instructions, split in kernels:
         print(f"\n### {label}: {total} stall samples\n")
+        print(markdown_table(["region", "% of samples"], split))
+        print()
         print(markdown_table(["opcode", "% of samples", "leading reasons (% of samples)"], opcodes))
         print()
         print(markdown_table(["instruction", "% of samples", "leading reasons (% of samples)"], instructions))

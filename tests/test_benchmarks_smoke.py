@@ -762,7 +762,8 @@ def test_prefill_ncu_stall_tables_share_each_kernels_samples_by_opcode():
                          ("HGMMA.64x64x16.F32.BF16 R24, R96, gdesc[UR24], R24", 10, 0)])
     text += kernel("custom_kernel_mlx_moe_fix_moe_prefill_grouped_smem39936_lb128x3_108b121e0a17_bfloat16_t_4(int)",
                    [("HMMA.16816.F32.BF16 R1, R2, R4, R1", 3, 1)])
-    (label, total, opcodes, instructions), (other, other_total, *_) = stalls(text, top=2)
+    (label, total, opcodes, instructions, split), (other, other_total, *_) = stalls(text, top=2)
+    assert split == [("no loop", "100.0")]
     assert label == "grouped_wgmma_lb256x2 bdf5 bfloat16_t_bfloat16_t_float_4_64_64_t_t_t_0_f_f" and total == 100
     assert other == "grouped_lb128x3 108b bfloat16_t_4" and other_total == 4
     # the predicated LDS counts with the other LDS; the table keeps the top 2 opcodes
@@ -770,6 +771,25 @@ def test_prefill_ncu_stall_tables_share_each_kernels_samples_by_opcode():
     assert instructions[0] == ("FENCE.VIEW.ASYNC.S", "50.00", "long_sb 50.0") and len(instructions) == 2
     assert opcode("@P3   BRA 0x7fd08f7be660") == "BRA" and opcode("") == "?"
     assert kernel_label("custom_kernel_other(int)") == "custom_kernel_other"
+
+
+def test_prefill_ncu_splits_a_kernels_samples_around_its_main_loop():
+    from benchmarks.prefill_ncu import branch_target, regions
+
+    def row(address, source, samples):
+        return {"Address": f"0x{address:x}", "Source": source, "Warp Stall Sampling (All Samples)": str(samples)}
+
+    rows = [row(0x100, "LDG.E R1, [R2]", 5),            # prologue
+            row(0x110, "LDS R3, [R4]", 2),              # inner loop 0x110-0x120 (few samples)
+            row(0x120, "@P1 BRA 0x110", 1),
+            row(0x130, "HMMA.16816.F32.BF16 R8, R4, R6, R8", 60),  # main loop 0x130-0x150
+            row(0x140, "BAR.SYNC.DEFER_BLOCKING 0x0", 20),
+            row(0x150, "@P0 BRA 0x130", 2),
+            row(0x160, "@!P2 BRA 0x180", 3),            # a forward branch: no loop
+            row(0x170, "STG.E.128 [R2], R8", 7)]
+    assert branch_target("@P0 BRA 0x130") == 0x130 and branch_target("BAR.SYNC 0x0") is None
+    assert regions(rows) == [("before the main loop", 8), ("main loop", 82), ("after it", 10)]
+    assert regions(rows[:2]) == [("no loop", 7)]
 
 
 def test_prefill_ncu_refuses_to_run_without_cuda_and_names_unknown_parts():
