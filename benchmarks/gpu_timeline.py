@@ -76,8 +76,8 @@ OWN_KERNEL_MARK = "custom_kernel_mlx_moe_fix_"
 
 def own_kernel_time(kernels: list) -> float:
     """The summed time (µs) of this package's kernels among `kernels`: in sequence, the op's own
-    time without the benchmark's dependency passes (MLX's kernels); side by side, overlapping
-    launches count twice, so it is each launch's time as if alone."""
+    time without the benchmark's dependency passes (MLX's kernels); side by side, launches that
+    overlap share the GPU and each counts its whole span, so the rate on it reads low there."""
     return sum(k["dur"] for k in kernels if OWN_KERNEL_MARK in k["name"])
 
 
