@@ -48,6 +48,8 @@ import tempfile
 
 import mlx.core as mx
 
+from mlx_moe_fix.kernels.kernel_cache import OUR_KERNEL_PREFIX
+
 from .timing import build_and_evaluation, in_sequence, markdown_table, repeated, warm_up
 
 TOP_KERNELS = 6  # kernels listed a part, the longest summed time first (--top-kernels)
@@ -69,16 +71,11 @@ def busy_time(kernels: list) -> float:
     return busy
 
 
-# Every kernel this package launches through mx.fast.cuda_kernel has this in its name (MLX prefixes
-# custom_kernel_; launch._kernel_name names each mlx_moe_fix_<source file>_<section>_<digest>).
-OWN_KERNEL_MARK = "custom_kernel_mlx_moe_fix_"
-
-
 def own_kernel_time(kernels: list) -> float:
     """The summed time (µs) of this package's kernels among `kernels`: in sequence, the op's own
     time without the benchmark's dependency passes (MLX's kernels); side by side, launches that
     overlap share the GPU and each counts its whole span, so the rate on it reads low there."""
-    return sum(k["dur"] for k in kernels if OWN_KERNEL_MARK in k["name"])
+    return sum(k["dur"] for k in kernels if OUR_KERNEL_PREFIX in k["name"])
 
 
 def kernel_table(kernels: list, per: int) -> list:

@@ -274,7 +274,10 @@ written: list = []  # the modules this process compiled into MLX's cache
 # The first NVRTC compile of a process with `--pch` parses the preamble's headers and makes the
 # precompiled header (1.3-1.5 s on the H200's host), each later one takes 0.09-0.13 s
 # (docs/benchmarks.md, forty-seventh session, item 5): most of a filling process's wait.
-WARM_UP_KERNEL = "custom_kernel_mlx_moe_fix_header_warm_up"
+# MLX names a custom kernel's module (and its symbol) custom_kernel_<name>; ours are named
+# mlx_moe_fix_... (launch._kernel_name).
+OUR_KERNEL_PREFIX = "custom_kernel_mlx_moe_fix_"
+WARM_UP_KERNEL = OUR_KERNEL_PREFIX + "header_warm_up"
 _warm_up: list = []  # the thread, once started
 
 
@@ -282,7 +285,7 @@ _warm_up: list = []  # the thread, once started
 def _holds_our_modules(directory: Path) -> bool:
     """Looked at once a process and folder: apply() runs again at every patched() block and
     benchmark turn, and the folder holds thousands of MLX's modules."""
-    return next(directory.glob("custom_kernel_mlx_moe_fix_*"), None) is not None
+    return next(directory.glob(OUR_KERNEL_PREFIX + "*"), None) is not None
 
 
 def warm_up_header(switched_on: bool) -> bool:
