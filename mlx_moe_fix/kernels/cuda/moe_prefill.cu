@@ -207,19 +207,33 @@ __device__ __forceinline__ void with_extras(const Dims& d, StageOutputs&& stage_
 template <int RBN>
 constexpr int out_stride = RBN + 8;  // values of T: rows 16 bytes apart in the banks (RBN a multiple of 64)
 template <typename T, int BM, int RBN, int THREADS, bool ACTIVATE>
-__device__ __forceinline__ void store_staged_rows(const T* staged, T* out, const int* row_pair, int tile, int n0, int out_dim, int tid) {
-  constexpr int CHUNKS = RBN / 8;  // 16-byte pieces of an output row
+struct StagedRowStores {
+  static constexpr int CHUNKS = RBN / 8;  // 16-byte pieces of an output row
+  static constexpr int PIECES = BM * CHUNKS / THREADS + (BM * CHUNKS % THREADS != 0);  // a thread's
+  int pair[PIECES];  // each piece's row's pair (-1: padding, or no piece)
+
+  // Called before the outputs are staged where registers allow (the one-matrix GEMM), so that the
+  // row_pair loads land while they are: loaded where they were needed, their waits were ~2% of
+  // the down's stall samples (docs/benchmarks.md, seventy-fourth stop, item 6). Held through the
+  // staging, they made the gated GEMMs spill.
+  __device__ __forceinline__ void load(const int* row_pair, int tile, int n0, int out_dim, int tid) {
 #pragma unroll
-  for (int i = 0; i < BM * CHUNKS / THREADS + (BM * CHUNKS % THREADS != 0); ++i) {
-    const int c = tid + i * THREADS;
-    const int r = c / CHUNKS, column = n0 + c % CHUNKS * 8;
-    if (r >= BM || column >= out_dim) continue;
-    const int pair = row_pair[tile * BM + r];
-    if (pair < 0) continue;
-    const size_t row = ACTIVATE ? (size_t)tile * BM + r : (size_t)pair;
-    *reinterpret_cast<uint4*>(&out[row * out_dim + column]) = *reinterpret_cast<const uint4*>(&staged[r * out_stride<RBN> + c % CHUNKS * 8]);
+    for (int i = 0; i < PIECES; ++i) {
+      const int c = tid + i * THREADS, r = c / CHUNKS;
+      pair[i] = r < BM && n0 + c % CHUNKS * 8 < out_dim ? row_pair[tile * BM + r] : -1;
+    }
   }
-}
+
+  __device__ __forceinline__ void store(const T* staged, T* out, int tile, int n0, int out_dim, int tid) const {
+#pragma unroll
+    for (int i = 0; i < PIECES; ++i) {
+      if (pair[i] < 0) continue;
+      const int c = tid + i * THREADS, r = c / CHUNKS, column = n0 + c % CHUNKS * 8;
+      const size_t row = ACTIVATE ? (size_t)tile * BM + r : (size_t)pair[i];
+      *reinterpret_cast<uint4*>(&out[row * out_dim + column]) = *reinterpret_cast<const uint4*>(&staged[r * out_stride<RBN> + c % CHUNKS * 8]);
+    }
+  }
+};
 
 // Hopper's warpgroup MMA (grouped_wgmma): D[64 x N] += A[64 x 16] B[16 x N], A from registers
 // (each warp 16 rows, mma.sync's m16n8k16 A layout), B from shared memory through a descriptor
@@ -337,17 +351,23 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   const size_t row_bytes = (size_t)d.in_dim * BITS / 8;
 
   // This thread's A copies: offsets into `a` (32 bits: every `a` has fewer than 2^32 values) and
-  // whether each row exists (padding rows are zero-filled). Pointers would cost registers.
+  // whether each row exists (padding rows of gathered x are zero-filled). Pointers would cost
+  // registers. Padded rows of `a` are copied whole, whatever the padding holds: a row of A only
+  // reaches its own row of outputs, which is never stored, and the copies need not wait for
+  // row_pair.
   unsigned a_offset[A_CHUNKS];
-  unsigned a_present = 0;
+  unsigned a_present = PAIRS_IN ? 0u : ~0u;
   const int a_chunk = tid % (BK / 8);
 #pragma unroll
   for (int i = 0; i < A_CHUNKS; ++i) {
     const int r = (tid + i * THREADS) / (BK / 8);
-    const int pair = row_pair[tile * BM + r];
-    const unsigned src_row = PAIRS_IN ? (pair >= 0 ? pair / d.top_k : 0) : tile * BM + r;
-    a_offset[i] = src_row * d.in_dim + a_chunk * 8;
-    a_present |= (pair >= 0 ? 1u : 0u) << i;
+    if constexpr (PAIRS_IN) {
+      const int pair = row_pair[tile * BM + r];
+      a_offset[i] = (pair >= 0 ? pair / d.top_k : 0) * d.in_dim + a_chunk * 8;
+      a_present |= (pair >= 0 ? 1u : 0u) << i;
+    } else {
+      a_offset[i] = (unsigned)(tile * BM + r) * d.in_dim + a_chunk * 8;
+    }
   }
   const WeightCopies<W_CHUNKS, THREADS, W_ROW_BYTES> w_copies(tid, n0, expert, d.out_dim, row_bytes);
   auto load_stage = [&](int stage, int k0) {
@@ -464,14 +484,20 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   // The outputs through shared memory (the pipeline's, free once every warp is here).
   static_assert(BM * out_stride<RBN> * sizeof(T) <= STAGES * (A_STAGE * sizeof(T) + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
   T* staged = reinterpret_cast<T*>(shared_bytes);
+  StagedRowStores<T, BM, RBN, THREADS, ACTIVATE> stores;
+  if constexpr (MATRICES == 1) stores.load(row_pair, tile, n0, d.out_dim, tid);
   __syncthreads();
   with_extras(d, [&](auto extras) {
+    // A bare projection's output is its sums rounded once (finish's rounding, then pack2's of an
+    // already rounded value, is that); its padding rows are staged too, as StagedRowStores
+    // leaves them: checking each row's pair cost the down's epilogue more than staging them.
+    constexpr bool BARE = !ACTIVATE && !decltype(extras)::value;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = wm * WM + mi * 16 + g + half * 8;
-        if (row_pair[tile * BM + r] < 0) continue;
+        if (!BARE && row_pair[tile * BM + r] < 0) continue;
 #pragma unroll
         for (int ni = 0; ni < WN / 8; ++ni) {
           const int column = wn * WN + ni * 8 + 2 * t, n = n0 + column;
@@ -479,15 +505,18 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
           float value[2];
 #pragma unroll
           for (int j = 0; j < 2; ++j)
-            value[j] = finish<T, ACTIVATE, GATED, ACT, LIMITED, decltype(extras)::value>(
-                acc[0][mi][ni][half * 2 + j], acc[MATRICES - 1][mi][ni][half * 2 + j], d, bias0, bias1, scale, params, expert, n + j);
+            value[j] = BARE ? acc[0][mi][ni][half * 2 + j]
+                            : finish<T, ACTIVATE, GATED, ACT, LIMITED, decltype(extras)::value>(
+                                  acc[0][mi][ni][half * 2 + j], acc[MATRICES - 1][mi][ni][half * 2 + j], d, bias0, bias1, scale,
+                                  params, expert, n + j);
           *reinterpret_cast<unsigned*>(&staged[r * out_stride<RBN> + column]) = pack2<T>(value[0], value[1]);
         }
       }
     }
   });
   __syncthreads();
-  store_staged_rows<T, BM, RBN, THREADS, ACTIVATE>(staged, out, row_pair, tile, n0, d.out_dim, tid);
+  if constexpr (MATRICES == 2) stores.load(row_pair, tile, n0, d.out_dim, tid);
+  stores.store(staged, out, tile, n0, d.out_dim, tid);
 }
 
 //// grouped_wgmma
@@ -720,7 +749,9 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     }
   });
   __syncthreads();
-  store_staged_rows<T, BM, RBN, THREADS, true>(staged, out, row_pair, tile, n0, d.out_dim, tid);
+  StagedRowStores<T, BM, RBN, THREADS, true> stores;
+  stores.load(row_pair, tile, n0, d.out_dim, tid);
+  stores.store(staged, out, tile, n0, d.out_dim, tid);
 }
 
 //// route
