@@ -22,10 +22,6 @@ P = importlib.import_module("mlx_moe_fix.kernels.moe_prefill")
 CHAIN, REPS = 16, 5
 
 
-def chained(step):
-    return in_sequence(step, CHAIN)
-
-
 def report(label, fn):
     phases, kernels = traced(fn, REPS)
     busy = busy_time(kernels) / REPS / CHAIN
@@ -40,7 +36,7 @@ for tokens, hidden, experts, top_k in [(2048, 2048, 128, 8), (8192, 2048, 128, 8
     idx = random_routing(tokens, experts, top_k).reshape(-1).astype(mx.uint32)
     mx.eval(x, idx)
     tile = P.tile_height(idx.size, experts)
-    report(f"T={tokens} h={hidden} k_order kernel", chained(lambda prev: P.wgmma_k_order_kernel(x if prev is None else prev)))
-    report(f"T={tokens} h={hidden} k_order MLX transpose", chained(lambda prev: P.wgmma_k_order(x if prev is None else prev)))
-    report(f"T={tokens} E={experts} k={top_k} route", chained(lambda prev: P.route_kernel(after(idx, None if prev is None else prev[0]), experts, tile)))
-    report(f"T={tokens} copy (x + 1, bandwidth yardstick)", chained(lambda prev: (x if prev is None else prev) + 1))
+    report(f"T={tokens} h={hidden} k_order kernel", in_sequence(lambda prev: P.wgmma_k_order_kernel(x if prev is None else prev), CHAIN))
+    report(f"T={tokens} h={hidden} k_order MLX transpose", in_sequence(lambda prev: P.wgmma_k_order(x if prev is None else prev), CHAIN))
+    report(f"T={tokens} E={experts} k={top_k} route", in_sequence(lambda prev: P.route_kernel(after(idx, None if prev is None else prev[0]), experts, tile), CHAIN))
+    report(f"T={tokens} copy (x + 1, bandwidth yardstick)", in_sequence(lambda prev: (x if prev is None else prev) + 1, CHAIN))

@@ -274,9 +274,10 @@ written: list = []  # the modules this process compiled into MLX's cache
 # The first NVRTC compile of a process with `--pch` parses the preamble's headers and makes the
 # precompiled header (1.3-1.5 s on the H200's host), each later one takes 0.09-0.13 s
 # (docs/benchmarks.md, forty-seventh session, item 5): most of a filling process's wait.
-# MLX names a custom kernel's module (and its symbol) custom_kernel_<name>; ours are named
-# mlx_moe_fix_... (launch._kernel_name).
-OUR_KERNEL_PREFIX = "custom_kernel_mlx_moe_fix_"
+# The names launch._kernel_name gives our kernels start with KERNEL_NAME_PREFIX; MLX names a custom
+# kernel's module (and its symbol) custom_kernel_<name>.
+KERNEL_NAME_PREFIX = "mlx_moe_fix_"
+OUR_KERNEL_PREFIX = "custom_kernel_" + KERNEL_NAME_PREFIX
 WARM_UP_KERNEL = OUR_KERNEL_PREFIX + "header_warm_up"
 _warm_up: list = []  # the thread, once started
 

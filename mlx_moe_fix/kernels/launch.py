@@ -54,7 +54,7 @@ def _kernel_name(backend: str, filename: str, section: str, suffix: str = "", de
         source = sections(backend, filename)
         header, body = source["header"], source[section]
     digest = hashlib.sha1((header + declarations + body).encode()).hexdigest()[:12]
-    return f"mlx_moe_fix_{filename.split('.')[0]}_{section}{suffix}_{digest}"
+    return f"{kernel_cache.KERNEL_NAME_PREFIX}{filename.split('.')[0]}_{section}{suffix}_{digest}"
 
 
 def global_qualifiers(bounds: tuple = ()) -> str:
