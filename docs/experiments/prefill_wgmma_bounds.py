@@ -25,6 +25,12 @@ a copy of the repo with its moe_prefill.cu: pytest puts the repo root first on s
   nobar:    no per-k-step fence or barrier (races between stages: timing only)
   grouped_noscale: noscale's edit in `grouped`, the mma.sync GEMM (the down launch, and gate+up
             at tiles under 64 rows): time it with `--parts down`
+  grouped_nobar, grouped_noa, grouped_now, grouped_nodq, grouped_nomma, grouped_skeleton: the same
+            parts left out of `grouped` (its k-step barrier; the activation copies, `noa`; the
+            weight copies, `now`; the dequantisation; the mmas, each replaced by its operands
+            XORed into an accumulator; both); time them with `--parts down`. Without its mmas the
+            GEMM needs ~100 registers, not 168: those two trees ask for 66 KB of shared memory a
+            block so that they too run three blocks a SM
 """
 
 import subprocess
@@ -56,6 +62,22 @@ WINDOW_SCALES = """        if (windows) {
         }"""
 NO_WINDOW_SCALES = """        group_scale[m][h8] = static_cast<T>(1.f + (group + h8) % 2);
         if constexpr (!FP4) group_bias[m][h8] = static_cast<S>(0.f);"""
+# grouped's (the mma.sync GEMM's) k-loop: its barrier, its copies, its dequantisation, its mmas
+GROUPED_BARRIER = """    asm volatile("cp.async.wait_group %0;\\n" ::"n"(STAGES - 2));
+    __syncthreads();"""
+GROUPED_NO_BARRIER = """    asm volatile("cp.async.wait_group %0;\\n" ::"n"(STAGES - 2));"""
+GROUPED_A_COPY = """      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" ::"r"(smem_address(&a_dst[r * LDS + a_chunk * 8])),
+                   "l"(a + a_offset[i] + k0), "r"((a_present >> i & 1u) * 16));"""
+GROUPED_W_COPY = """      w_copies.copy(reinterpret_cast<const unsigned char*>(m == 0 ? w0 : w1) + (size_t)k0 * BITS / 8,
+                    sw + (stage * MATRICES + m) * W_STAGE_BYTES, tid);"""
+GROUPED_DEQUANT = """            const unsigned b_lo = dequant_pair<T, S, BITS, FP4>(word >> shift & PAIR_MASK, group_scale[m][j], group_bias[m][j]);
+            const unsigned b_hi = dequant_pair<T, S, BITS, FP4>(word >> (shift + BITS) & PAIR_MASK, group_scale[m][j], group_bias[m][j]);"""
+GROUPED_NO_DEQUANT = """            const unsigned affine = *reinterpret_cast<const unsigned short*>(&group_scale[m][j]) |
+                                    (unsigned)*reinterpret_cast<const unsigned short*>(&group_bias[m][j]) << 16;
+            const unsigned b_lo = word >> shift ^ affine, b_hi = word >> (shift + BITS) ^ affine;"""
+GROUPED_MMA = "for (int mi = 0; mi < MI; ++mi) mma<T>(acc[m][mi][j], af[mi][s], b_lo, b_hi);"
+GROUPED_NO_MMA = ("for (int mi = 0; mi < MI; ++mi) acc[m][mi][j][0] += __uint_as_float(b_lo ^ b_hi ^ af[mi][s][0] ^ af[mi][s][1] ^ "
+                  "af[mi][s][2] ^ af[mi][s][3]);")
 BARRIER = """    asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
     __syncthreads();
 """
@@ -85,7 +107,12 @@ PAIR_LOOP_HEAD = """    if (step % 2 == 0) {
       asm volatile("cp.async.commit_group;\\n" ::);
     }"""
 
-# {tree: (the section of moe_prefill.cu it edits, its edits)}
+# the one-matrix GEMM's shared memory raised to keep its blocks three a SM (of 228 KB)
+SHARED_BYTES = "    return PIPELINE_STAGES * (tile * SHARED_ROW * 2 + weights)"
+THREE_BLOCKS_SHARED_BYTES = "    return max(PIPELINE_STAGES * (tile * SHARED_ROW * 2 + weights), 66 * 1024)"
+THREE_BLOCKS = [(SHARED_BYTES, THREE_BLOCKS_SHARED_BYTES)]
+
+# {tree: (the section of moe_prefill.cu it edits, its edits[, edits of moe_prefill.py])}
 VARIANTS = {
     "pair": ("grouped_wgmma", [(PROLOGUE, PAIR_PROLOGUE), (LOOP_HEAD, PAIR_LOOP_HEAD)]),
     "nodq": ("grouped_wgmma", [(DEQUANT, NO_DEQUANT)]),
@@ -94,12 +121,18 @@ VARIANTS = {
     "noscale": ("grouped_wgmma", [(WINDOW_SCALES, NO_WINDOW_SCALES)]),
     "nobar": ("grouped_wgmma", [(BARRIER, "")]),
     "grouped_noscale": ("grouped", [(SCALES, NO_SCALES)]),
+    "grouped_nobar": ("grouped", [(GROUPED_BARRIER, GROUPED_NO_BARRIER)]),
+    "grouped_noa": ("grouped", [(GROUPED_A_COPY, "")]),
+    "grouped_now": ("grouped", [(GROUPED_W_COPY, "      ;")]),
+    "grouped_nodq": ("grouped", [(GROUPED_DEQUANT, GROUPED_NO_DEQUANT)]),
+    "grouped_nomma": ("grouped", [(GROUPED_MMA, GROUPED_NO_MMA)], THREE_BLOCKS),
+    "grouped_skeleton": ("grouped", [(GROUPED_DEQUANT, GROUPED_NO_DEQUANT), (GROUPED_MMA, GROUPED_NO_MMA)], THREE_BLOCKS),
 }
 
 
-def write_tree(directory: Path, kernel: str, edits) -> None:
+def write_tree(directory: Path, kernel: str, edits, launcher_edits=()) -> None:
     """HEAD's mlx_moe_fix under `directory`, the section `kernel` of moe_prefill.cu edited (each
-    edit found once)."""
+    edit found once), and moe_prefill.py by `launcher_edits`."""
     directory.mkdir(parents=True, exist_ok=True)
     subprocess.run(f"git archive HEAD mlx_moe_fix | tar -x -C {directory}", shell=True, check=True)
     source = directory / "mlx_moe_fix/kernels/cuda/moe_prefill.cu"
@@ -112,6 +145,13 @@ def write_tree(directory: Path, kernel: str, edits) -> None:
             raise SystemExit(f"{directory.name}: {kernel} no longer reads as this script expects ({old[:60]!r})")
         section = section.replace(old, new)
     source.write_text(text[:start] + section + text[end:])
+    launcher = directory / "mlx_moe_fix/kernels/moe_prefill.py"
+    code = launcher.read_text()
+    for old, new in launcher_edits:
+        if code.count(old) != 1:
+            raise SystemExit(f"{directory.name}: moe_prefill.py no longer reads as this script expects ({old[:60]!r})")
+        code = code.replace(old, new)
+    launcher.write_text(code)
 
 
 def main(argv) -> None:
