@@ -42,9 +42,12 @@ from .timing import after, bench, fmt, in_sequence, markdown_table, relative_err
 OTHER = "mlx_moe_fix_other"
 # (hidden, intermediate, experts, top-k). q3f1536 / q3f3072 / q3h4096: Qwen3-30B-A3B with a wider
 # intermediate (the down's K) or hidden (gate+up's K), for how the rates move with the k-loop's
-# length over the same tiles (docs/benchmarks.md, sixty-eighth and seventieth stops).
+# length over the same tiles (docs/benchmarks.md, sixty-eighth and seventieth stops). dsv3:
+# DeepSeek-V3's routed experts (256 of 2048 x 7168, top-8), where a few hundred tokens give each
+# expert a few rows and every expert's weights are read: the GEMMs bound by HBM, not the tensor cores.
 SHAPES = {"qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2),
-          "q3f1536": (2048, 1536, 128, 8), "q3f3072": (2048, 3072, 128, 8), "q3h4096": (4096, 768, 128, 8)}
+          "q3f1536": (2048, 1536, 128, 8), "q3f3072": (2048, 3072, 128, 8), "q3h4096": (4096, 768, 128, 8),
+          "dsv3": (7168, 2048, 256, 8)}
 
 
 def load_other(tree: str, into: str):

@@ -165,6 +165,40 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned q, GroupScale<T, S, FP
   }
 }
 
+// Whether dequant_pair_at takes its 4-bit values in place: against bf16 with bf16 scales.
+template <typename T, typename S, int BITS, bool FP4>
+constexpr bool DEQUANT_IN_PLACE = BITS == 4 && !FP4 && cuda::std::is_same_v<T, __nv_bfloat16> && cuda::std::is_same_v<S, T>;
+
+// A group's scale as a thread keeps it for dequant_pair_at: times 2^7 where that takes its values
+// in place (exact: a bf16 value times a power of two; a scale of 2^121 or more, no quantization's,
+// would overflow), else as it is.
+template <typename T, typename S, int BITS, bool FP4>
+__device__ __forceinline__ GroupScale<T, S, FP4> kept_scale(GroupScale<T, S, FP4> scale) {
+  if constexpr (DEQUANT_IN_PLACE<T, S, BITS, FP4>) return static_cast<T>(static_cast<float>(scale) * 128.f);
+  else return scale;
+}
+
+// The pair of BITS-bit values at bit `at` of each 16-bit half of `q` (other bits anything; `at`
+// 0, or BITS for a byte's high 4-bit value), dequantised as dequant_pair does with the group's
+// scale (`scale`: kept_scale's). 4-bit values against bf16 scales are masked in place, not
+// shifted, and need no MAGIC: the masked half read as bf16 is v x 2^-133 exactly (v = q or 16q <
+// 256: its exponent field 0 or 1), its product by 2^126 or 2^122 is q x 2^-7 exactly, and one
+// fused multiply-add by the scale times 2^7 gives q x scale + bias rounded once, bit for bit
+// dequant_pair's: three instructions a pair where the shift, mask, MAGIC and subtraction took five.
+template <typename T, typename S, int BITS, bool FP4 = false>
+__device__ __forceinline__ unsigned dequant_pair_at(unsigned q, int at, GroupScale<T, S, FP4> scale, S bias) {
+  if constexpr (DEQUANT_IN_PLACE<T, S, BITS, FP4>) {
+    using T2 = __nv_bfloat162;
+    const unsigned x = q & 0x000F000Fu << at, to_q_over_128 = at ? 0x7C807C80u : 0x7E807E80u;  // 2^122, 2^126
+    T2 v = __hmul2(*reinterpret_cast<const T2*>(&x), *reinterpret_cast<const T2*>(&to_q_over_128));
+    v = __hfma2(v, T2(scale, scale), T2(bias, bias));
+    return *reinterpret_cast<unsigned*>(&v);
+  } else {
+    constexpr unsigned PAIR_MASK = BITS == 4 ? 0x000F000Fu : 0x00FF00FFu;
+    return dequant_pair<T, S, BITS, FP4>(q >> at & PAIR_MASK, scale, bias);
+  }
+}
+
 // One output of a grouped GEMM from its fp32 sums (`second`: the up projection's, GATED), rounded
 // where stock rounds: the additive biases, the per-expert scale (of gate, or of the output), the
 // activation (ACTIVATE).
@@ -310,7 +344,8 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 // physical k for A and for B. They are chosen so that a B register pair is two values 16 bits
 // apart in one packed word: (q >> shift) & 0x000F000F (4-bit) or & 0x00FF00FF (8-bit) puts both
 // under one exponent, and one fused multiply-add in T's two-lane arithmetic dequantises the pair
-// (MAGIC + q is exact in T: 4-bit in bf16, 4/8-bit in fp16; else in fp32, rounded once). The
+// (MAGIC + q is exact in T: 4-bit in bf16, 4/8-bit in fp16; else in fp32, rounded once); 4-bit
+// values against bf16 are masked where they lie, with no shift or MAGIC (dequant_pair_at). The
 // A pairs come out of 16-byte shared loads by byte permutes. Thread t holds physical k
 // 16t .. 16t + 15 of every k-step: 2 packed words a row (4-bit) or 4 (8-bit), one group.
 // Needs IN_DIM % 64 == 0, OUT_DIM % 32 == 0. Dynamic shared memory: STAGES x (BM x LDS values of T
@@ -327,7 +362,6 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   constexpr int A_CHUNKS = BM * BK / 8 / THREADS;         // 16-byte copies per thread and stage
   constexpr int W_CHUNKS = W_STAGE_BYTES / 16 / THREADS;  // per matrix
   constexpr int WORDS = 16 * BITS / 32;                   // packed words of a row per thread and k-step
-  constexpr unsigned PAIR_MASK = BITS == 4 ? 0x000F000Fu : 0x00FF00FFu;
   static_assert(BM * BK / 8 % THREADS == 0 && W_STAGE_BYTES / 16 % THREADS == 0, "copies split evenly");
   static_assert(GROUP % 16 == 0, "a thread's 16 values of a k-step share one group");
   using Bias = cuda::std::conditional_t<FP4, T, S>;
@@ -396,7 +430,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
       for (int j = 0; j < WN / 8; ++j) {
         const int n = n0 + wn * WN + 8 * j + g;
         const size_t at = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * groups_per_row + (k0 + 16 * t) / GROUP;
-        group_scale[m][j] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
+        group_scale[m][j] = kept_scale<T, S, BITS, FP4>(group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]));
         if constexpr (!FP4) group_bias[m][j] = (m == 0 ? b0 : b1)[at];
       }
     }
@@ -471,8 +505,8 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
             // 2 half + s, byte pairs (0, 2) and (1, 3)
             const unsigned word = BITS == 4 ? words[0] : words[s % (WORDS / 2)];
             const int shift = BITS == 4 ? 8 * s : 0;
-            const unsigned b_lo = dequant_pair<T, S, BITS, FP4>(word >> shift & PAIR_MASK, group_scale[m][j], group_bias[m][j]);
-            const unsigned b_hi = dequant_pair<T, S, BITS, FP4>(word >> (shift + BITS) & PAIR_MASK, group_scale[m][j], group_bias[m][j]);
+            const unsigned b_lo = dequant_pair_at<T, S, BITS, FP4>(word >> shift, 0, group_scale[m][j], group_bias[m][j]);
+            const unsigned b_hi = dequant_pair_at<T, S, BITS, FP4>(word >> shift, BITS, group_scale[m][j], group_bias[m][j]);
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) mma<T>(acc[m][mi][j], af[mi][s], b_lo, b_hi);
           }
