@@ -8,7 +8,7 @@ pair of k-steps instead of every k-step, the next pair's stages loaded after it.
         --cases qwen3:2048,mixtral:2048                                        # on the GPU; carry scratch/
 
 The edits read grouped_wgmma as it is since ebe982d (stop 68: the scale windows, a step's packed
-words in one load); stop 66's trees (docs/benchmarks.md, sixty-sixth stop, item 2) were built from
+words in one load), and `grouped` as it is since c50f938 (stop 76: 4-bit values in place); stop 66's trees (docs/benchmarks.md, sixty-sixth stop, item 2) were built from
 c5b3817's kernel by the script of that commit. Where the kernel changes, the script stops with "no
 longer reads as this script expects".
 
@@ -46,7 +46,7 @@ MMA = "wgmma<T, BM>(acc[m], af[m], wgmma_descriptor(b_stage + (2 * half + s) * 2
 # one accumulator instead, 3 instructions a matrix and k16 step where the wgmma was 1.
 NO_MMA = "acc[m][0] += __uint_as_float(af[m][0] ^ af[m][1] ^ af[m][2] ^ af[m][3]);"
 # grouped's scale loads (a row's group each k-step; `grouped_noscale`)
-SCALES = """group_scale[m][j] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
+SCALES = """group_scale[m][j] = kept_scale<T, S, BITS, FP4>(group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]));
         if constexpr (!FP4) group_bias[m][j] = (m == 0 ? b0 : b1)[at];"""
 NO_SCALES = """group_scale[m][j] = static_cast<T>(1.f + at % 2);
         if constexpr (!FP4) group_bias[m][j] = static_cast<S>(0.f);"""
@@ -70,8 +70,8 @@ GROUPED_A_COPY = """      asm volatile("cp.async.cg.shared.global [%0], [%1], 16
                    "l"(a + a_offset[i] + k0), "r"((a_present >> i & 1u) * 16));"""
 GROUPED_W_COPY = """      w_copies.copy(reinterpret_cast<const unsigned char*>(m == 0 ? w0 : w1) + (size_t)k0 * BITS / 8,
                     sw + (stage * MATRICES + m) * W_STAGE_BYTES, tid);"""
-GROUPED_DEQUANT = """            const unsigned b_lo = dequant_pair<T, S, BITS, FP4>(word >> shift & PAIR_MASK, group_scale[m][j], group_bias[m][j]);
-            const unsigned b_hi = dequant_pair<T, S, BITS, FP4>(word >> (shift + BITS) & PAIR_MASK, group_scale[m][j], group_bias[m][j]);"""
+GROUPED_DEQUANT = """            const unsigned b_lo = dequant_pair_at<T, S, BITS, FP4>(word >> shift, 0, group_scale[m][j], group_bias[m][j]);
+            const unsigned b_hi = dequant_pair_at<T, S, BITS, FP4>(word >> shift, BITS, group_scale[m][j], group_bias[m][j]);"""
 GROUPED_NO_DEQUANT = """            const unsigned affine = *reinterpret_cast<const unsigned short*>(&group_scale[m][j]) |
                                     (unsigned)*reinterpret_cast<const unsigned short*>(&group_bias[m][j]) << 16;
             const unsigned b_lo = word >> shift ^ affine, b_hi = word >> (shift + BITS) ^ affine;"""
