@@ -164,6 +164,7 @@ template <typename Reduce> unsigned reduce_lanes(unsigned v, Reduce reduce) {
 // The grouped prefill's (moe_prefill.cu): fp16 pairs, shared memory addresses, cp.async, mma.sync,
 // wgmma and the route kernel's shared-memory atomics.
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
+inline __nv_bfloat16 __hmul(__nv_bfloat16 a, __nv_bfloat16 b) { return bfloat16_of_exact(double(float(a)) * double(float(b))); }
 inline __half2 __floats2half2_rn(float a, float b) { return {__half(a), __half(b)}; }
 inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
   return {bfloat16_of_exact(double(float(a.x)) * double(float(b.x))), bfloat16_of_exact(double(float(a.y)) * double(float(b.y)))};

@@ -174,7 +174,7 @@ constexpr bool DEQUANT_IN_PLACE = BITS == 4 && !FP4 && cuda::std::is_same_v<T, _
 // would overflow), else as it is.
 template <typename T, typename S, int BITS, bool FP4>
 __device__ __forceinline__ GroupScale<T, S, FP4> kept_scale(GroupScale<T, S, FP4> scale) {
-  if constexpr (DEQUANT_IN_PLACE<T, S, BITS, FP4>) return static_cast<T>(static_cast<float>(scale) * 128.f);
+  if constexpr (DEQUANT_IN_PLACE<T, S, BITS, FP4>) return __hmul(scale, __ushort_as_bfloat16(0x4300));  // 128
   else return scale;
 }
 
@@ -673,11 +673,11 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 #pragma unroll
       for (int h8 = 0; h8 < 2; ++h8) {
         if (windows) {
-          group_scale[m][h8] = group_scale_of<T, FP4, GROUP>(word_value<S>(__shfl_sync(0xffffffffu, held_scale[m][h8], from) >> shift));
+          group_scale[m][h8] = kept_scale<T, S, BITS, FP4>(group_scale_of<T, FP4, GROUP>(word_value<S>(__shfl_sync(0xffffffffu, held_scale[m][h8], from) >> shift)));
           if constexpr (!FP4) group_bias[m][h8] = word_value<S>(__shfl_sync(0xffffffffu, held_bias[m][h8], from) >> shift);
         } else {
           const size_t at = row_start(h8) + group;
-          group_scale[m][h8] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
+          group_scale[m][h8] = kept_scale<T, S, BITS, FP4>(group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]));
           if constexpr (!FP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];
         }
       }
@@ -734,8 +734,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
               // the pair (e = 0, 1) at physical k 16t + 8 half + 4e + 2s + h: nibbles 2s + h and
               // 2s + h + 4 of the half's word
               const unsigned word = half == 0 ? step_words[m][h8].x : step_words[m][h8].y;
-              af[m][2 * h + h8] = dequant_pair<T, S, BITS, FP4>(word >> (8 * s + 4 * h) & 0x000F000Fu,
-                                                                  group_scale[m][h8], group_bias[m][h8]);
+              af[m][2 * h + h8] = dequant_pair_at<T, S, BITS, FP4>(word >> 8 * s, 4 * h, group_scale[m][h8], group_bias[m][h8]);
             }
           }
         }
