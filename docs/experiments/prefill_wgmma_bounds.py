@@ -8,7 +8,8 @@ pair of k-steps instead of every k-step, the next pair's stages loaded after it.
         --cases qwen3:2048,mixtral:2048                                        # on the GPU; carry scratch/
 
 The edits read grouped_wgmma as it is since ebe982d (stop 68: the scale windows, a step's packed
-words in one load), and `grouped` as it is since c50f938 (stop 76: 4-bit values in place); stop 66's trees (docs/benchmarks.md, sixty-sixth stop, item 2) were built from
+words in one load) with stop 77's 4-bit values in place, and `grouped` as it is since c50f938
+(stop 76: 4-bit values in place); stop 66's trees (docs/benchmarks.md, sixty-sixth stop, item 2) were built from
 c5b3817's kernel by the script of that commit. Where the kernel changes, the script stops with "no
 longer reads as this script expects".
 
@@ -37,8 +38,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEQUANT = """af[m][2 * h + h8] = dequant_pair<T, S, BITS, FP4>(word >> (8 * s + 4 * h) & 0x000F000Fu,
-                                                                  group_scale[m][h8], group_bias[m][h8]);"""
+DEQUANT = """af[m][2 * h + h8] = dequant_pair_at<T, S, BITS, FP4>(word >> 8 * s, 4 * h, group_scale[m][h8], group_bias[m][h8]);"""
 NO_DEQUANT = """af[m][2 * h + h8] = word ^ (*reinterpret_cast<const unsigned short*>(&group_scale[m][h8]) |
                                               (unsigned)*reinterpret_cast<const unsigned short*>(&group_bias[m][h8]) << 16);"""
 MMA = "wgmma<T, BM>(acc[m], af[m], wgmma_descriptor(b_stage + (2 * half + s) * 2 * BM * 16, BM * 16));"
@@ -53,11 +53,11 @@ NO_SCALES = """group_scale[m][j] = static_cast<T>(1.f + at % 2);
 # grouped_wgmma's: each k-step's value from its window (or, for rows not of whole words, its own
 # load); without them the windows' loads feed nothing and go too
 WINDOW_SCALES = """        if (windows) {
-          group_scale[m][h8] = group_scale_of<T, FP4, GROUP>(word_value<S>(__shfl_sync(0xffffffffu, held_scale[m][h8], from) >> shift));
+          group_scale[m][h8] = kept_scale<T, S, BITS, FP4>(group_scale_of<T, FP4, GROUP>(word_value<S>(__shfl_sync(0xffffffffu, held_scale[m][h8], from) >> shift)));
           if constexpr (!FP4) group_bias[m][h8] = word_value<S>(__shfl_sync(0xffffffffu, held_bias[m][h8], from) >> shift);
         } else {
           const size_t at = row_start(h8) + group;
-          group_scale[m][h8] = group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
+          group_scale[m][h8] = kept_scale<T, S, BITS, FP4>(group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]));
           if constexpr (!FP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];
         }"""
 NO_WINDOW_SCALES = """        group_scale[m][h8] = static_cast<T>(1.f + (group + h8) % 2);
