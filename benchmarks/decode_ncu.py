@@ -69,7 +69,8 @@ def shapes_of(knobs: dict) -> dict:
 
 
 def run_variant(layer, x, logits, routing: Routing, kind: str, knobs: dict, calls: int) -> float:
-    """`calls` decode calls of one variant; the last output's max |error| against fp32."""
+    """`calls` decode calls of one variant; the last output's max |error| against the float32
+    reference of the same routing."""
     with block_shapes.block_shapes(shapes_of(knobs)):
         experts = experts_of(layer)  # a fresh memo of launch plans
         for _ in range(calls):
@@ -79,7 +80,9 @@ def run_variant(layer, x, logits, routing: Routing, kind: str, knobs: dict, call
                 indices, weights = moe_router(logits, routing)
                 y = decode_module.moe_decode(x, indices, experts, weights)
             mx.eval(y)
-    expected = moe_routed_decode_reference(x.astype(mx.float32), logits.astype(mx.float32), routing, experts)
+    # routed from the logits as the kernels get them: in float32 two logits a bf16 softmax ties may
+    # rank the other way (1 call in ~300 chose another expert), and the check is of the experts' sums
+    expected = moe_routed_decode_reference(x.astype(mx.float32), logits, routing, experts)
     return mx.abs(y.astype(mx.float32) - expected).max().item()
 
 
