@@ -501,7 +501,7 @@ def in_place_and_magic_dequantisation(header: str):
         for (int at = 0; at < 2; ++at) {
           const int o = (i * 2 + shift) * 2 + at;
           in_place[o] = grouped::dequant_pair_at<T, T, 4>(word >> 8 * shift, 4 * at,
-                                                           grouped::kept_scale<T, T, 4, false>(scales[group]), biases[group]);
+                                                           grouped::group_scale_of<T, 4, false, 64>(scales[group]), biases[group]);
           magic[o] = grouped::dequant_pair<T, T, 4>(word >> (8 * shift + 4 * at) & 0x000F000Fu, scales[group], biases[group]);
         }
     """

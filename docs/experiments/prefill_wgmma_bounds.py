@@ -46,18 +46,18 @@ MMA = "wgmma<T, BM>(acc[m], af[m], wgmma_descriptor(b_stage + (2 * half + s) * 2
 # one accumulator instead, 3 instructions a matrix and k16 step where the wgmma was 1.
 NO_MMA = "acc[m][0] += __uint_as_float(af[m][0] ^ af[m][1] ^ af[m][2] ^ af[m][3]);"
 # grouped's scale loads (a row's group each k-step; `grouped_noscale`)
-SCALES = """group_scale[m][j] = kept_scale<T, S, BITS, FP4>(group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]));
+SCALES = """group_scale[m][j] = group_scale_of<T, BITS, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
         if constexpr (!FP4) group_bias[m][j] = (m == 0 ? b0 : b1)[at];"""
 NO_SCALES = """group_scale[m][j] = static_cast<T>(1.f + at % 2);
         if constexpr (!FP4) group_bias[m][j] = static_cast<S>(0.f);"""
 # grouped_wgmma's: each k-step's value from its window (or, for rows not of whole words, its own
 # load); without them the windows' loads feed nothing and go too
 WINDOW_SCALES = """        if (windows) {
-          group_scale[m][h8] = kept_scale<T, S, BITS, FP4>(group_scale_of<T, FP4, GROUP>(word_value<S>(__shfl_sync(0xffffffffu, held_scale[m][h8], from) >> shift)));
+          group_scale[m][h8] = group_scale_of<T, BITS, FP4, GROUP>(word_value<S>(__shfl_sync(0xffffffffu, held_scale[m][h8], from) >> shift));
           if constexpr (!FP4) group_bias[m][h8] = word_value<S>(__shfl_sync(0xffffffffu, held_bias[m][h8], from) >> shift);
         } else {
           const size_t at = row_start(h8) + group;
-          group_scale[m][h8] = kept_scale<T, S, BITS, FP4>(group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]));
+          group_scale[m][h8] = group_scale_of<T, BITS, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
           if constexpr (!FP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];
         }"""
 NO_WINDOW_SCALES = """        group_scale[m][h8] = static_cast<T>(1.f + (group + h8) % 2);

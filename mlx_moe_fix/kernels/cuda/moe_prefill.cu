@@ -113,10 +113,19 @@ __device__ __forceinline__ __nv_bfloat16 e8m0_scale(unsigned char e) {
 template <typename T, typename S, bool FP4>
 using GroupScale = cuda::std::conditional_t<FP4, T, S>;
 
-template <typename T, bool FP4, int GROUP, typename S>
+// Whether dequant_pair_at takes its 4-bit values in place: against bf16 with bf16 scales.
+template <typename T, typename S, int BITS, bool FP4>
+constexpr bool DEQUANT_IN_PLACE = BITS == 4 && !FP4 && cuda::std::is_same_v<T, __nv_bfloat16> && cuda::std::is_same_v<S, T>;
+
+// A group's stored scale as a thread keeps it for dequant_pair_at: FP4's byte as its value; times
+// 2^7 where dequant_pair_at takes its values in place (exact: a bf16 value times a power of two,
+// `mul.bf16` flushing no subnormal; a scale of 2^121 or more, no quantization's, would overflow);
+// else as it is.
+template <typename T, int BITS, bool FP4, int GROUP, typename S>
 __device__ __forceinline__ GroupScale<T, S, FP4> group_scale_of(S scale) {
   if constexpr (FP4 && GROUP == 16) return __float2bfloat16_rn(e4m3_over_256(scale) * 256.f);
   else if constexpr (FP4) return e8m0_scale(scale);
+  else if constexpr (DEQUANT_IN_PLACE<T, S, BITS, FP4>) return __hmul(scale, __ushort_as_bfloat16(0x4300));  // 128
   else return scale;
 }
 
@@ -165,22 +174,9 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned q, GroupScale<T, S, FP
   }
 }
 
-// Whether dequant_pair_at takes its 4-bit values in place: against bf16 with bf16 scales.
-template <typename T, typename S, int BITS, bool FP4>
-constexpr bool DEQUANT_IN_PLACE = BITS == 4 && !FP4 && cuda::std::is_same_v<T, __nv_bfloat16> && cuda::std::is_same_v<S, T>;
-
-// A group's scale as a thread keeps it for dequant_pair_at: times 2^7 where that takes its values
-// in place (exact: a bf16 value times a power of two; a scale of 2^121 or more, no quantization's,
-// would overflow), else as it is.
-template <typename T, typename S, int BITS, bool FP4>
-__device__ __forceinline__ GroupScale<T, S, FP4> kept_scale(GroupScale<T, S, FP4> scale) {
-  if constexpr (DEQUANT_IN_PLACE<T, S, BITS, FP4>) return __hmul(scale, __ushort_as_bfloat16(0x4300));  // 128
-  else return scale;
-}
-
 // The pair of BITS-bit values at bit `at` of each 16-bit half of `q` (other bits anything; `at`
 // 0, or BITS for a byte's high 4-bit value), dequantised as dequant_pair does with the group's
-// scale (`scale`: kept_scale's). 4-bit values against bf16 scales are masked in place, not
+// scale (`scale`: group_scale_of's). 4-bit values against bf16 scales are masked in place, not
 // shifted, and need no MAGIC: the masked half read as bf16 is v x 2^-133 exactly (v = q or 16q <
 // 256: its exponent field 0 or 1), its product by 2^126 or 2^122 is q x 2^-7 exactly, and one
 // fused multiply-add by the scale times 2^7 gives q x scale + bias rounded once, bit for bit
@@ -430,7 +426,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
       for (int j = 0; j < WN / 8; ++j) {
         const int n = n0 + wn * WN + 8 * j + g;
         const size_t at = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * groups_per_row + (k0 + 16 * t) / GROUP;
-        group_scale[m][j] = kept_scale<T, S, BITS, FP4>(group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]));
+        group_scale[m][j] = group_scale_of<T, BITS, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
         if constexpr (!FP4) group_bias[m][j] = (m == 0 ? b0 : b1)[at];
       }
     }
@@ -673,11 +669,11 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 #pragma unroll
       for (int h8 = 0; h8 < 2; ++h8) {
         if (windows) {
-          group_scale[m][h8] = kept_scale<T, S, BITS, FP4>(group_scale_of<T, FP4, GROUP>(word_value<S>(__shfl_sync(0xffffffffu, held_scale[m][h8], from) >> shift)));
+          group_scale[m][h8] = group_scale_of<T, BITS, FP4, GROUP>(word_value<S>(__shfl_sync(0xffffffffu, held_scale[m][h8], from) >> shift));
           if constexpr (!FP4) group_bias[m][h8] = word_value<S>(__shfl_sync(0xffffffffu, held_bias[m][h8], from) >> shift);
         } else {
           const size_t at = row_start(h8) + group;
-          group_scale[m][h8] = kept_scale<T, S, BITS, FP4>(group_scale_of<T, FP4, GROUP>((m == 0 ? s0 : s1)[at]));
+          group_scale[m][h8] = group_scale_of<T, BITS, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
           if constexpr (!FP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];
         }
       }
