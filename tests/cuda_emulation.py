@@ -90,6 +90,8 @@ inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
   return {bfloat16_of_exact(double(float(a.x)) - double(float(b.x))), bfloat16_of_exact(double(float(a.y)) - double(float(b.y)))};
 }
 inline float __low2float(__nv_bfloat162 a) { return float(a.x); }
+inline __nv_bfloat162 __low2bfloat162(__nv_bfloat162 a) { return {a.x, a.x}; }
+inline __nv_bfloat162 __high2bfloat162(__nv_bfloat162 a) { return {a.y, a.y}; }
 inline float __high2float(__nv_bfloat162 a) { return float(a.y); }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }

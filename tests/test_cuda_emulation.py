@@ -486,12 +486,13 @@ def test_emulated_cuda_greedy_tokens_match_stock(emulated_cuda_backend, family):
 
 
 def in_place_and_magic_dequantisation(header: str):
-    """grouped::dequant_pair_at's and dequant_pair's (the MAGIC path's) bf16 pairs, emulated with
-    the prefill's `header`: every value of every byte of a word, at both nibbles, against scales
-    from subnormal to large, of both signs and zero."""
+    """grouped::dequant_pair_at's bf16 pairs times 2^64 (its values are the weights times 2^-64) and
+    dequant_pair's (the MAGIC path's), emulated with the prefill's `header`: every value of every
+    byte of a word, at both nibbles, against scales and biases of both signs and zero, from 2^-49
+    to 2^50 (dequant_pair_at is exact for scales under 2^59 and weights of 2^-62 or more)."""
     words = mx.array([a | (a * 37 % 256) << 8 | (a * 101 % 256) << 16 | (a * 211 % 256) << 24 for a in range(256)], mx.uint32)
-    scales = mx.array([1e-3, 0.0123, 0.5, 3.0, -0.02, 0.0, 2.0 ** -130, 1.2e-38, 65504.0, 2.0 ** 100], mx.bfloat16)
-    biases = mx.array([-0.1, 0.0, 7.5, -1e-3, 0.37, -3.0, 2.0 ** -131, 1e-30, -65504.0, 2.0 ** 99], mx.bfloat16)
+    scales = mx.array([1e-3, 0.0123, 0.5, 3.0, -0.02, 0.0, 2.0 ** -40, 1.2e-15, 65504.0, 2.0 ** 50], mx.bfloat16)
+    biases = mx.array([-0.1, 0.0, 7.5, -1e-3, 0.37, -3.0, 2.0 ** -41, 1e-12, -65504.0, 2.0 ** 49], mx.bfloat16)
     body = """
       const int i = blockIdx.x * blockDim.x + threadIdx.x;
       if (i >= sizes[0]) return;
@@ -500,8 +501,13 @@ def in_place_and_magic_dequantisation(header: str):
       for (int shift = 0; shift < 2; ++shift)
         for (int at = 0; at < 2; ++at) {
           const int o = (i * 2 + shift) * 2 + at;
-          in_place[o] = grouped::dequant_pair_at<T, T, 4>(word >> 8 * shift, 4 * at,
-                                                           grouped::group_scale_of<T, 4, false, 64>(scales[group]), biases[group]);
+          const unsigned weights_times_2_to_minus_64 = grouped::dequant_pair_at<T, T, 4>(
+              word >> 8 * shift, 4 * at, grouped::group_scale_of<T, 4, false, 64>(scales[group]),
+              grouped::group_bias_of<T, 4, false>(biases[group]));
+          const unsigned two_to_64 = 0x5F805F80u;
+          const __nv_bfloat162 weights = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&weights_times_2_to_minus_64),
+                                                 *reinterpret_cast<const __nv_bfloat162*>(&two_to_64));
+          in_place[o] = *reinterpret_cast<const unsigned*>(&weights);
           magic[o] = grouped::dequant_pair<T, T, 4>(word >> (8 * shift + 4 * at) & 0x000F000Fu, scales[group], biases[group]);
         }
     """
@@ -515,7 +521,7 @@ def test_emulated_in_place_dequantisation_is_the_magic_paths_bit_for_bit():
     header = sections("cuda", "moe_prefill.cu")["header"]
     in_place, magic = in_place_and_magic_dequantisation(header)
     assert mx.array_equal(in_place, magic).item()
-    # the comparison sees a wrong constant: the high nibbles scaled by 2^126 as the low ones
-    assert "0x7C807C80u" in header
-    in_place, magic = in_place_and_magic_dequantisation(header.replace("0x7C807C80u", "0x7E807E80u"))
+    # the comparison sees a wrong constant: the high nibbles' scale times 2^69 as the low ones'
+    assert "0x60006200u" in header
+    in_place, magic = in_place_and_magic_dequantisation(header.replace("0x60006200u", "0x62006200u"))
     assert not mx.array_equal(in_place, magic).item()

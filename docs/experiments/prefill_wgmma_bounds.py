@@ -9,7 +9,8 @@ pair of k-steps instead of every k-step, the next pair's stages loaded after it.
 
 The edits read grouped_wgmma as it is since ebe982d (stop 68: the scale windows, a step's packed
 words in one load) with stop 77's 4-bit values in place, and `grouped` as it is since c50f938
-(stop 76: 4-bit values in place); stop 66's trees (docs/benchmarks.md, sixty-sixth stop, item 2) were built from
+(stop 76: 4-bit values in place), both with stop 78's two instructions a pair (the scales kept
+times 2^69 and 2^65, the biases times 2^-64); stop 66's trees (docs/benchmarks.md, sixty-sixth stop, item 2) were built from
 c5b3817's kernel by the script of that commit. Where the kernel changes, the script stops with "no
 longer reads as this script expects".
 
@@ -47,20 +48,20 @@ MMA = "wgmma<T, BM>(acc[m], af[m], wgmma_descriptor(b_stage + (2 * half + s) * 2
 NO_MMA = "acc[m][0] += __uint_as_float(af[m][0] ^ af[m][1] ^ af[m][2] ^ af[m][3]);"
 # grouped's scale loads (a row's group each k-step; `grouped_noscale`)
 SCALES = """group_scale[m][j] = group_scale_of<T, BITS, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
-        if constexpr (!FP4) group_bias[m][j] = (m == 0 ? b0 : b1)[at];"""
-NO_SCALES = """group_scale[m][j] = static_cast<T>(1.f + at % 2);
+        if constexpr (!FP4) group_bias[m][j] = group_bias_of<T, BITS, FP4>((m == 0 ? b0 : b1)[at]);"""
+NO_SCALES = """group_scale[m][j] = group_scale_of<T, BITS, FP4, GROUP>(static_cast<S>(1.f + at % 2));
         if constexpr (!FP4) group_bias[m][j] = static_cast<S>(0.f);"""
 # grouped_wgmma's: each k-step's value from its window (or, for rows not of whole words, its own
 # load); without them the windows' loads feed nothing and go too
 WINDOW_SCALES = """        if (windows) {
           group_scale[m][h8] = group_scale_of<T, BITS, FP4, GROUP>(word_value<S>(__shfl_sync(0xffffffffu, held_scale[m][h8], from) >> shift));
-          if constexpr (!FP4) group_bias[m][h8] = word_value<S>(__shfl_sync(0xffffffffu, held_bias[m][h8], from) >> shift);
+          if constexpr (!FP4) group_bias[m][h8] = group_bias_of<T, BITS, FP4>(word_value<S>(__shfl_sync(0xffffffffu, held_bias[m][h8], from) >> shift));
         } else {
           const size_t at = row_start(h8) + group;
           group_scale[m][h8] = group_scale_of<T, BITS, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
-          if constexpr (!FP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];
+          if constexpr (!FP4) group_bias[m][h8] = group_bias_of<T, BITS, FP4>((m == 0 ? b0 : b1)[at]);
         }"""
-NO_WINDOW_SCALES = """        group_scale[m][h8] = static_cast<T>(1.f + (group + h8) % 2);
+NO_WINDOW_SCALES = """        group_scale[m][h8] = group_scale_of<T, BITS, FP4, GROUP>(static_cast<S>(1.f + (group + h8) % 2));
         if constexpr (!FP4) group_bias[m][h8] = static_cast<S>(0.f);"""
 # grouped's (the mma.sync GEMM's) k-loop: its barrier, its copies, its dequantisation, its mmas
 GROUPED_BARRIER = """    asm volatile("cp.async.wait_group %0;\\n" ::"n"(STAGES - 2));

@@ -66,6 +66,7 @@ _NAMED = (
     re.compile(r"^(?:template\s*<[^{;]*?>\s*)?struct\s+(?:(?:alignas|__align__)\s*\([^)]*\)\s*)?(\w+)"),
     re.compile(r"^(?:template\s*<[^{;]*?>\s*)?(?:inline\s+)?constexpr\s[^=(]*?(\w+)\s*="),
     re.compile(r"^(?:template\s*<[^{;]*?>\s*)?__device__[^(]*?(\w+)\s*\("),
+    re.compile(r"^(?:template\s*<[^{;]*?>\s*)?using\s+(\w+)\s*="),
 )
 
 

@@ -108,25 +108,46 @@ __device__ __forceinline__ __nv_bfloat16 e8m0_scale(unsigned char e) {
   return __ushort_as_bfloat16(static_cast<unsigned short>(e ? e << 7 : 0x0040));
 }
 
-// The type a thread keeps a group's scale in: bf16, exactly the value of an FP4 group's byte
-// (e8m0 at GROUP 32, e4m3 at GROUP 16: at most 4 significant bits).
-template <typename T, typename S, bool FP4>
-using GroupScale = cuda::std::conditional_t<FP4, T, S>;
-
 // Whether dequant_pair_at takes its 4-bit values in place: against bf16 with bf16 scales.
 template <typename T, typename S, int BITS, bool FP4>
 constexpr bool DEQUANT_IN_PLACE = BITS == 4 && !FP4 && cuda::std::is_same_v<T, __nv_bfloat16> && cuda::std::is_same_v<S, T>;
 
-// A group's stored scale as a thread keeps it for dequant_pair_at: FP4's byte as its value; times
-// 2^7 where dequant_pair_at takes its values in place (exact: a bf16 value times a power of two,
-// `mul.bf16` flushing no subnormal; a scale of 2^121 or more, no quantization's, would overflow);
-// else as it is.
+// The type of a group's scale: bf16, exactly the value of an FP4 group's byte (e8m0 at GROUP 32,
+// e4m3 at GROUP 16: at most 4 significant bits).
+template <typename T, typename S, bool FP4>
+using GroupScale = cuda::std::conditional_t<FP4, T, S>;
+
+// The type a thread keeps a group's scale in for dequant_pair_at: in place, a pair (the scale for
+// values at bit 0 of a half, then for values at bit 4).
+template <typename T, typename S, int BITS, bool FP4>
+using KeptScale = cuda::std::conditional_t<DEQUANT_IN_PLACE<T, S, BITS, FP4>, __nv_bfloat162, GroupScale<T, S, FP4>>;
+
+// In place, dequant_pair_at's values are the weights times 2^-64, and so are the GEMM's sums: its
+// epilogue multiplies them by ACCUMULATOR_UNSCALE (exact). The masked value read
+// as bf16 is q x 2^-133 (at bit 0) or q x 2^-129 (at bit 4); a scale of 2^(133 - 64) or 2^(129 - 64)
+// times the group's, and its bias times 2^-64, make the fused multiply-add the weight times 2^-64
+// rounded once, where a product by 2^126 or 2^122 first made it q x 2^-7 (one instruction a pair
+// more). Exact while the scale is under 2^59 and weights of 2^-62 or more stay normal in bf16.
+template <typename T, typename S, int BITS, bool FP4>
+constexpr float ACCUMULATOR_UNSCALE = DEQUANT_IN_PLACE<T, S, BITS, FP4> ? 0x1p64f : 1.f;
+
+// A group's stored scale as a thread keeps it for dequant_pair_at: FP4's byte as its value; in
+// place, times 2^69 and 2^65 (exact: a bf16 value times a power of two); else as it is.
 template <typename T, int BITS, bool FP4, int GROUP, typename S>
-__device__ __forceinline__ GroupScale<T, S, FP4> group_scale_of(S scale) {
+__device__ __forceinline__ KeptScale<T, S, BITS, FP4> group_scale_of(S scale) {
   if constexpr (FP4 && GROUP == 16) return __float2bfloat16_rn(e4m3_over_256(scale) * 256.f);
   else if constexpr (FP4) return e8m0_scale(scale);
-  else if constexpr (DEQUANT_IN_PLACE<T, S, BITS, FP4>) return __hmul(scale, __ushort_as_bfloat16(0x4300));  // 128
-  else return scale;
+  else if constexpr (DEQUANT_IN_PLACE<T, S, BITS, FP4>) {
+    const unsigned at_0_and_4 = 0x60006200u;  // 2^69, 2^65
+    return __hmul2(__nv_bfloat162(scale, scale), *reinterpret_cast<const __nv_bfloat162*>(&at_0_and_4));
+  } else return scale;
+}
+
+// A group's stored bias as a thread keeps it for dequant_pair_at: in place, times 2^-64.
+template <typename T, int BITS, bool FP4, typename S>
+__device__ __forceinline__ S group_bias_of(S bias) {
+  if constexpr (DEQUANT_IN_PLACE<T, S, BITS, FP4>) return __hmul(bias, __ushort_as_bfloat16(0x1F80));  // 2^-64
+  else return bias;
 }
 
 // Word `first / (4 / sizeof(S))` of a row of scales (or biases) for grouped_wgmma's windows
@@ -176,19 +197,19 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned q, GroupScale<T, S, FP
 
 // The pair of BITS-bit values at bit `at` of each 16-bit half of `q` (other bits anything; `at`
 // 0, or BITS for a byte's high 4-bit value), dequantised as dequant_pair does with the group's
-// scale (`scale`: group_scale_of's). 4-bit values against bf16 scales are masked in place, not
-// shifted, and need no MAGIC: the masked half read as bf16 is v x 2^-133 exactly (v = q or 16q <
-// 256: its exponent field 0 or 1), its product by 2^126 or 2^122 is q x 2^-7 exactly, and one
-// fused multiply-add by the scale times 2^7 gives q x scale + bias rounded once, bit for bit
-// dequant_pair's: three instructions a pair where the shift, mask, MAGIC and subtraction took five.
+// scale and bias (group_scale_of's and group_bias_of's). 4-bit values against bf16 scales are
+// masked in place, not shifted, and need no MAGIC: the masked half read as bf16 is v x 2^-133
+// exactly (v = q or 16q < 256: its exponent field 0 or 1; `fma.bf16` flushes no subnormal), and
+// one fused multiply-add by the scale for `at` gives (q x scale + bias) x 2^-64 rounded once, bit
+// for bit dequant_pair's times 2^-64: two instructions a pair where the shift, mask, MAGIC and
+// subtraction took five.
 template <typename T, typename S, int BITS, bool FP4 = false>
-__device__ __forceinline__ unsigned dequant_pair_at(unsigned q, int at, GroupScale<T, S, FP4> scale, S bias) {
+__device__ __forceinline__ unsigned dequant_pair_at(unsigned q, int at, KeptScale<T, S, BITS, FP4> scale, S bias) {
   if constexpr (DEQUANT_IN_PLACE<T, S, BITS, FP4>) {
     using T2 = __nv_bfloat162;
-    const unsigned x = q & 0x000F000Fu << at, to_q_over_128 = at ? 0x7C807C80u : 0x7E807E80u;  // 2^122, 2^126
-    T2 v = __hmul2(*reinterpret_cast<const T2*>(&x), *reinterpret_cast<const T2*>(&to_q_over_128));
-    v = __hfma2(v, T2(scale, scale), T2(bias, bias));
-    return *reinterpret_cast<unsigned*>(&v);
+    const unsigned x = q & 0x000F000Fu << at;
+    const T2 v = __hfma2(*reinterpret_cast<const T2*>(&x), at ? __high2bfloat162(scale) : __low2bfloat162(scale), T2(bias, bias));
+    return *reinterpret_cast<const unsigned*>(&v);
   } else {
     constexpr unsigned PAIR_MASK = BITS == 4 ? 0x000F000Fu : 0x00FF00FFu;
     return dequant_pair<T, S, BITS, FP4>(q >> at & PAIR_MASK, scale, bias);
@@ -417,7 +438,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   // Scales and biases of this thread's rows (n8 block j: column n0 + wn * 32 + 8 j + g) for one
   // k-step. Loaded before the step's barrier, which hides their latency; loading them a step
   // ahead instead held 16 more registers through the mmas and made the gated variants spill.
-  GroupScale<T, S, FP4> group_scale[MATRICES][WN / 8];
+  KeptScale<T, S, BITS, FP4> group_scale[MATRICES][WN / 8];
   S group_bias[MATRICES][WN / 8];
   auto load_scales = [&](int k0) {
 #pragma unroll
@@ -427,7 +448,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
         const int n = n0 + wn * WN + 8 * j + g;
         const size_t at = ((size_t)expert * d.out_dim + (n < d.out_dim ? n : 0)) * groups_per_row + (k0 + 16 * t) / GROUP;
         group_scale[m][j] = group_scale_of<T, BITS, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
-        if constexpr (!FP4) group_bias[m][j] = (m == 0 ? b0 : b1)[at];
+        if constexpr (!FP4) group_bias[m][j] = group_bias_of<T, BITS, FP4>((m == 0 ? b0 : b1)[at]);
       }
     }
   };
@@ -532,13 +553,14 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
         for (int ni = 0; ni < WN / 8; ++ni) {
           const int column = wn * WN + ni * 8 + 2 * t, n = n0 + column;
           if (n >= d.out_dim) continue;
+          constexpr float UNSCALE = ACCUMULATOR_UNSCALE<T, S, BITS, FP4>;
           float value[2];
 #pragma unroll
           for (int j = 0; j < 2; ++j)
-            value[j] = BARE ? acc[0][mi][ni][half * 2 + j]
+            value[j] = BARE ? acc[0][mi][ni][half * 2 + j] * UNSCALE
                             : finish<T, ACTIVATE, GATED, ACT, LIMITED, decltype(extras)::value>(
-                                  acc[0][mi][ni][half * 2 + j], acc[MATRICES - 1][mi][ni][half * 2 + j], d, bias0, bias1, scale,
-                                  params, expert, n + j);
+                                  acc[0][mi][ni][half * 2 + j] * UNSCALE, acc[MATRICES - 1][mi][ni][half * 2 + j] * UNSCALE, d, bias0,
+                                  bias1, scale, params, expert, n + j);
           *reinterpret_cast<unsigned*>(&staged[r * out_stride<RBN> + column]) = pack2<T>(value[0], value[1]);
         }
       }
@@ -639,7 +661,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   constexpr int STEPS_PER_WINDOW = WINDOW * GROUP / BK;
   static_assert(STEPS_PER_WINDOW >= 2 && (GROUP >= BK || WINDOW % (BK / GROUP) == 0),
                 "a k-step's groups lie in one window, and a window lasts two k-steps or more");
-  GroupScale<T, S, FP4> group_scale[MATRICES][2];
+  KeptScale<T, S, BITS, FP4> group_scale[MATRICES][2];
   S group_bias[MATRICES][2];
   unsigned held_scale[MATRICES][2], held_bias[MATRICES][2];
   // Rows of whole 4-byte words (gpt-oss's 90 one-byte groups are not) load a group a k-step.
@@ -670,11 +692,11 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
       for (int h8 = 0; h8 < 2; ++h8) {
         if (windows) {
           group_scale[m][h8] = group_scale_of<T, BITS, FP4, GROUP>(word_value<S>(__shfl_sync(0xffffffffu, held_scale[m][h8], from) >> shift));
-          if constexpr (!FP4) group_bias[m][h8] = word_value<S>(__shfl_sync(0xffffffffu, held_bias[m][h8], from) >> shift);
+          if constexpr (!FP4) group_bias[m][h8] = group_bias_of<T, BITS, FP4>(word_value<S>(__shfl_sync(0xffffffffu, held_bias[m][h8], from) >> shift));
         } else {
           const size_t at = row_start(h8) + group;
           group_scale[m][h8] = group_scale_of<T, BITS, FP4, GROUP>((m == 0 ? s0 : s1)[at]);
-          if constexpr (!FP4) group_bias[m][h8] = (m == 0 ? b0 : b1)[at];
+          if constexpr (!FP4) group_bias[m][h8] = group_bias_of<T, BITS, FP4>((m == 0 ? b0 : b1)[at]);
         }
       }
     }
@@ -770,8 +792,10 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 #pragma unroll
         for (int h8 = 0; h8 < 2; ++h8) {
           const int n = n0 + row + 8 * h8;
+          constexpr float UNSCALE = ACCUMULATOR_UNSCALE<T, S, BITS, FP4>;
           const float value = finish<T, true, true, ACT, LIMITED, decltype(extras)::value>(
-              acc[0][4 * j + 2 * h8 + e], acc[1][4 * j + 2 * h8 + e], d, bias0, bias1, scale, params, expert, n < d.out_dim ? n : 0);
+              acc[0][4 * j + 2 * h8 + e] * UNSCALE, acc[1][4 * j + 2 * h8 + e] * UNSCALE, d, bias0, bias1, scale, params, expert,
+              n < d.out_dim ? n : 0);
           staged[(8 * j + 2 * t + e) * out_stride<RBN> + row + 8 * h8] = static_cast<T>(value);
         }
       }
