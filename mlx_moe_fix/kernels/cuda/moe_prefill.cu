@@ -123,11 +123,11 @@ template <typename T, typename S, int BITS, bool FP4>
 using KeptScale = cuda::std::conditional_t<DEQUANT_IN_PLACE<T, S, BITS, FP4>, __nv_bfloat162, GroupScale<T, S, FP4>>;
 
 // In place, dequant_pair_at's values are the weights times 2^-64, and so are the GEMM's sums: its
-// epilogue multiplies them by ACCUMULATOR_UNSCALE (exact). The masked value read
-// as bf16 is q x 2^-133 (at bit 0) or q x 2^-129 (at bit 4); a scale of 2^(133 - 64) or 2^(129 - 64)
-// times the group's, and its bias times 2^-64, make the fused multiply-add the weight times 2^-64
-// rounded once, where a product by 2^126 or 2^122 first made it q x 2^-7 (one instruction a pair
-// more). Exact while the scale is under 2^59 and weights of 2^-62 or more stay normal in bf16.
+// epilogue multiplies them by ACCUMULATOR_UNSCALE (exact). The masked value read as bf16 is
+// q x 2^-133 (at bit 0) or q x 2^-129 (at bit 4): the group's scale times 2^69 or 2^65 and its bias
+// times 2^-64 make one fused multiply-add the weight times 2^-64, rounded once, with no product by
+// a power of two first. Exact while scales are under 2^59 and weights of 2^-62 or more stay normal
+// bf16 (no quantization's scale comes near).
 template <typename T, typename S, int BITS, bool FP4>
 constexpr float ACCUMULATOR_UNSCALE = DEQUANT_IN_PLACE<T, S, BITS, FP4> ? 0x1p64f : 1.f;
 
