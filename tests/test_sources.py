@@ -57,6 +57,11 @@ def test_a_cuda_kernel_gets_only_the_declarations_its_body_reaches():
         full = sections("cuda", "moe_routed_decode.cu" if header is routed else "moe_decode.cu")["header"]
         left_out = ("gate_up_rows", "activate") if header is down else ("down_rows", "mlx_logsumexp")
         assert all(name in full for name in left_out) and len(header) < len(full) - 500
+    # a `using` alias is a declaration like any: kept with what it names where reached, else left out
+    grouped, _ = cuda_kernel_source("moe_prefill.cu", "grouped")
+    assert {"KeptScale", "DEQUANT_IN_PLACE", "GroupScale"} <= set(re.findall(r"\w+", grouped))
+    route, _ = cuda_kernel_source("moe_prefill.cu", "route")
+    assert "KeptScale" not in route and "DEQUANT_IN_PLACE" not in route
 
 
 def test_declarations_keep_what_they_cannot_name_and_blanks_that_matter():
@@ -73,6 +78,8 @@ def test_declarations_keep_what_they_cannot_name_and_blanks_that_matter():
     # an aligned struct is named by its own name, not by its alignment's keyword
     aligned = _declarations("template <int B>\nstruct alignas(16) Split {\n  int f[B];\n};\nstruct __align__(8) Pair {};\n")
     assert [name for name, _ in aligned] == ["Split", "Pair"]
+    aliases = _declarations("template <bool F>\nusing Kept = cuda::std::conditional_t<F, int, float>;\nusing namespace n;\n")
+    assert [name for name, _ in aliases] == ["Kept", None]
     assert _tight("x = a - -b + f( c );\n") == "x=a- -b+f(c);\n"
     assert _tight("#pragma unroll\n") == "#pragma unroll\n"
     # inline PTX keeps its spacing: `wait_group %0` must not become `wait_group1`
