@@ -4,7 +4,10 @@ Timed in two processes, the same kernel on the H200 read up to 26% apart (docs/b
 sixteenth session), more than most kernel changes move it. In one process, with the rounds
 alternating which tree goes first, the median of the per-round ratios is the comparison (its
 spread over rounds is printed with it): main against itself read 0.993-1.026 (rounds
-0.976-1.050), so a median outside about 0.97-1.03 is a change.
+0.976-1.050), so a median outside about 0.97-1.03 is a change on that machine. Across machines it
+may not be: the same pair of trees read 0.932 on one H100 and 1.011 on another at one case, 1.044
+and 0.955 at another, each tight over its rounds (docs/benchmarks.md, seventy-ninth stop): repeat
+a small effect on a second machine before keeping it.
 
     mkdir -p scratch/main && git archive main mlx_moe_fix | tar -x -C scratch/main   # here; carry scratch/
     python3 -m benchmarks.prefill_ab --other scratch/main --cases qwen3:512,qwen3:2048,mixtral:2048
