@@ -19,6 +19,7 @@ over rounds) and the median per-round speed ratio of each against the driver's d
 
 import argparse
 import ctypes
+import importlib
 import statistics
 import sys
 from pathlib import Path
@@ -29,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.prefill_ab import build_case, part_calls, part_flops  # noqa: E402
 from benchmarks.switch_glu import experts_of  # noqa: E402
 from benchmarks.timing import bench, fmt, markdown_table, repeated  # noqa: E402
-from mlx_moe_fix.kernels import moe_prefill  # noqa: E402
 
 CU_LIMIT_MAX_L2_FETCH_GRANULARITY = 0x05
 
@@ -92,7 +92,7 @@ def main(argv=None):
     for case in args.cases.split(","):
         shape, tokens = case.split(":")
         layer, x, indices, weights = build_case(shape, int(tokens))
-        calls = part_calls(moe_prefill, experts_of(layer), x, indices, weights)
+        calls = part_calls(importlib.import_module("mlx_moe_fix.kernels.moe_prefill"), experts_of(layer), x, indices, weights)
         for part in args.parts.split(","):
             call = calls[part][0]
             times = {name: [] for name in settings}
