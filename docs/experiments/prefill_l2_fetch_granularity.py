@@ -88,11 +88,12 @@ def main(argv=None):
     driver.set_granularity(default)
     print(f"L2 fetch granularity: driver default {default} B; reported after each set: " +
           ", ".join(f"{name} -> {value}" for name, value in reported.items()), flush=True)
+    prefill = importlib.import_module("mlx_moe_fix.kernels.moe_prefill")  # the module; the package's name is its dispatcher
     rows = []
     for case in args.cases.split(","):
         shape, tokens = case.split(":")
         layer, x, indices, weights = build_case(shape, int(tokens))
-        calls = part_calls(importlib.import_module("mlx_moe_fix.kernels.moe_prefill"), experts_of(layer), x, indices, weights)
+        calls = part_calls(prefill, experts_of(layer), x, indices, weights)
         for part in args.parts.split(","):
             call = calls[part][0]
             times = {name: [] for name in settings}
