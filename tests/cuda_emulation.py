@@ -293,7 +293,7 @@ PTX = (
      r'"=r"\(\w+\.z\), "=r"\(\w+\.w\) : "l"\((\w+)\)\);',
      r"\1 = *reinterpret_cast<const uint4*>(\2);"),
     (r'asm\("" : "\+l"\(\w+\)\);', ""),
-    (r'asm volatile\("cp\.async\.cg\.shared\.global \[%0\], \[%1\], 16, %2;\\n" ::"r"\((.*?)\),\s*"l"\((.*?)\),\s*"r"\((.*?)\)\);',
+    (r'asm volatile\("cp\.async\.cg\.shared\.global(?:\.L2::128B)? \[%0\], \[%1\], 16, %2;\\n" ::"r"\((.*?)\),\s*"l"\((.*?)\),\s*"r"\((.*?)\)\);',
      r"cp_async_16(\1, \2, \3);"),
     (r'asm volatile\("cp\.async\.commit_group;\\n" ::\);', "async_copies.commit();"),
     (r'asm volatile\("cp\.async\.wait_group %0;\\n" ::"n"\(([^;]*)\)\);', r"async_copies.wait(\1);"),
