@@ -80,9 +80,11 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 // One thread's share of a pipeline stage's packed weight rows: COPIES 16-byte cp.async copies,
 // copy c = tid + i x THREADS taking row n0 + c / (ROW_BYTES / 16) of `expert` (zero-filled past
 // out_dim) at its 16-byte part c % (ROW_BYTES / 16), into shared byte 16c of the stage.
-// WHOLE_LINES: each copy asks L2 for its whole 128-byte line (below).
-template <int COPIES, int THREADS, int ROW_BYTES, bool WHOLE_LINES>
+// TILE_ROWS: the block's tile height (BM), which decides whether each copy asks L2 for its whole
+// 128-byte line (below).
+template <int COPIES, int THREADS, int ROW_BYTES, int TILE_ROWS>
 struct WeightCopies {
+  static constexpr bool WHOLE_LINES = TILE_ROWS < 64;
   size_t offset[COPIES];  // from the expert matrix's first byte at k 0
   int bytes[COPIES];
   __device__ WeightCopies(int tid, int n0, int expert, int out_dim, size_t row_bytes) {
@@ -430,7 +432,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
       a_offset[i] = (unsigned)(tile * BM + r) * d.in_dim + a_chunk * 8;
     }
   }
-  const WeightCopies<W_CHUNKS, THREADS, W_ROW_BYTES, (BM < 64)> w_copies(tid, n0, expert, d.out_dim, row_bytes);
+  const WeightCopies<W_CHUNKS, THREADS, W_ROW_BYTES, BM> w_copies(tid, n0, expert, d.out_dim, row_bytes);
   auto load_stage = [&](int stage, int k0) {
     T* a_dst = sa + stage * A_STAGE;
 #pragma unroll
@@ -647,7 +649,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     b_slot[i] = (kb * BM + r) * 16;
     b_present |= (pair >= 0 && tid + i * THREADS < B_COPIES ? 1u : 0u) << i;
   }
-  const WeightCopies<W_PER_THREAD, THREADS, W_ROW_BYTES, false> w_copies(tid, n0, expert, d.out_dim, row_bytes);
+  const WeightCopies<W_PER_THREAD, THREADS, W_ROW_BYTES, BM> w_copies(tid, n0, expert, d.out_dim, row_bytes);
   auto load_stage = [&](int stage, int k0) {
     const unsigned b_dst = smem_address(sb + stage * B_STAGE_BYTES);
 #pragma unroll
