@@ -3,6 +3,7 @@ geometry (no GPU): "count FLOPs and bytes first" for issue 4's cases.
 
     PYTHONPATH=. python3 docs/experiments/prefill_l2_traffic_model.py
     PYTHONPATH=. python3 docs/experiments/prefill_l2_traffic_model.py --rates qwen3:2048:down=226.3,mixtral:2048:down=279.4
+    PYTHONPATH=<tree> python3 docs/experiments/prefill_l2_traffic_model.py   # the geometry of the tree's package
 
 Per case (benchmarks.prefill_ab's shapes, 4-bit g64 bf16, random routing as the benchmarks draw
 it, averaged over --draws routings): the tile height and each launch's GEMM as moe_prefill
@@ -19,6 +20,7 @@ elsewhere, e.g. docs/benchmarks.md), the L2-to-SM bandwidth that rate implies.
 
 import argparse
 import importlib
+import inspect
 
 import numpy as np
 
@@ -39,7 +41,10 @@ def expert_rows(tokens: int, experts: int, top_k: int, draws: int) -> list:
 def launch_bytes(rows: np.ndarray, tile: int, in_dim: int, out_dim: int, gated: bool, gemm: str) -> dict:
     """Bytes one launch's blocks read and write, summed over its blocks."""
     tiles = int(np.ceil(rows / tile).sum())
-    columns = prefill.block_n(gemm, in_dim)  # per matrix
+    # per matrix; a tree whose block width also depends on the tile and the matrices (as
+    # prefill-down-192-columns.patch's) is asked with them
+    by_tile = "tile" in inspect.signature(prefill.block_n).parameters
+    columns = prefill.block_n(gemm, in_dim, tile, gated) if by_tile else prefill.block_n(gemm, in_dim)
     column_blocks = -(-out_dim // columns)
     matrices = 2 if gated else 1
     blocks = tiles * column_blocks
