@@ -22,29 +22,30 @@ import argparse
 import importlib
 import inspect
 
+import mlx.core as mx
 import numpy as np
+
+from benchmarks.kernels import random_routing
+from benchmarks.prefill_ab import SHAPES
 
 # the module (the package exports the dispatcher under the same name)
 prefill = importlib.import_module("mlx_moe_fix.kernels.moe_prefill")
-
-SHAPES = {"qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2), "dsv3": (7168, 2048, 256, 8)}  # prefill_ab's
+# a tree whose block width also depends on the tile and the matrices (as
+# prefill-down-192-columns.patch's) is asked with them
+BLOCK_N_BY_TILE = "tile" in inspect.signature(prefill.block_n).parameters
 GROUP, BITS, VALUE_BYTES = 64, 4, 2
 
 
 def expert_rows(tokens: int, experts: int, top_k: int, draws: int) -> list:
-    """Per draw, the pairs each expert gets: top_k distinct experts a token, uniformly at random."""
-    rng = np.random.default_rng(0)
-    return [np.bincount(np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k].ravel(), minlength=experts)
-            for _ in range(draws)]
+    """Per draw, the pairs each expert gets under the benchmarks' random routing."""
+    mx.random.seed(0)
+    return [np.bincount(np.array(random_routing(tokens, experts, top_k)).ravel(), minlength=experts) for _ in range(draws)]
 
 
 def launch_bytes(rows: np.ndarray, tile: int, in_dim: int, out_dim: int, gated: bool, gemm: str) -> dict:
     """Bytes one launch's blocks read and write, summed over its blocks."""
     tiles = int(np.ceil(rows / tile).sum())
-    # per matrix; a tree whose block width also depends on the tile and the matrices (as
-    # prefill-down-192-columns.patch's) is asked with them
-    by_tile = "tile" in inspect.signature(prefill.block_n).parameters
-    columns = prefill.block_n(gemm, in_dim, tile, gated) if by_tile else prefill.block_n(gemm, in_dim)
+    columns = prefill.block_n(gemm, in_dim, tile, gated) if BLOCK_N_BY_TILE else prefill.block_n(gemm, in_dim)  # per matrix
     column_blocks = -(-out_dim // columns)
     matrices = 2 if gated else 1
     blocks = tiles * column_blocks
@@ -62,11 +63,13 @@ def case_rows(shape: str, tokens: int, draws: int) -> list:
     hidden, ffn, experts, top_k = SHAPES[shape]
     pairs = tokens * top_k
     tile = prefill.tile_height(pairs, experts)
+    draws_rows = expert_rows(tokens, experts, top_k, draws)
+    # moe_prefill.gemm_kernel's choice on a GPU with wgmma (which it asks the GPU for)
     gate_up_gemm = "grouped_wgmma" if tile >= prefill.WGMMA_MIN_TILE else "grouped"
     parts = {"gate_up": (hidden, ffn, True, gate_up_gemm), "down": (ffn, hidden, False, "grouped")}
     table = []
     for part, (in_dim, out_dim, gated, gemm) in parts.items():
-        totals = [launch_bytes(rows, tile, in_dim, out_dim, gated, gemm) for rows in expert_rows(tokens, experts, top_k, draws)]
+        totals = [launch_bytes(rows, tile, in_dim, out_dim, gated, gemm) for rows in draws_rows]
         mean = {key: float(np.mean([t[key] for t in totals])) for key in totals[0]}
         flops = (2 if gated else 1) * 2 * pairs * in_dim * out_dim
         moved = mean["activations"] + mean["weights"] + mean["scales"] + mean["stored"]
