@@ -4,6 +4,7 @@
         --launch-skip 2 --launch-count 2 -o prefill -f python3 -m benchmarks.prefill_ncu --cases qwen3:2048
     ncu -i prefill.ncu-rep --page source --csv --print-source sass > source.csv
     python3 -m benchmarks.prefill_ncu --stalls source.csv   # per kernel: stall samples by SASS opcode
+    python3 -m benchmarks.prefill_ncu --sectors source.csv  # per kernel: L2 sectors by instruction
 
 One quantized mlx-lm SwitchGLU per case (4-bit g64 bf16, random routing, as benchmarks.prefill_ab
 builds it) and its CUDA prefill GEMM launches: per case the routing and one gate+up launch are
@@ -17,7 +18,9 @@ down. The whole layer is checked against moe_prefill_reference once per case.
 with the SourceCounters section) and prints, per kernel, the share of warp-stall samples each
 opcode takes with its leading stall reasons, then the instructions with the most samples; first
 their split before, in and after the kernel's main loop (`regions`: where a short k-loop's
-prologue and epilogue weigh).
+prologue and epilogue weigh). --sectors reads the same page and prints, per kernel, the global
+loads and stores that ask L2 for the most sectors, per warp request against the fewest their bytes
+need (docs/benchmarks.md, eighty-fifth stop, item 2).
 """
 
 import argparse
@@ -95,17 +98,21 @@ def regions(rows: list) -> list:
     return [("before the main loop", before), ("main loop", inside), ("after it", sum(samples) - before - inside)]
 
 
+def kernel_pages(text: str) -> list:
+    """ncu's source page (csv, SASS) -> [(kernel name, its rows as dicts by column)]."""
+    pages = []
+    for section in re.split(r'^(?="Kernel Name")', text, flags=re.M):
+        lines = section.splitlines()
+        if lines and lines[0].startswith('"Kernel Name"'):
+            pages.append((next(csv.reader([lines[0]]))[1], list(csv.DictReader(io.StringIO("\n".join(lines[1:]))))))
+    return pages
+
+
 def stalls(text: str, top: int = 12) -> list:
     """ncu's source page (csv, SASS) -> per kernel (label, samples, by-opcode rows, top-instruction
     rows); each row holds the share of the kernel's stall samples and its leading reasons."""
-    sections = re.split(r'^(?="Kernel Name")', text, flags=re.M)
     kernels = []
-    for section in sections:
-        lines = section.splitlines()
-        if not lines or not lines[0].startswith('"Kernel Name"'):
-            continue
-        name = next(csv.reader([lines[0]]))[1]
-        rows = list(csv.DictReader(io.StringIO("\n".join(lines[1:]))))
+    for name, rows in kernel_pages(text):
         reasons = [key for key in (rows[0] if rows else {}) if key.startswith("stall_") and "Not Issued" not in key]
         total = sum(int(row[SAMPLES]) for row in rows) or 1
 
@@ -136,17 +143,61 @@ def print_stalls(kernels: list) -> None:
         print(markdown_table(["instruction", "% of samples", "leading reasons (% of samples)"], instructions))
 
 
+# ncu's per-instruction memory columns (SourceCounters): global sectors asked of L2, the fewest
+# the bytes need, L1 tag lookups, shared-memory wavefronts (cp.async's stores) and their fewest.
+SECTORS, IDEAL_SECTORS = "L2 Theoretical Sectors Global", "L2 Theoretical Sectors Global Ideal"
+TAGS, WAVEFRONTS, IDEAL_WAVEFRONTS = "L1 Tag Requests Global", "L1 Wavefronts Shared", "L1 Wavefronts Shared Ideal"
+
+
+def count(value) -> float:
+    """An ncu number as printed ("1,234", "" for none)."""
+    return float(value.replace(",", "")) if value else 0.0
+
+
+def sectors(text: str, top: int = 12) -> list:
+    """ncu's source page (csv, SASS) -> per kernel (label, sectors asked of L2, their ideal, rows):
+    the `top` instructions that ask for the most global sectors, each per warp request (an
+    execution by one warp): sectors, ideal sectors, L1 tags, shared wavefronts and their ideal,
+    and its share of the kernel's sectors. Where a request asks for more sectors than its bytes
+    fill, L2 serves the excess (the eighty-fifth stop's down: 24 a copy for 16)."""
+    kernels = []
+    for name, rows in kernel_pages(text):
+        memory = [row for row in rows if count(row.get(SECTORS))]
+        total, ideal = sum(count(row[SECTORS]) for row in memory), sum(count(row[IDEAL_SECTORS]) for row in memory)
+        table = []
+        for row in sorted(memory, key=lambda row: -count(row[SECTORS]))[:top]:
+            requests = count(row["Instructions Executed"]) or 1
+            table.append((row["Source"].strip()[:56], f"{requests:.0f}",
+                          *(f"{count(row.get(column)) / requests:.1f}" for column in (SECTORS, IDEAL_SECTORS, TAGS, WAVEFRONTS, IDEAL_WAVEFRONTS)),
+                          f"{count(row[SECTORS]) * 100 / (total or 1):.1f}"))
+        kernels.append((kernel_label(name), total, ideal, table))
+    return kernels
+
+
+def print_sectors(kernels: list) -> None:
+    for label, total, ideal, table in kernels:
+        print(f"\n### {label}: {total / 1e6:.2f} M sectors asked of L2 ({total * 32 / 1e9:.3f} GB), "
+              f"{ideal / 1e6:.2f} M ideal\n")
+        print(markdown_table(["instruction", "requests", "sectors / request", "ideal", "L1 tags / request",
+                              "shared wavefronts / request", "ideal", "% of sectors"], table))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="qwen3:2048", help="shape:tokens,... (shapes of benchmarks.prefill_ab)")
     parser.add_argument("--parts", default="gate_up,down", help=f"of {','.join(PARTS)}")
     parser.add_argument("--calls", type=int, default=1, help="launches of each part after its warm one")
     parser.add_argument("--stalls", metavar="CSV", help="print the stall tables of ncu's source page instead of running")
-    parser.add_argument("--top", type=int, default=12, help="rows per stall table")
+    parser.add_argument("--sectors", metavar="CSV", help="print the global-memory tables of ncu's source page instead of running")
+    parser.add_argument("--top", type=int, default=12, help="rows per table")
     args = parser.parse_args(argv)
-    if args.stalls:
-        with open(args.stalls) as page:
-            print_stalls(stalls(page.read(), args.top))
+    if args.stalls or args.sectors:
+        with open(args.stalls or args.sectors) as page:
+            text = page.read()
+        if args.stalls:
+            print_stalls(stalls(text, args.top))
+        else:
+            print_sectors(sectors(text, args.top))
         return
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):

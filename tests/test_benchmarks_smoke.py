@@ -773,6 +773,26 @@ def test_prefill_ncu_stall_tables_share_each_kernels_samples_by_opcode():
     assert kernel_label("custom_kernel_other(int)") == "custom_kernel_other"
 
 
+def test_prefill_ncu_sector_tables_give_each_instructions_sectors_per_warp_request(capsys):
+    from benchmarks.prefill_ncu import print_sectors, sectors
+
+    columns = ('"Address","Source","Instructions Executed","L1 Tag Requests Global","L1 Wavefronts Shared",'
+               '"L1 Wavefronts Shared Ideal","L2 Theoretical Sectors Global","L2 Theoretical Sectors Global Ideal"\n')
+    rows = [("LDGSTS.E.BYPASS.128 desc[UR8][R6.64], [R73]", "202,880", "811,520", "2,130,240", "811,520", "4,869,120", "3,246,080"),
+            ("LDG.E.U16 R121, desc[UR8][R10.64]", "243,456", "486,912", "", "", "1,460,736", "486,912"),
+            ("HMMA.16816.F32.BF16 R1, R2, R4, R1", "1,000", "", "", "", "", "")]
+    text = ('"Kernel Name","custom_kernel_mlx_moe_fix_moe_prefill_grouped_smem39936_lb128x3_d8c4ec234e5e_bfloat16_t_4(int)",\n'
+            + columns + "".join(f'"0x{i:x}",' + ",".join(f'"{v}"' for v in row) + "\n" for i, row in enumerate(rows)))
+    [(label, total, ideal, table)] = sectors(text, top=1)
+    assert label == "grouped_lb128x3 d8c4 bfloat16_t_4"
+    assert (total, ideal) == (4869120 + 1460736, 3246080 + 486912)  # the HMMA asks for none
+    # per warp request: 24 sectors where the bytes fill 16, 4 tags, 10.5 shared wavefronts where 4 would do
+    assert table == [("LDGSTS.E.BYPASS.128 desc[UR8][R6.64], [R73]", "202880", "24.0", "16.0", "4.0", "10.5", "4.0", "76.9")]
+    assert [row[2:4] for row in sectors(text)[0][3]] == [("24.0", "16.0"), ("6.0", "2.0")]
+    print_sectors(sectors(text))
+    assert "grouped_lb128x3 d8c4 bfloat16_t_4: 6.33 M sectors asked of L2 (0.203 GB), 3.73 M ideal" in capsys.readouterr().out
+
+
 def test_prefill_ncu_splits_a_kernels_samples_around_its_main_loop():
     from benchmarks.prefill_ncu import branch_target, regions
 
