@@ -158,8 +158,9 @@ def sectors(text: str, top: int = 12) -> list:
     """ncu's source page (csv, SASS) -> per kernel (label, sectors asked of L2, their ideal, rows):
     the `top` instructions that ask for the most global sectors, each per warp request (an
     execution by one warp): sectors, ideal sectors, L1 tags, shared wavefronts and their ideal,
-    and its share of the kernel's sectors. Where a request asks for more sectors than its bytes
-    fill, L2 serves the excess (the eighty-fifth stop's down: 24 a copy for 16)."""
+    and its share of the kernel's sectors. ncu counts them from the addresses, before L1: what
+    L1 serves L2 does not see, but cp.async's L1-bypassing copies ask L2 for all of theirs (the
+    eighty-fifth stop's down: 24 sectors a copy for 16 of bytes, in its L2 reads too)."""
     kernels = []
     for name, rows in kernel_pages(text):
         memory = [row for row in rows if count(row.get(SECTORS))]
