@@ -27,17 +27,18 @@ against the array's (the layouts place every byte). Not yet run on a GPU.
 """
 
 import argparse
+import functools
 import statistics
 import time
 
 import mlx.core as mx
 import numpy as np
 
-ROWS, K, COLUMN_BLOCKS, THREADS, STAGES = 64, 768, 16, 128, 3
+ROWS, K, BK, COLUMN_BLOCKS, THREADS, STAGES = 64, 768, 64, 16, 128, 3  # BK: values a row per k-step
 LAYOUTS = {0: "padded", 1: "swizzled", 2: "unpadded", 3: "eight rows"}
 
 SOURCE = r"""
-  constexpr int BK = 64, CHUNKS = BK / 8, COPIES = ROWS * CHUNKS / THREADS;
+  constexpr int CHUNKS = BK / 8, COPIES = ROWS * CHUNKS / THREADS;
   constexpr int LDS = LAYOUT == 0 || LAYOUT == 3 ? BK + 8 : BK;
   __shared__ __align__(128) __nv_bfloat16 ring[STAGES * ROWS * (BK + 8)];
   const int tile = blockIdx.x / COLUMN_BLOCKS, tid = threadIdx.x, k_steps = K / BK;
@@ -80,10 +81,14 @@ SOURCE = r"""
 """
 
 
+@functools.cache
+def kernel(layout: int):
+    return mx.fast.cuda_kernel(name=f"copy_sector_probe_{layout}", input_names=["a"], output_names=["out"], source=SOURCE)
+
+
 def launch(a: mx.array, layout: int) -> mx.array:
-    kernel = mx.fast.cuda_kernel(name=f"copy_sector_probe_{layout}", input_names=["a"], output_names=["out"], source=SOURCE)
     blocks = a.shape[0] // ROWS * COLUMN_BLOCKS
-    (out,) = kernel(inputs=[a], template=[("LAYOUT", layout), ("ROWS", ROWS), ("K", K), ("THREADS", THREADS),
+    (out,) = kernel(layout)(inputs=[a], template=[("LAYOUT", layout), ("ROWS", ROWS), ("K", K), ("BK", BK), ("THREADS", THREADS),
                                           ("STAGES", STAGES), ("COLUMN_BLOCKS", COLUMN_BLOCKS)],
                     grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1), output_shapes=[(blocks * ROWS,)],
                     output_dtypes=[mx.uint32])
@@ -92,7 +97,8 @@ def launch(a: mx.array, layout: int) -> mx.array:
 
 def expected_words(a: mx.array) -> np.ndarray:
     """Each tile row's last k-step folded into one word (as the kernel folds it), per block."""
-    last = np.array(a.view(mx.uint32))[:, (K - 64) // 2:].reshape(-1, ROWS, 32)
+    words_per_step = BK * 2 // 4  # bf16 values as uint32 words
+    last = np.array(a.view(mx.uint32))[:, (K - BK) // 2:].reshape(-1, ROWS, words_per_step)
     words = np.bitwise_xor.reduce(last, axis=2).reshape(-1, 1, ROWS)
     return np.repeat(words, COLUMN_BLOCKS, axis=1).reshape(-1)
 
