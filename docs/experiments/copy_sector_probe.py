@@ -12,18 +12,19 @@ Each block copies the 64 rows of its row tile, 64 values (128 bytes) a row per k
 3-stage cp.async pipeline into shared memory, as cuda/moe_prefill.cu's `grouped` GEMM copies its
 activations (128 threads, 4 copies a thread a k-step), over a [tiles x 64, 768] bf16 array (Qwen3
 T=2048's padded down rows), 16 blocks a tile (its column blocks). The layouts (LAYOUT):
-  0 padded:     rows 144 bytes apart in shared memory (main's LDS = BK + 8), a warp's copy 4 rows
-                x 128 bytes
-  1 swizzled:   rows 128 bytes apart, 16-byte chunk c of row r at chunk c ^ (r % 8)
-                (docs/experiments/prefill-activation-copies-swizzled.patch)
+  0 padded:     rows 144 bytes apart in shared memory (main's LDS = BK + 8 until the eighty-sixth
+                stop), a warp's copy 4 rows x 128 bytes
+  1 swizzled:   rows 128 bytes apart, 16-byte chunk c of row r at chunk c ^ (r % 8) (main's since
+                the eighty-sixth stop)
   2 unpadded:   rows 128 bytes apart, chunks in order (a bound: the GEMM's fragment reads would
                 meet bank conflicts)
   3 eight rows: padded, a warp's copy 8 rows x 64 bytes
                 (docs/experiments/prefill-activation-copies-8-rows.patch)
-In main's down ncu counts 24 sectors a copy for 16 of bytes (docs/benchmarks.md, eighty-fifth
-stop, item 2); a layout that asks for 16 here is the one to take into the GEMM. Each block then
-folds its last stage's rows into one word a row, and the script checks every layout's words
-against the array's (the layouts place every byte). Not yet run on a GPU.
+In the padded down ncu counted 24 sectors a copy for 16 of bytes (docs/benchmarks.md, eighty-fifth
+stop, item 2). Each block then folds its last stage's rows into one word a row, and the script
+checks every layout's words against the array's (the layouts place every byte). On an H100
+(docs/benchmarks.md, eighty-sixth stop, item 1): the padded and eight-row layouts ask for 24
+sectors a copy, the swizzled and unpadded ones for 16; the swizzled copies run 1.55x faster.
 """
 
 import argparse

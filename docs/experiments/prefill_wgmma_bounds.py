@@ -67,7 +67,7 @@ NO_WINDOW_SCALES = """        group_scale[m][h8] = group_scale_of<T, BITS, FP4, 
 GROUPED_BARRIER = """    asm volatile("cp.async.wait_group %0;\\n" ::"n"(STAGES - 2));
     __syncthreads();"""
 GROUPED_NO_BARRIER = """    asm volatile("cp.async.wait_group %0;\\n" ::"n"(STAGES - 2));"""
-GROUPED_A_COPY = """      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" ::"r"(smem_address(&a_dst[r * LDS + a_chunk * 8])),
+GROUPED_A_COPY = """      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" ::"r"(smem_address(&a_dst[r * LDS + a_slot * 8])),
                    "l"(a + a_offset[i] + k0), "r"((a_present >> i & 1u) * 16));"""
 GROUPED_W_COPY = """      w_copies.copy(reinterpret_cast<const unsigned char*>(m == 0 ? w0 : w1) + (size_t)k0 * BITS / 8,
                     sw + (stage * MATRICES + m) * W_STAGE_BYTES, tid);"""

@@ -41,7 +41,7 @@ TILE_MIN_MEAN_ROWS = (0, 8, 32)
 BLOCK_N = 128  # output columns per block (per matrix)
 BLOCK_K = 64
 PIPELINE_STAGES = 3
-SHARED_ROW = BLOCK_K + 8  # elements per shared-memory row of activations (LDS)
+SHARED_ROW = BLOCK_K  # elements per shared-memory row of activations (LDS; swizzled, not padded)
 CUDA_KERNEL_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL"
 # The kernel's parameters, in the order of its `inputs`.
 GROUPED_INPUTS = ["a", "row_pair", "tile_expert", "w0", "s0", "b0", "w1", "s1", "b1", "bias0", "bias1", "scale", "dims",

@@ -35,7 +35,7 @@ constexpr int WGMMA_STAGES = 5;  // grouped_wgmma's
 // grouped_wgmma refills the stage read two k-steps back, whose wgmmas have completed, so that no
 // k-step waits for the previous one's last wgmmas: WGMMA_STAGES - 2 stages in flight.
 constexpr int WGMMA_AHEAD = WGMMA_STAGES - 2;
-constexpr int LDS = BK + 8;  // shared row stride of A (values of T): 144 bytes, so 8 rows' 16-byte reads hit distinct banks
+constexpr int LDS = BK;  // shared row stride of A (values of T): 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8)
 
 // The sum of `value` over lanes 0..lane of the warp (every lane calls it).
 __device__ __forceinline__ int warp_inclusive_sum(int value, int lane) {
@@ -421,6 +421,8 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   unsigned a_offset[A_CHUNKS];
   unsigned a_present = PAIRS_IN ? 0u : ~0u;
   const int a_chunk = tid % (BK / 8);
+  static_assert(THREADS % 64 == 0, "a thread's copies share their rows' r % 8");
+  const int a_slot = a_chunk ^ (tid / (BK / 8) % 8);
 #pragma unroll
   for (int i = 0; i < A_CHUNKS; ++i) {
     const int r = (tid + i * THREADS) / (BK / 8);
@@ -438,7 +440,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 #pragma unroll
     for (int i = 0; i < A_CHUNKS; ++i) {
       const int r = (tid + i * THREADS) / (BK / 8);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(&a_dst[r * LDS + a_chunk * 8])),
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(&a_dst[r * LDS + a_slot * 8])),
                    "l"(a + a_offset[i] + k0), "r"((a_present >> i & 1u) * 16));
     }
 #pragma unroll
@@ -491,6 +493,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     asm volatile("cp.async.commit_group;\n" ::);
 
     const T* a_stage = sa + stage * A_STAGE;
+    const int a_read_slot = 2 * t ^ g;  // rows wm WM + mi 16 + g and + 8: r % 8 = g
     // This thread's packed words of its rows: WORDS / 2 per half, read per half (holding all of a
     // step's made the gated variants spill)
     const unsigned char* w_stage = sw + stage * MATRICES * W_STAGE_BYTES + (wn * WN + g) * W_ROW_BYTES + t * WORDS * 4;
@@ -500,8 +503,8 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) {
         const int row = wm * WM + mi * 16 + g;
-        const uint4 top = *reinterpret_cast<const uint4*>(&a_stage[row * LDS + 16 * t + 8 * half]);
-        const uint4 low = *reinterpret_cast<const uint4*>(&a_stage[(row + 8) * LDS + 16 * t + 8 * half]);
+        const uint4 top = *reinterpret_cast<const uint4*>(&a_stage[row * LDS + (a_read_slot ^ half) * 8]);
+        const uint4 low = *reinterpret_cast<const uint4*>(&a_stage[(row + 8) * LDS + (a_read_slot ^ half) * 8]);
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
           // registers (e0 e1) (e2 e3) (e4 e5) (e6 e7): 4-bit pairs (e_2s, e_2s+4), (e_2s+1, e_2s+5);
