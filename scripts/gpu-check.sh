@@ -17,6 +17,7 @@
 #     DECODE=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh   # the decode benchmarks
 #     TIMELINE=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh # batch-1 decode / dense, in bursts
 #     BATCHED=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh  # batched decode / dense, in bursts
+#     RATES=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh    # the prefill GEMMs' own rates
 #
 # (the *_ARGS replace the defaults below; see `python3 -m benchmarks.kernels --help` and
 # `python3 -m benchmarks.models --help`). Each part runs under a time limit (TESTS_TIMEOUT,
@@ -136,6 +137,13 @@ if [ -n "${BATCHED:-}" ]; then
     run_part batched "${BATCHED_TIMEOUT:-300}" bash -c "for model in \$(echo ${BATCHED_MODELS:-qwen3_moe,mixtral} | tr , ' '); do
         python3 -m benchmarks.batched_timeline --model \$model || exit 1; done"
     statuses+=("batched decode timelines: $out/batched.log")
+fi
+if [ -n "${RATES:-}" ]; then
+    # RATES=1: the prefill GEMMs' own rates (issue 4's TFLOP/s, on our kernels' summed time as
+    # CUPTI traces them; benchmarks/gpu_timeline.py) at RATES_CASES, shape:tokens comma-separated.
+    run_part rates "${RATES_TIMEOUT:-150}" python3 -m benchmarks.gpu_timeline --parts prefill \
+        --cases "${RATES_CASES:-qwen3:2048,mixtral:2048,qwen3:512,mixtral:512,qwen3:8192}" --launches 4
+    statuses+=("prefill own rates: $out/rates.log")
 fi
 if [ -z "${SKIP_MODELS:-}" ]; then
     # shellcheck disable=SC2086
