@@ -42,6 +42,7 @@ SHIM = HALF_TYPES + r"""
 #include <atomic>
 #include <barrier>
 #include <functional>
+#include <stdexcept>
 #include <cstddef>
 #include <type_traits>
 #include <thread>
@@ -249,29 +250,31 @@ void mma_m16n8k16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b
   }
 }
 // wgmma.mma_async m64nNk16 with A from registers (each warp of the warpgroup its 16 rows, as
-// mma.sync's A) and B[16 x N] from shared memory through its descriptor, K-major without swizzle:
-// start address, leading byte offset (to the next 8 k) and stride byte offset (to the next 8
-// columns), each in 16-byte units; element (k, n) at start + (k / 8) lead + (n / 8) stride +
-// (n % 8) 16 + (k % 8) 2 bytes. D: mma.sync's C layout repeated over the N / 8 column blocks.
-// Asynchronous as on the GPU, at its latest: the warp's A registers are taken at the issue, but B
-// is read and D written only when a wgmma.wait_group lets the wgmma's commit group complete (in
-// each thread for its own accumulators), so that a kernel that refills a stage a pending wgmma
-// still reads, or reads accumulators before waiting for them, gets wrong sums here.
+// mma.sync's A) and B[16 x N] from shared memory through its descriptor, K-major with the 128-byte
+// swizzle (the only layout the kernels use; any other mode throws): start address and stride byte
+// offset (to the next 8 columns) in 16-byte units, element (k, n) at start + (n / 8) stride +
+// (n % 8) 128 + 2k bytes, then that address's 16-byte chunk bits (4-6) XOR its 128-byte row bits
+// (7-9), as the hardware swizzles the shared address. D: mma.sync's C layout repeated over the N /
+// 8 column blocks. Asynchronous as on the GPU, at its latest: the warp's A registers are taken at
+// the issue, but B is read and D written only when a wgmma.wait_group lets the wgmma's commit
+// group complete (in each thread for its own accumulators), so that a kernel that refills a stage a
+// pending wgmma still reads, or reads accumulators before waiting for them, gets wrong sums here.
 template <typename T, int N>
 void wgmma_m64k16(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long descriptor) {
+  if (descriptor >> 62 != 1) throw std::runtime_error("wgmma: only the 128-byte swizzle is emulated");
   const MmaOperands operands = warp_operands(a, 0, 0);  // a copy: the buffer serves later calls
   const unsigned lane = this_lane;
   async_wgmmas.open.push_back([operands, lane, descriptor, &d] {
-    const unsigned char* b = dynamic_shared + ((descriptor & 0x3FFF) << 4);
-    const unsigned lead = ((descriptor >> 16) & 0x3FFF) << 4, stride = ((descriptor >> 32) & 0x3FFF) << 4;
+    const unsigned start = (descriptor & 0x3FFF) << 4, stride = ((descriptor >> 32) & 0x3FFF) << 4;
     const unsigned g = lane / 4, t = lane % 4;
     for (unsigned j = 0; j < N / 8; ++j)
       for (unsigned e = 0; e < 4; ++e) {
         const unsigned row = g + 8 * (e / 2), column = 8 * j + 2 * t + e % 2;
         float sum = 0.f;
         for (unsigned k = 0; k < 16; ++k) {
+          const unsigned linear = start + (column / 8) * stride + (column % 8) * 128 + k * 2;
           unsigned short bits;
-          std::memcpy(&bits, b + (k / 8) * lead + (column / 8) * stride + (column % 8) * 16 + (k % 8) * 2, 2);
+          std::memcpy(&bits, dynamic_shared + (linear ^ ((linear >> 7) & 7) << 4), 2);
           sum += a_element<T>(operands, row, k) * value_of<T>(bits);
         }
         d[4 * j + e] += sum;

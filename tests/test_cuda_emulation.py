@@ -279,9 +279,9 @@ def test_emulated_cuda_k_order_kernel_is_the_mlx_transpose(emulated_cuda_kernels
 
 
 # GEMMs that must fail: one that feeds mma.sync its two B registers the wrong way round (k 2t,
-# 2t + 1 against 2t + 8, 2t + 9), a wgmma descriptor whose offset to the next 8 k lands in the
-# field of the offset to the next 8 columns (the emulated tensor-core instructions read their
-# operands' layouts), each GEMM waiting for one cp.async group too few before it reads a stage
+# 2t + 1 against 2t + 8, 2t + 9), a wgmma GEMM whose activation copies miss the descriptor's
+# swizzle, whose k16 steps start 16 bytes apart (not 32) or whose descriptor strides 512 bytes to
+# the next 8 columns (the emulated tensor-core instructions read their operands' layouts), each GEMM waiting for one cp.async group too few before it reads a stage
 # (the emulated copies land at the wait), and the wgmma GEMM without its waits for its wgmmas
 # (the emulated ones read B and write their sums at the wait: in the loop, a stage refilled while
 # its wgmmas are pending; at the end, sums read before the last ones), and the wgmma GEMM that
@@ -292,8 +292,11 @@ def test_emulated_cuda_k_order_kernel_is_the_mlx_transpose(emulated_cuda_kernels
 WRONG_GEMMS = {
     "mma.sync's B registers swapped": ("grouped", "const unsigned (&a)[4], unsigned b0, unsigned b1)",
                                        "const unsigned (&a)[4], unsigned b1, unsigned b0)"),
-    "wgmma's k offset in the wrong field": ("grouped_wgmma", "(unsigned long long)(k_stride >> 4) << 16",
-                                            "(unsigned long long)(k_stride >> 4) << 32"),
+    "wgmma's activation copies unswizzled": ("grouped_wgmma", "b_slot[i] = r * 128 + (kb ^ r % 8) * 16;",
+                                             "b_slot[i] = r * 128 + kb * 16;"),
+    "wgmma's k16 steps 16 bytes apart": ("grouped_wgmma", "(2 * half + s) * 32)", "(2 * half + s) * 16)"),
+    "wgmma's 8-column stride half the swizzle pattern": ("grouped_wgmma", "(WGMMA_SWIZZLE_BYTES >> 4) << 32",
+                                                         "(WGMMA_SWIZZLE_BYTES >> 5) << 32"),
     "mma.sync GEMM reads a stage before its copies": ("grouped", '::"n"(STAGES - 2));', '::"n"(STAGES - 1));'),
     "wgmma GEMM reads a stage before its copies": ("grouped_wgmma", '::"n"(WGMMA_AHEAD - 1));', '::"n"(WGMMA_AHEAD));'),
     "wgmma GEMM refills stages its wgmmas read": ("grouped_wgmma", "wgmma_wait<1>();", ""),

@@ -64,7 +64,8 @@ def test_grouped_launches_are_built_once_per_layer_stage_and_tile(monkeypatch):
 
 def test_wgmma_gate_up_takes_256_row_blocks_where_its_k_loop_is_long(monkeypatch):
     # moe_prefill.wgmma_block_rows: four warpgroups (512 threads, one block an SM) at in_dim >=
-    # WGMMA_WIDE_MIN_K, two (256, two blocks) below; RBN, the grid and the shared memory follow.
+    # WGMMA_WIDE_MIN_K, two (256, two blocks) below; RBN, the grid and the shared memory follow (with
+    # room to start the activation stages on the swizzle pattern's 1024 bytes).
     created = []
     monkeypatch.setattr(PREFILL, "cuda_kernel_object", lambda filename, section, inputs, outputs, shared, bounds, constants=():
                         created.append((section, shared, bounds)) or Recorder(section))
@@ -77,7 +78,7 @@ def test_wgmma_gate_up_takes_256_row_blocks_where_its_k_loop_is_long(monkeypatch
         launch = PREFILL._grouped_launch(case.experts, "first", tile, 1, mx.bfloat16, "grouped_wgmma")
         section, shared, bounds = created[-1]
         weight_bytes = 2 * dict(launch.template)["RBN"] * PREFILL.BLOCK_K // 2
-        assert section == "grouped_wgmma" and shared == PREFILL.WGMMA_STAGES * (tile * PREFILL.BLOCK_K * 2 + weight_bytes)
+        assert section == "grouped_wgmma" and shared == PREFILL.WGMMA_STAGES * (tile * PREFILL.BLOCK_K * 2 + weight_bytes) + PREFILL.WGMMA_SWIZZLE_BYTES
         plans.append((dict(launch.template)["RBN"], launch.threadgroup[0], launch.grid[0], bounds))
     # 640 output rows: 5 blocks of 128, 3 of 256 (the last half past the rows)
     assert plans == [(128, 256, 5 * 256, (256, 2)), (256, 512, 3 * 512, (512, 1))]

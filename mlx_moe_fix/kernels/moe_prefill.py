@@ -55,6 +55,8 @@ OUTPUTS = {"grouped": ["out"], "grouped_wgmma": ["out"], "route": ["row_pair", "
 GEMMS = ("grouped", "grouped_wgmma")
 WGMMA_SWITCH = "MLX_MOE_FIX_CUDA_PREFILL_WGMMA"
 WGMMA_STAGES = 5
+# grouped_wgmma's activation stages start on a multiple of its swizzle pattern's 1024 bytes
+WGMMA_SWIZZLE_BYTES = 1024
 # grouped_wgmma's block: RBN weight rows a matrix, a warpgroup (128 threads) for each 64; 256 rows
 # where the k-loop is WGMMA_WIDE_MIN_K deep or more, else 128 (wgmma_block_rows).
 WGMMA_WIDE_MIN_K = 4096
@@ -89,7 +91,7 @@ def shared_bytes(tile: int, gated: bool, bits: int, gemm: str = "grouped", in_di
     weight rows."""
     weights = (2 if gated else 1) * block_n(gemm, in_dim) * BLOCK_K * bits // 8
     if gemm == "grouped_wgmma":
-        return WGMMA_STAGES * (tile * BLOCK_K * 2 + weights)
+        return WGMMA_STAGES * (tile * BLOCK_K * 2 + weights) + WGMMA_SWIZZLE_BYTES
     return PIPELINE_STAGES * (tile * SHARED_ROW * 2 + weights)
 
 

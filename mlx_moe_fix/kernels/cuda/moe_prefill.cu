@@ -300,11 +300,14 @@ struct StagedRowStores {
 
 // Hopper's warpgroup MMA (grouped_wgmma): D[64 x N] += A[64 x 16] B[16 x N], A from registers
 // (each warp 16 rows, mma.sync's m16n8k16 A layout), B from shared memory through a descriptor
-// (K-major, no swizzle: 8 x 16-byte core matrices, `k_stride` bytes to the next 8 k, 128 bytes
-// to the next 8 columns), fp32 accumulators in mma.sync's C layout repeated over N / 8.
-__device__ __forceinline__ unsigned long long wgmma_descriptor(unsigned address, unsigned k_stride) {
-  return (unsigned long long)((address & 0x3FFFF) >> 4) | (unsigned long long)(k_stride >> 4) << 16 |
-         (unsigned long long)(128 >> 4) << 32;
+// (K-major, 128-byte swizzle: column n's 64 k values a 128-byte row at n x 128 bytes, its 16-byte
+// chunk c at chunk c ^ (n % 8), 1024 bytes to the next 8 columns; the pattern follows the shared
+// address, so a stage starts on 1024 bytes; a k16 step's start address 32 bytes on), fp32
+// accumulators in mma.sync's C layout repeated over N / 8.
+constexpr unsigned WGMMA_SWIZZLE_BYTES = 1024;
+__device__ __forceinline__ unsigned long long wgmma_descriptor(unsigned address) {
+  return (unsigned long long)((address & 0x3FFFF) >> 4) | 1ull << 16 | (unsigned long long)(WGMMA_SWIZZLE_BYTES >> 4) << 32 |
+         1ull << 62;
 }
 
 // One wgmma of shape SHAPE on TYPE operands: D_OPERANDS is the asm's "{d...}, {a0..a3}, desc",
@@ -604,7 +607,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 // sixty-seventh stop). The down launch stays on `grouped`, which ran it faster
 // (docs/benchmarks.md, fifteenth session; again in the sixty-eighth stop, item 5).
 // Dynamic shared memory: WGMMA_STAGES x (BM x BK values of T + 2 x RBN rows x BK x BITS / 8
-// bytes) (moe_prefill.shared_bytes).
+// bytes), and WGMMA_SWIZZLE_BYTES to align the stages (moe_prefill.shared_bytes).
 {
   using namespace grouped;
   constexpr int MATRICES = 2, THREADS = 2 * RBN;  // RBN / 64 warpgroups of 64 output rows
@@ -612,6 +615,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   constexpr int W_ROW_BYTES = BK * BITS / 8;
   constexpr int W_STAGE_BYTES = RBN * W_ROW_BYTES;          // per matrix
   constexpr int B_STAGE_BYTES = BM * BK * 2;
+  static_assert(BK * 2 == 128 && B_STAGE_BYTES % WGMMA_SWIZZLE_BYTES == 0, "a k-step's tile row is one swizzle row; stages of whole 8-row patterns");
   constexpr int B_COPIES = BM * BK / 8;                     // 16-byte copies per stage
   constexpr int B_PER_THREAD = (B_COPIES + THREADS - 1) / THREADS;
   constexpr int W_PER_THREAD = W_STAGE_BYTES / 16 / THREADS;
@@ -624,8 +628,9 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   static_assert(!FP4 || (BITS == 4 && (GROUP == 32 || GROUP == 16)), "fp4: 4-bit codes in groups of 32 (mxfp4) or 16 (nvfp4)");
 
   extern __shared__ __align__(128) unsigned char shared_bytes[];
-  unsigned char* sb = shared_bytes;                                  // [WGMMA_STAGES][B_STAGE_BYTES]
-  unsigned char* sw = shared_bytes + WGMMA_STAGES * B_STAGE_BYTES;   // [WGMMA_STAGES][MATRICES][W_STAGE_BYTES]
+  // [WGMMA_STAGES][B_STAGE_BYTES] from the first multiple of WGMMA_SWIZZLE_BYTES (moe_prefill.shared_bytes leaves room)
+  unsigned char* sb = shared_bytes + (-smem_address(shared_bytes) & (WGMMA_SWIZZLE_BYTES - 1));
+  unsigned char* sw = sb + WGMMA_STAGES * B_STAGE_BYTES;   // [WGMMA_STAGES][MATRICES][W_STAGE_BYTES]
 
   const Dims d(dims);
   const int tile = blockIdx.y;
@@ -638,18 +643,20 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   const int k_steps = d.in_dim / BK, groups_per_row = d.in_dim / GROUP;
   const size_t row_bytes = (size_t)d.in_dim * BITS / 8;
 
-  // B copies: copy c takes tile row (c / 2) % BM, 8-value chunk kb = 2 ((c / 2) / BM) + c % 2 (two
-  // neighbouring lanes read a row's 32-byte sector), into core matrix (kb, row / 8) at shared byte
-  // (kb BM + row) x 16 (a warp's copies land on consecutive 16-byte slots).
+  // B copies: copy c takes tile row c / 8, 8-value chunk kb = c % 8, to shared byte row x 128 +
+  // (kb ^ row % 8) x 16 (wgmma_descriptor's swizzle): a warp's copy is 4 rows' whole 128-byte
+  // lines, each landing in one 128-byte row of shared memory. In core matrices (kb BM + row) x 16
+  // the two halves of a row's 32-byte sector landed 16 BM bytes apart, and each asked L2 for the
+  // sector (ncu: 25.8 sectors a warp's copy for 12.9 of bytes; docs/benchmarks.md, eighty-seventh stop).
   unsigned b_offset[B_PER_THREAD], b_slot[B_PER_THREAD];
   unsigned b_present = 0;
 #pragma unroll
   for (int i = 0; i < B_PER_THREAD; ++i) {
     const int c = (tid + i * THREADS) % B_COPIES;
-    const int r = c / 2 % BM, kb = c / 2 / BM * 2 + c % 2;
+    const int r = c / 8, kb = c % 8;
     const int pair = row_pair[tile * BM + r];
     b_offset[i] = (pair >= 0 ? pair / d.top_k : 0) * d.in_dim + kb * 8;
-    b_slot[i] = (kb * BM + r) * 16;
+    b_slot[i] = r * 128 + (kb ^ r % 8) * 16;
     b_present |= (pair >= 0 && tid + i * THREADS < B_COPIES ? 1u : 0u) << i;
   }
   const WeightCopies<W_PER_THREAD, THREADS, W_ROW_BYTES, BM> w_copies(tid, n0, expert, d.out_dim, row_bytes);
@@ -782,7 +789,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
         wgmma_fence();
 #pragma unroll
         for (int m = 0; m < MATRICES; ++m)
-          wgmma<T, BM>(acc[m], af[m], wgmma_descriptor(b_stage + (2 * half + s) * 2 * BM * 16, BM * 16));
+          wgmma<T, BM>(acc[m], af[m], wgmma_descriptor(b_stage + (2 * half + s) * 32));
         // one k16 step in flight while the next is dequantised: its registers are free after this
         wgmma_commit();
         wgmma_wait<1>();
