@@ -104,6 +104,9 @@ def part_calls(prefill, experts, x, indices, weights) -> dict:
     rows = prefill.gemm_rows(x, first)
     mx.eval(routing[:2], rows)
     hidden = prefill.grouped(rows, routing, pairs, top_k, experts, "first", first)
+    last = prefill.gemm_kernel(experts, "last", tile)
+    if not (first == "grouped_wgmma" and getattr(prefill, "down_reads_k_order", lambda *_: False)(experts, tile)):
+        hidden = prefill.gemm_rows(hidden, last)
     mx.eval(hidden)
     return {
         "layer": (lambda dependency=None: prefill.moe_prefill_kernel(after(x, dependency), after(indices, dependency),
@@ -112,7 +115,7 @@ def part_calls(prefill, experts, x, indices, weights) -> dict:
         "gate_up": (lambda dependency=None: prefill.grouped(after(rows, dependency), routing, pairs, top_k, experts, "first",
                                                             first),
                     lambda out: in_pair_order(out, routing[0], pairs)),
-        "down": (lambda dependency=None: prefill.grouped(after(hidden, dependency), routing, pairs, top_k, experts, "last"),
+        "down": (lambda dependency=None: prefill.grouped(after(hidden, dependency), routing, pairs, top_k, experts, "last", last),
                  lambda out: out),
     }
 

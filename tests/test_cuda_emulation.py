@@ -287,7 +287,8 @@ def test_emulated_cuda_k_order_kernel_is_the_mlx_transpose(emulated_cuda_kernels
 # its wgmmas are pending; at the end, sums read before the last ones), and the wgmma GEMM that
 # keeps its first scale window: mma.sync's on the ragged-widths case (seven k-steps, its three
 # stages wrap), wgmma's on a case of ten (its five stages wrap, and its windows are reloaded); and
-# each GEMM whose epilogue never takes its bias, on a biased case.
+# each GEMM whose epilogue never takes its bias, on a biased case; and the wgmma gate+up that writes
+# its columns for the down on wgmma (K_ORDER_OUT) in another order than the down reads.
 # {name: (GEMM, right source text, wrong[, case: else WRONG_GEMM_CASES'])}
 WRONG_GEMMS = {
     "mma.sync's B registers swapped": ("grouped", "const unsigned (&a)[4], unsigned b0, unsigned b1)",
@@ -304,8 +305,10 @@ WRONG_GEMMS = {
     "wgmma GEMM keeps its first scale window": ("grouped_wgmma", "load_window((step + 2) / STEPS_PER_WINDOW);", "load_window(0);"),
     "mma.sync GEMM drops its bias": ("grouped", "finish<T, ACTIVATE, GATED, ACT, LIMITED, decltype(extras)::value>(",
                                      "finish<T, ACTIVATE, GATED, ACT, LIMITED, false>(", "bf16 mxfp4 swiglu biased, scale windows reloaded"),
-    "wgmma GEMM drops its bias": ("grouped_wgmma", "finish<T, true, true, ACT, LIMITED, decltype(extras)::value>(",
-                                  "finish<T, true, true, ACT, LIMITED, false>(", "bf16 mxfp4 swiglu biased, scale windows reloaded"),
+    "wgmma GEMM drops its bias": ("grouped_wgmma", "finish<T, ACTIVATE, GATED, ACT, LIMITED, decltype(extras)::value>(",
+                                  "finish<T, ACTIVATE, GATED, ACT, LIMITED, false>(", "bf16 mxfp4 swiglu biased, scale windows reloaded"),
+    "wgmma gate+up writes the down's k order wrongly": ("grouped_wgmma", "16 * (q / 2 % 2) + 8 * (q % 2)",
+                                                        "8 * (q / 2 % 2) + 16 * (q % 2)"),
 }
 # each GEMM's case: more k-steps than its pipeline's stages
 WRONG_GEMM_CASES = {"grouped": "bf16 4-bit/64 swiglu, ragged widths", "grouped_wgmma": "bf16 4-bit/32 swiglu, scale windows reloaded"}

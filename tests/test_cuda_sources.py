@@ -169,11 +169,11 @@ def test_prefill_kernel_compiles(tmp_path, t):
     variants = [
         (gemm, t, {"BITS": bits, "GROUP": group, "FP4": fp4, "BM": bm, "PAIRS_IN": pairs_in, "ACTIVATE": activate,
                    "GATED": gated, "ACT": act, "LIMITED": act < 2, "HAS_BIAS": bits == 8 or (fp4 and act == 1),
-                   **({"RBN": 128 << act} if gemm == "grouped_wgmma" else {})})  # wgmma's two block widths
+                   **({"RBN": 128 << act, "K_ORDER_OUT": activate and act == 0} if gemm == "grouped_wgmma" else {})})  # wgmma's two block widths
         for bits, group, bm, fp4 in quantizations
         for pairs_in, activate, gated, act in ((True, True, True, 0), (True, True, True, 1), (True, True, False, 3),
                                                (False, False, False, 0), (True, False, False, 0))
-        for gemm in PREFILL.GEMMS if gemm == "grouped" or (activate and gated and bits == 4)  # wgmma: 4-bit gate+up
+        for gemm in PREFILL.GEMMS if gemm == "grouped" or (activate == gated == pairs_in and bits == 4)  # wgmma: 4-bit gate+up, down
     ]
     variants.append(("route", t, {"TILE": 128, "MAX_EXPERTS": PREFILL.ROUTE_MAX_EXPERTS}))
     variants.append(("k_order", t, {"THREADS": PREFILL.K_ORDER_THREADS}))
@@ -351,21 +351,25 @@ def test_wgmma_gemm_is_neither_serialized_by_ptxas_nor_spilled(tmp_path):
     # uniform across the warpgroup ("C7518 Potential Performance Loss: wgmma.mma_async instructions
     # are serialized"): each then waits for the one before. docs/benchmarks.md, sixty-third stop:
     # the staged GEMM (docs/experiments) with its wgmmas under a per-warpgroup branch earned it.
-    # Both block widths (moe_prefill.wgmma_block_rows), each under its launch bounds: 128
-    # registers a thread, unspilled.
-    texts, widths = [], []
+    # Both block widths (moe_prefill.wgmma_block_rows), gate+up and down, each under its launch
+    # bounds (the register file over the threads they ask an SM for), unspilled.
+    texts, limits, widths = [], [], []
     for in_dim in (PREFILL.WGMMA_WIDE_MIN_K // 2, PREFILL.WGMMA_WIDE_MIN_K):
         rows = PREFILL.wgmma_block_rows(in_dim)
         widths.append(rows)
-        variants = [("grouped_wgmma", t, {"BITS": 4, "GROUP": group, "FP4": fp4, "BM": 64, "PAIRS_IN": True, "ACTIVATE": True,
-                                          "GATED": True, "ACT": act, "LIMITED": act < 2, "HAS_BIAS": fp4 and act == 1, "RBN": rows})
-                    for t, group, fp4 in (("__nv_bfloat16", 64, False), ("__half", 128, False), ("__nv_bfloat16", 32, True))
-                    for act in (0, 1)]
-        bounds = PREFILL.launch_bounds_for(64, True, "grouped_wgmma", in_dim)
-        assert bounds == (2 * rows, 512 // (2 * rows))
-        texts += [with_launch_bounds(text, "moe_prefill.cu", "grouped_wgmma", bounds)
-                  for text in translation_units(PREFILL, "moe_prefill.cu", variants)]
+        for gated in (True, False):
+            variants = [("grouped_wgmma", t, {"BITS": 4, "GROUP": group, "FP4": fp4, "BM": 64, "PAIRS_IN": gated, "ACTIVATE": gated,
+                                              "GATED": gated, "ACT": act, "LIMITED": gated and act < 2,
+                                              "HAS_BIAS": fp4 and act == 1, "RBN": rows, "K_ORDER_OUT": gated})
+                        for t, group, fp4 in (("__nv_bfloat16", 64, False), ("__half", 128, False), ("__nv_bfloat16", 32, True))
+                        for act in ((0, 1) if gated else (0,))]
+            bounds = PREFILL.launch_bounds_for(64, gated, "grouped_wgmma", in_dim)
+            assert bounds[0] == 2 * rows
+            texts += [with_launch_bounds(text, "moe_prefill.cu", "grouped_wgmma", bounds)
+                      for text in translation_units(PREFILL, "moe_prefill.cu", variants)]
+            limits += [65536 // (bounds[0] * bounds[1])] * len(variants)
     assert widths == [128, 256]
-    for usage in compile_all(tmp_path, texts, "--resource-usage"):
+    assert limits[:6 + 3] == [128] * 6 + [85] * 3  # the down's 128-row blocks: three an SM
+    for usage, limit in zip(compile_all(tmp_path, texts, "--resource-usage"), limits):
         assert "wgmma.mma_async instructions are serialized" not in usage, usage
-        assert registers(usage) <= 128 and "0 bytes spill stores" in usage, usage
+        assert registers(usage) <= limit and "0 bytes spill stores" in usage, usage

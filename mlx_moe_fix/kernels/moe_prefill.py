@@ -144,13 +144,15 @@ def gemm_state() -> dict:
 
 def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
     """The GEMM (GEMMS) of `stage` at tile height `tile`: grouped_wgmma for the gated first launch
-    of 4-bit experts at tiles of WGMMA_MIN_TILE rows or more on a GPU with wgmma, where its switch
-    is on (the default), else grouped. On the H200 (docs/benchmarks.md, fifteenth session) wgmma's gate+up ran at
-    Qwen3's shapes 203 against 185 TFLOP/s (2048 tokens) and 254 against 235 (8192), level at
-    512 tokens and on Mixtral's shapes, and slower on Qwen3's 16-row tiles; its one-matrix variant
-    ran the down GEMM slower than grouped (again in the sixty-eighth stop, item 5: 0.81-0.95x on
-    Qwen3's shapes, on an H100), so it has none."""
-    wgmma = (stage == "first" and len(experts.projections) == 3 and experts.projections[0].bits == 4
+    (gate+up) and the last (down) of gated experts whose projection is 4-bit, at tiles of
+    WGMMA_MIN_TILE rows or more on a GPU with wgmma, where its switch is on (the default), else
+    grouped. On the H200 (docs/benchmarks.md, fifteenth session) wgmma's gate+up ran at Qwen3's
+    shapes 203 against 185 TFLOP/s (2048 tokens) and 254 against 235 (8192), level at 512 tokens
+    and on Mixtral's shapes, and slower on Qwen3's 16-row tiles. Its down ran slower than grouped's
+    (fifteenth session; sixty-eighth stop, item 5) until its activation stages took the 128-byte
+    swizzle (eighty-seventh stop): on an H100 Qwen3 T=2048's down 274-284 against 238-239 TF/s."""
+    projection = experts.projections[-1 if stage == "last" else 0]
+    wgmma = (stage in ("first", "last") and len(experts.projections) == 3 and projection.bits == 4
              and tile >= WGMMA_MIN_TILE and wgmma_unavailable_reason() is None)
     return "grouped_wgmma" if wgmma else "grouped"
 
@@ -160,6 +162,12 @@ def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
 # 2048 x 2048 and 8192 x 2048 rows, level at 1024 x 2048 and Mixtral's 512 x 4096, and 0.97x
 # (twice) at Qwen3's 512 x 2048.
 K_ORDER_KERNEL_MIN_VALUES = 1024 * 2048
+
+
+def down_reads_k_order(experts: MoEExperts, tile: int) -> bool:
+    """Whether the down launch at tile height `tile` runs on grouped_wgmma, whose rows the
+    gate+up on grouped_wgmma then writes in wgmma_k_order (its K_ORDER_OUT)."""
+    return gemm_kernel(experts, "last", tile) == "grouped_wgmma"
 
 
 def gemm_rows(rows: mx.array, gemm: str) -> mx.array:
@@ -207,12 +215,14 @@ ONE_MATRIX_MIN_BLOCKS = 3
 # grouped_wgmma: 512 threads an SM (one block of four warpgroups or two of two), 128 registers a
 # thread (the register file); unbounded, two warpgroups take 140.
 WGMMA_THREADS_PER_SM = 512
+# its down (one matrix): three blocks of two warpgroups an SM (85 registers a thread)
+WGMMA_ONE_MATRIX_THREADS_PER_SM = 768
 
 
 def launch_bounds_for(tile: int, gated: bool, gemm: str = "grouped", in_dim: int = 0) -> tuple:
     if gemm == "grouped_wgmma":
         block = threads(tile, gemm, in_dim)
-        return (block, WGMMA_THREADS_PER_SM // block)
+        return (block, (WGMMA_THREADS_PER_SM if gated else WGMMA_ONE_MATRIX_THREADS_PER_SM) // block)
     return (threads(tile), ONE_MATRIX_MIN_BLOCKS) if not gated and tile == 64 else ()
 
 
@@ -311,7 +321,8 @@ def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtyp
     first, second = matrices[0], matrices[-1]
     gated = len(matrices) == 2
     in_dim = first.input_dims
-    wgmma_template = [("RBN", block_n(gemm, in_dim))] if gemm == "grouped_wgmma" else []
+    wgmma_template = ([("RBN", block_n(gemm, in_dim)), ("K_ORDER_OUT", stage == "first" and down_reads_k_order(experts, tile))]
+                      if gemm == "grouped_wgmma" else [])
     return Launch(
         cuda_kernel(gemm, shared_bytes(tile, gated, first.bits, gemm, in_dim), launch_bounds_for(tile, gated, gemm, in_dim)),
         [first.weight, first.scales, or_absent(first.biases), second.weight, second.scales, or_absent(second.biases),
@@ -364,7 +375,10 @@ def moe_prefill_kernel(
     else:
         first = gemm_kernel(experts, "first", tile)
         hidden = grouped(gemm_rows(tokens, first), routing, pairs, top_k, experts, "first", first)
-        out = grouped(hidden, routing, pairs, top_k, experts, "last")
+        last = gemm_kernel(experts, "last", tile)
+        if not (first == "grouped_wgmma" and down_reads_k_order(experts, tile)):
+            hidden = gemm_rows(hidden, last)
+        out = grouped(hidden, routing, pairs, top_k, experts, "last", last)
     if weights is None:
         return out.reshape(*indices.shape, experts.output_dims)
     return combine_kernel(out, per_pair(weights, indices))

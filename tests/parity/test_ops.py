@@ -349,7 +349,7 @@ def prefill_gemm(switch, monkeypatch, wgmma: str) -> None:
     ({"architecture": "x86_64", "device_name": "a CPU"}, False),
 ])
 def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
-    # wgmma is sm_90a's: an Ampere, Ada or Blackwell GPU keeps gate+up on mma.sync.
+    # wgmma is sm_90a's: an Ampere, Ada or Blackwell GPU keeps gate+up and down on mma.sync.
     module = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
     monkeypatch.setattr(module.mx, "device_info", lambda device=None: info)
     backend.compute_capability.cache_clear()
@@ -357,8 +357,9 @@ def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
         switch(module.WGMMA_SWITCH, "")
         experts = make_case(mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 256, 256, 8, 2, 1, 4).experts
         assert module.wgmma_device() is expected
-        assert module.gemm_kernel(experts, "first", 64) == ("grouped_wgmma" if expected else "grouped")
-        assert module.gemm_kernel(experts, "first", 32) == module.gemm_kernel(experts, "last", 64) == "grouped"
+        assert module.gemm_kernel(experts, "first", 64) == module.gemm_kernel(experts, "last", 64) == (
+            "grouped_wgmma" if expected else "grouped")
+        assert module.gemm_kernel(experts, "first", 32) == module.gemm_kernel(experts, "last", 32) == "grouped"
         # status() says which GEMM gate+up takes, as where the kernel runs
         monkeypatch.setattr(module, "moe_prefill_implementation", lambda *args: Implementation(None, "kernel", "CUDA"))
         monkeypatch.setattr(module.mx.cuda, "is_available", lambda: True)

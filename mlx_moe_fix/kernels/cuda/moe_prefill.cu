@@ -20,6 +20,8 @@
 //   ACT, LIMITED: the activation (codes of moe_common::activate), with its clamp stage; constants
 //              here, unlike the decode kernels' run-time ones, because the epilogue is unrolled
 //              and every activation's code in it made NVRTC compile for seconds
+//   RBN, K_ORDER_OUT (grouped_wgmma only): weight rows a block; the gate+up's output columns in
+//              the order the down on grouped_wgmma reads them (moe_prefill.wgmma_k_order)
 // Run-time values: dims = IN_DIM, OUT_DIM, TOP_K, -, -, HAS_BIAS, HAS_SCALE; params = limit, alpha.
 
 //// header
@@ -591,7 +593,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 
 //// grouped_wgmma
 // `grouped`'s gate+up launch (GATED, ACTIVATE, PAIRS_IN; same inputs, output and template
-// constants, and RBN) on Hopper's warpgroup MMA, with the operands swapped: out^T = W x^T. `a`'s columns
+// constants, and RBN, K_ORDER_OUT) and its down launch (below) on Hopper's warpgroup MMA, with the operands swapped: out^T = W x^T. `a`'s columns
 // come permuted within each 64-wide k-step (moe_prefill.wgmma_k_order): the thread with
 // lane % 4 = t dequantises its weight rows at physical k p = 16t + 8 half + 4e + 2s + h (e: the
 // lane of a register pair, h: the pair's second register, k16 step 2 half + s), which wgmma reads
@@ -604,13 +606,15 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 // mma.sync's took 128 (254 registers, spilling). RBN (moe_prefill.wgmma_block_rows): 256 rows
 // copy a tile's activations once for twice the weights (the GEMM is bound by its copies), 128 run
 // two blocks an SM, one's prologue and stores beside the other's k-loop (docs/benchmarks.md,
-// sixty-seventh stop). The down launch stays on `grouped`, which ran it faster
-// (docs/benchmarks.md, fifteenth session; again in the sixty-eighth stop, item 5).
+// sixty-seventh stop). The down launch too (one matrix, !GATED, !ACTIVATE, !PAIRS_IN: the
+// gate+up's padded rows in, rows per pair out), since the swizzled stages made it faster than
+// `grouped`'s (docs/benchmarks.md, eighty-seventh stop); its rows come from the gate+up in its k
+// order (K_ORDER_OUT) or reordered between them.
 // Dynamic shared memory: WGMMA_STAGES x (BM x BK values of T + 2 x RBN rows x BK x BITS / 8
 // bytes), and WGMMA_SWIZZLE_BYTES to align the stages (moe_prefill.shared_bytes).
 {
   using namespace grouped;
-  constexpr int MATRICES = 2, THREADS = 2 * RBN;  // RBN / 64 warpgroups of 64 output rows
+  constexpr int MATRICES = GATED ? 2 : 1, THREADS = 2 * RBN;  // RBN / 64 warpgroups of 64 output rows
   static_assert(RBN == 128 || RBN == 256, "two or four warpgroups");
   constexpr int W_ROW_BYTES = BK * BITS / 8;
   constexpr int W_STAGE_BYTES = RBN * W_ROW_BYTES;          // per matrix
@@ -619,7 +623,8 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   constexpr int B_COPIES = BM * BK / 8;                     // 16-byte copies per stage
   constexpr int B_PER_THREAD = (B_COPIES + THREADS - 1) / THREADS;
   constexpr int W_PER_THREAD = W_STAGE_BYTES / 16 / THREADS;
-  static_assert(GATED && ACTIVATE && PAIRS_IN && BITS == 4, "the gate+up launch of 4-bit experts");
+  static_assert(GATED == ACTIVATE && ACTIVATE == PAIRS_IN && BITS == 4, "the gate+up or the down launch of 4-bit experts");
+  static_assert(ACTIVATE || !K_ORDER_OUT, "the down's output rows are the layer's");
   static_assert(W_STAGE_BYTES / 16 % THREADS == 0, "weight copies split evenly");
   static_assert(GROUP % 16 == 0, "a thread's 16 values of a k-step share one group");
   using Bias = cuda::std::conditional_t<FP4, T, S>;
@@ -655,7 +660,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
     const int c = (tid + i * THREADS) % B_COPIES;
     const int r = c / 8, kb = c % 8;
     const int pair = row_pair[tile * BM + r];
-    b_offset[i] = (pair >= 0 ? pair / d.top_k : 0) * d.in_dim + kb * 8;
+    b_offset[i] = (PAIRS_IN ? (pair >= 0 ? pair / d.top_k : 0) : tile * BM + r) * d.in_dim + kb * 8;
     b_slot[i] = r * 128 + (kb ^ r % 8) * 16;
     b_present |= (pair >= 0 && tid + i * THREADS < B_COPIES ? 1u : 0u) << i;
   }
@@ -805,6 +810,15 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
   // acc[m][4j + 2 h8 + e] is block column row + 8 h8 of tile row 8j + 2t + e.
   static_assert(BM * out_stride<RBN> * 2 <= WGMMA_STAGES * (B_STAGE_BYTES + MATRICES * W_STAGE_BYTES), "outputs fit the pipeline's memory");
   T* staged = reinterpret_cast<T*>(shared_bytes);
+  // K_ORDER_OUT: block column p of each 64 (RBN and n0 are multiples of 64) staged at the column
+  // of wgmma_k_order that holds it, 32 half + 16 s + 8 h + 2 t' + e for p = 16 t' + 8 half + 4 e +
+  // 2 s + h, so that the down reads the rows as written (no reordering launch between them)
+  int staged_column[2];
+#pragma unroll
+  for (int h8 = 0; h8 < 2; ++h8) {
+    const int p = row + 8 * h8, q = p % 64;
+    staged_column[h8] = !K_ORDER_OUT ? p : p - q + 32 * (q / 8 % 2) + 16 * (q / 2 % 2) + 8 * (q % 2) + 2 * (q / 16) + q / 4 % 2;
+  }
   __syncthreads();
   with_extras(d, [&](auto extras) {
 #pragma unroll
@@ -815,16 +829,16 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
         for (int h8 = 0; h8 < 2; ++h8) {
           const int n = n0 + row + 8 * h8;
           constexpr float UNSCALE = ACCUMULATOR_UNSCALE<T, S, BITS, FP4>;
-          const float value = finish<T, true, true, ACT, LIMITED, decltype(extras)::value>(
-              acc[0][4 * j + 2 * h8 + e] * UNSCALE, acc[1][4 * j + 2 * h8 + e] * UNSCALE, d, bias0, bias1, scale, params, expert,
+          const float value = finish<T, ACTIVATE, GATED, ACT, LIMITED, decltype(extras)::value>(
+              acc[0][4 * j + 2 * h8 + e] * UNSCALE, acc[MATRICES - 1][4 * j + 2 * h8 + e] * UNSCALE, d, bias0, bias1, scale, params, expert,
               n < d.out_dim ? n : 0);
-          staged[(8 * j + 2 * t + e) * out_stride<RBN> + row + 8 * h8] = static_cast<T>(value);
+          staged[(8 * j + 2 * t + e) * out_stride<RBN> + staged_column[h8]] = static_cast<T>(value);
         }
       }
     }
   });
   __syncthreads();
-  StagedRowStores<T, BM, RBN, THREADS, true> stores;
+  StagedRowStores<T, BM, RBN, THREADS, ACTIVATE> stores;
   stores.load(row_pair, tile, n0, d.out_dim, tid);
   stores.store(staged, out, tile, n0, d.out_dim, tid);
 }
