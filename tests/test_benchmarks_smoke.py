@@ -503,6 +503,18 @@ def test_prefill_ab_compares_gate_up_rows_in_pair_order():
     assert in_pair_order(rows, row_pair, 3).tolist() == [[2, 3], [6, 7], [0, 1]]
 
 
+def test_prefill_ab_reads_k_ordered_gate_up_rows_in_their_own_column_order():
+    # the gate+up on wgmma writes its rows in wgmma_k_order for a down on wgmma; prefill_ab compares
+    # them with another tree's (maybe plain) rows after undoing it
+    import mlx.core as mx
+
+    from benchmarks.prefill_ab import in_natural_columns
+    from mlx_moe_fix.kernels.moe_prefill import wgmma_k_order
+    rows = mx.arange(3 * 192).reshape(3, 192)
+    assert not mx.array_equal(wgmma_k_order(rows), rows).item()
+    assert mx.array_equal(in_natural_columns(wgmma_k_order(rows)), rows).item()
+
+
 def test_prefill_ab_imports_the_other_tree_under_its_own_name(tmp_path):
     # The timing needs CUDA; the other tree's package must be its own: its Python and its
     # kernel sources, beside this tree's, not this tree's again.

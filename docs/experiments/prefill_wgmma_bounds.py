@@ -42,7 +42,7 @@ from pathlib import Path
 DEQUANT = """af[m][2 * h + h8] = dequant_pair_at<T, S, BITS, FP4>(word >> 8 * s, 4 * h, group_scale[m][h8], group_bias[m][h8]);"""
 NO_DEQUANT = """af[m][2 * h + h8] = word ^ (*reinterpret_cast<const unsigned short*>(&group_scale[m][h8]) |
                                               (unsigned)*reinterpret_cast<const unsigned short*>(&group_bias[m][h8]) << 16);"""
-MMA = "wgmma<T, BM>(acc[m], af[m], wgmma_descriptor(b_stage + (2 * half + s) * 2 * BM * 16, BM * 16));"
+MMA = "wgmma<T, BM>(acc[m], af[m], wgmma_descriptor(b_stage + (2 * half + s) * 32));"
 # ptxas drops whatever only fed the wgmma (an empty asm is no use in PTX): the registers go into
 # one accumulator instead, 3 instructions a matrix and k16 step where the wgmma was 1.
 NO_MMA = "acc[m][0] += __uint_as_float(af[m][0] ^ af[m][1] ^ af[m][2] ^ af[m][3]);"

@@ -150,7 +150,7 @@ def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
     shapes 203 against 185 TFLOP/s (2048 tokens) and 254 against 235 (8192), level at 512 tokens
     and on Mixtral's shapes, and slower on Qwen3's 16-row tiles. Its down ran slower than grouped's
     (fifteenth session; sixty-eighth stop, item 5) until its activation stages took the 128-byte
-    swizzle (eighty-seventh stop): on an H100 Qwen3 T=2048's down 274-284 against 238-239 TF/s."""
+    swizzle (eighty-seventh stop): on an H100 Qwen3 T=2048's down 274-290 against 238-243 TF/s."""
     projection = experts.projections[-1 if stage == "last" else 0]
     wgmma = (stage in ("first", "last") and len(experts.projections) == 3 and projection.bits == 4
              and tile >= WGMMA_MIN_TILE and wgmma_unavailable_reason() is None)
