@@ -68,7 +68,7 @@ def status() -> dict:
         # names it (its metadata gave None) or one names another copy
         "versions": {**{name: _version(name) for name in _DISTRIBUTIONS}, "mlx-moe-fix": __version__},
         "ops": {name: {"path": impl.path, "reason": impl.reason} for name, impl in implementations.items()},
-        "prefill_gate_up_gemm": gemm_state(),
+        "prefill_gemm": gemm_state(),
         "routed_decode_router_inside": fused_router_state(),
         "compiled_decode_steps": compiled_state("decode"),
         "compiled_prefill_shapes": compiled_state("prefill"),

@@ -42,8 +42,8 @@ def show_status(as_json: bool) -> int:
     for name in ("compiled_decode_steps", "compiled_prefill_shapes"):
         steps = status[name]
         print(f"{name.replace('_', ' ')}: {'on' if steps['on'] else 'off'} ({steps['reason']})")
-    gemm = status["prefill_gate_up_gemm"]
-    print(f"prefill gate+up GEMM: {gemm['gemm'] or '-'} ({gemm['reason']})")
+    gemm = status["prefill_gemm"]
+    print(f"prefill GEMMs (gate+up, down): {gemm['gemm'] or '-'} ({gemm['reason']})")
     inside = status["routed_decode_router_inside"]
     print(f"router's matmul inside the routed decode's gate+up launch: {'on' if inside['on'] else 'off'} ({inside['reason']})")
     cache = status["cuda_kernel_cache"]

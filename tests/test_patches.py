@@ -90,7 +90,7 @@ def test_status_reports_every_target_with_a_reason():
     assert status["backend"] in ("cpu", "cuda", "metal")
     assert status["versions"]["mlx"] == mx.__version__
     assert status["versions"]["mlx-moe-fix"] == mlx_moe_fix.__version__ is not None
-    gemm = status["prefill_gate_up_gemm"]
+    gemm = status["prefill_gemm"]
     assert gemm["reason"] and (gemm["gemm"] is None) == (status["ops"]["moe_prefill"]["path"] != "kernel")
     inside = status["routed_decode_router_inside"]
     runs_here = status["ops"]["moe_routed_decode"]["path"] == "kernel" and mx.cuda.is_available()

@@ -132,14 +132,14 @@ def wgmma_unavailable_reason() -> Optional[str]:
 
 
 def gemm_state() -> dict:
-    """For status(): the GEMM the CUDA prefill kernel's gate+up launch takes here, and why."""
+    """For status(): the GEMM the CUDA prefill kernel's gate+up and down launches take here, and why."""
     if moe_prefill_implementation().path != "kernel" or not mx.cuda.is_available():
         return {"gemm": None, "reason": "the CUDA prefill kernel does not run here"}
     unavailable = wgmma_unavailable_reason()
     if unavailable is not None:
         return {"gemm": "grouped", "reason": f"mma.sync: {unavailable}"}
-    return {"gemm": "grouped_wgmma", "reason": f"wgmma for 4-bit experts at tiles of {WGMMA_MIN_TILE} rows; "
-            "mma.sync for the other launches"}
+    return {"gemm": "grouped_wgmma", "reason": f"wgmma for the gate+up and down of gated 4-bit experts at tiles of "
+            f"{WGMMA_MIN_TILE} rows or more; mma.sync for the other launches"}
 
 
 def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
