@@ -259,8 +259,25 @@ WGMMA_CASES = [name for name, case in PREFILL_CASES.items() if case[1][0] == 4 a
 def test_emulated_cuda_prefill_kernel_matches_ref_with_wgmma(emulated_cuda_kernels, monkeypatch, name, rows):
     take_wgmma(monkeypatch, True, rows)
     case = prefill_case(name)
-    assert PREFILL.gemm_kernel(case.experts, "first", PREFILL_CASES[name][-1]) == "grouped_wgmma"
+    tile = PREFILL_CASES[name][-1]
+    assert PREFILL.gemm_kernel(case.experts, "first", tile) == PREFILL.gemm_kernel(case.experts, "last", tile) == "grouped_wgmma"
     assert PREFILL.block_n("grouped_wgmma", case.experts.projections[0].input_dims) == rows
+    check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
+
+
+@pytest.mark.parametrize("gate_up_bits, down_bits", [(4, 8), (8, 4)])
+def test_emulated_cuda_prefill_kernel_matches_ref_with_mixed_widths(emulated_cuda_kernels, monkeypatch, gate_up_bits, down_bits):
+    # gate+up and down of different bit widths (mixed-precision checkpoints): one GEMM on wgmma, the
+    # other on mma.sync, the gate+up's rows reordered for the down only where the down reads them in
+    # wgmma's k order (the 4-bit down after an 8-bit gate+up), plain rows for a down on mma.sync
+    take_wgmma(monkeypatch, True)
+    case = make_case(mx.bfloat16, (gate_up_bits, 64), True, "swiglu", 0.25, False, 256, 256, 8, 2, 1, 130, with_weights=True,
+                     down_bits=down_bits)
+    assert [p.bits for p in case.experts.projections] == [gate_up_bits, gate_up_bits, down_bits]
+    assert PREFILL.cuda_unsupported_reason(case.experts, case.dtype) is None
+    tile = PREFILL.tile_height(case.indices.size, 8)
+    assert [PREFILL.gemm_kernel(case.experts, stage, tile) for stage in ("first", "last")] == (
+        ["grouped_wgmma", "grouped"] if gate_up_bits == 4 else ["grouped", "grouped_wgmma"])
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 

@@ -162,14 +162,18 @@ def layer_cases(draw, max_pairs: int = 200) -> Case:
 
 def make_case(
     dtype, quantization, glu, kind, limit, scaled, dims, hidden, num_experts, top_k, batch, tokens,
-    *, routing="random", with_weights=False, seed=0, bias=False,
+    *, routing="random", with_weights=False, seed=0, bias=False, down_bits=None,
 ) -> Case:
     """routing: "random"; "one_expert": expert 0 is every token's first choice (with top_k 1,
     every pair is on it); "few_experts": the upper half of the experts gets no pairs unless k
-    needs them."""
+    needs them. down_bits: the down projection quantized to these bits (the others to
+    `quantization`'s), as mixed-precision checkpoints do."""
     mx.random.seed(seed)
     layer = build_layer(glu, kind, limit, dims, hidden, num_experts, scaled, bias)
     if quantization is not None:
+        if down_bits is not None:
+            nn.quantize(layer, group_size=quantization[1], bits=down_bits, mode=(*quantization, "affine")[2],
+                        class_predicate=lambda path, module: path.endswith("down_proj"))
         nn.quantize(layer, group_size=quantization[1], bits=quantization[0], mode=(*quantization, "affine")[2])
     layer.set_dtype(dtype)
     layer.eval()
