@@ -593,8 +593,9 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 
 //// grouped_wgmma
 // `grouped`'s gate+up launch (GATED, ACTIVATE, PAIRS_IN; same inputs, output and template
-// constants, and RBN, K_ORDER_OUT) and its down launch (below) on Hopper's warpgroup MMA, with the operands swapped: out^T = W x^T. `a`'s columns
-// come permuted within each 64-wide k-step (moe_prefill.wgmma_k_order): the thread with
+// constants, and RBN, K_ORDER_OUT) and its down launch (below) on Hopper's warpgroup MMA, with
+// the operands swapped: out^T = W x^T. `a`'s columns come permuted within each 64-wide k-step
+// (moe_prefill.wgmma_k_order): the thread with
 // lane % 4 = t dequantises its weight rows at physical k p = 16t + 8 half + 4e + 2s + h (e: the
 // lane of a register pair, h: the pair's second register, k16 step 2 half + s), which wgmma reads
 // as column L = 32 half + 16 s + 8 h + 2t + e of the step; `a` column L holds x column p.
