@@ -91,11 +91,10 @@ def in_pair_order(rows: mx.array, row_pair: mx.array, pairs: int) -> mx.array:
     return rows[mx.argsort(mx.where(row_pair >= 0, row_pair, pairs))[:pairs]]
 
 
-def in_natural_columns(rows: mx.array) -> mx.array:
-    """`rows` written in moe_prefill.wgmma_k_order (the gate+up on wgmma for a down on wgmma)
-    with each 64 columns back in their own order."""
-    n, k = rows.shape
-    return rows.reshape(n, k // 64, 2, 2, 2, 4, 2).transpose(0, 1, 5, 2, 6, 3, 4).reshape(n, k)
+def in_natural_columns(rows: mx.array, k_order) -> mx.array:
+    """`rows` written in the column order `k_order` gives (moe_prefill.wgmma_k_order: the gate+up
+    on wgmma for a down on wgmma), with their columns back in their own order."""
+    return rows[:, mx.argsort(k_order(mx.arange(rows.shape[1])[None])[0])]
 
 
 def part_calls(prefill, experts, x, indices, weights) -> dict:
@@ -112,8 +111,8 @@ def part_calls(prefill, experts, x, indices, weights) -> dict:
     mx.eval(routing[:2], rows)
     hidden = prefill.grouped(rows, routing, pairs, top_k, experts, "first", first)
     last = prefill.gemm_kernel(experts, "last", tile)
-    # (a tree from before the down on wgmma has no down_reads_k_order: its gate+up writes plain rows)
-    k_ordered = first == "grouped_wgmma" and getattr(prefill, "down_reads_k_order", lambda *_: False)(experts, tile)
+    # (a tree from before the down on wgmma has no k_ordered_hidden: its gate+up writes plain rows)
+    k_ordered = getattr(prefill, "k_ordered_hidden", lambda *_: False)(first, last)
     if not k_ordered:
         hidden = prefill.gemm_rows(hidden, last)
     mx.eval(hidden)
@@ -123,7 +122,8 @@ def part_calls(prefill, experts, x, indices, weights) -> dict:
                   lambda out: out),
         "gate_up": (lambda dependency=None: prefill.grouped(after(rows, dependency), routing, pairs, top_k, experts, "first",
                                                             first),
-                    lambda out: in_pair_order(in_natural_columns(out) if k_ordered else out, routing[0], pairs)),
+                    lambda out: in_pair_order(in_natural_columns(out, prefill.wgmma_k_order) if k_ordered else out,
+                                              routing[0], pairs)),
         "down": (lambda dependency=None: prefill.grouped(after(hidden, dependency), routing, pairs, top_k, experts, "last", last),
                  lambda out: out),
     }

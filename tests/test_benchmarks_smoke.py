@@ -512,7 +512,7 @@ def test_prefill_ab_reads_k_ordered_gate_up_rows_in_their_own_column_order():
     from mlx_moe_fix.kernels.moe_prefill import wgmma_k_order
     rows = mx.arange(3 * 192).reshape(3, 192)
     assert not mx.array_equal(wgmma_k_order(rows), rows).item()
-    assert mx.array_equal(in_natural_columns(wgmma_k_order(rows)), rows).item()
+    assert mx.array_equal(in_natural_columns(wgmma_k_order(rows), wgmma_k_order), rows).item()
 
 
 def test_prefill_ab_imports_the_other_tree_under_its_own_name(tmp_path):

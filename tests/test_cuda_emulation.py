@@ -298,8 +298,9 @@ def test_emulated_cuda_k_order_kernel_is_the_mlx_transpose(emulated_cuda_kernels
 # GEMMs that must fail: one that feeds mma.sync its two B registers the wrong way round (k 2t,
 # 2t + 1 against 2t + 8, 2t + 9), a wgmma GEMM whose activation copies miss the descriptor's
 # swizzle, whose k16 steps start 16 bytes apart (not 32) or whose descriptor strides 512 bytes to
-# the next 8 columns (the emulated tensor-core instructions read their operands' layouts), each GEMM waiting for one cp.async group too few before it reads a stage
-# (the emulated copies land at the wait), and the wgmma GEMM without its waits for its wgmmas
+# the next 8 columns (the emulated tensor-core instructions read their operands' layouts), each
+# GEMM waiting for one cp.async group too few before it reads a stage (the emulated copies land at
+# the wait), and the wgmma GEMM without its waits for its wgmmas
 # (the emulated ones read B and write their sums at the wait: in the loop, a stage refilled while
 # its wgmmas are pending; at the end, sums read before the last ones), and the wgmma GEMM that
 # keeps its first scale window: mma.sync's on the ragged-widths case (seven k-steps, its three

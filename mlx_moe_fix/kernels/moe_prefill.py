@@ -164,10 +164,10 @@ def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
 K_ORDER_KERNEL_MIN_VALUES = 1024 * 2048
 
 
-def down_reads_k_order(experts: MoEExperts, tile: int) -> bool:
-    """Whether the down launch at tile height `tile` runs on grouped_wgmma, whose rows the
-    gate+up on grouped_wgmma then writes in wgmma_k_order (its K_ORDER_OUT)."""
-    return gemm_kernel(experts, "last", tile) == "grouped_wgmma"
+def k_ordered_hidden(first: str, last: str) -> bool:
+    """Whether the gate+up launch on GEMM `first` writes its rows in wgmma_k_order (its
+    K_ORDER_OUT) for the down launch on GEMM `last`: both on grouped_wgmma."""
+    return first == last == "grouped_wgmma"
 
 
 def gemm_rows(rows: mx.array, gemm: str) -> mx.array:
@@ -321,7 +321,7 @@ def _grouped_launch(experts: MoEExperts, stage: str, tile: int, top_k: int, dtyp
     first, second = matrices[0], matrices[-1]
     gated = len(matrices) == 2
     in_dim = first.input_dims
-    wgmma_template = ([("RBN", block_n(gemm, in_dim)), ("K_ORDER_OUT", stage == "first" and down_reads_k_order(experts, tile))]
+    wgmma_template = ([("RBN", block_n(gemm, in_dim)), ("K_ORDER_OUT", stage == "first" and k_ordered_hidden(gemm, gemm_kernel(experts, "last", tile)))]
                       if gemm == "grouped_wgmma" else [])
     return Launch(
         cuda_kernel(gemm, shared_bytes(tile, gated, first.bits, gemm, in_dim), launch_bounds_for(tile, gated, gemm, in_dim)),
@@ -376,7 +376,7 @@ def moe_prefill_kernel(
         first = gemm_kernel(experts, "first", tile)
         hidden = grouped(gemm_rows(tokens, first), routing, pairs, top_k, experts, "first", first)
         last = gemm_kernel(experts, "last", tile)
-        if not (first == "grouped_wgmma" and down_reads_k_order(experts, tile)):
+        if not k_ordered_hidden(first, last):
             hidden = gemm_rows(hidden, last)
         out = grouped(hidden, routing, pairs, top_k, experts, "last", last)
     if weights is None:
