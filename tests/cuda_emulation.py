@@ -345,7 +345,7 @@ class EmulatedCudaKernel:
         constants = "\n".join(constant_line(name, value) for name, value in template)
 
         def compose(parameters, arguments):
-            return (SHIM + as_cpu_source(self.header) + "\nnamespace mlx::core::cu {\nvoid kernel("
+            return (as_cpu_source(self.header) + "\nnamespace mlx::core::cu {\nvoid kernel("
                     + ", ".join(parameters) + f") {{\n{constants}\n" + as_cpu_source(self.source) + "\n}\n}\n"
                     + launcher("dim3", f"mlx::core::cu::kernel({arguments})",
                                grid_setup="blockDim = dim3{threads, 1, 1}; gridDim = dim3{groups_x, groups_y, groups_z};",
@@ -358,4 +358,4 @@ class EmulatedCudaKernel:
         return run_grid(compose, "CUDA", inputs,
                         [f"const {CUDA_TYPES[a.dtype]}* {n}" for a, n in zip(inputs, self.input_names)],
                         output_shapes, output_dtypes, [f"{CUDA_TYPES[d]}* {n}" for d, n in zip(output_dtypes, self.output_names)],
-                        grid, threadgroup, self.shared_bytes)
+                        grid, threadgroup, self.shared_bytes, prelude=SHIM)

@@ -191,16 +191,40 @@ def template_line(name: str, value) -> str:
     return f"  constexpr int {name} = {int(value)};"
 
 
-def build_library(source: str, language: str):
-    """The compiled shared library of `source` (cached by its text), with LAUNCHER's `launch`."""
-    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+# g++'s flags for an emulated kernel's library, and for its prelude's precompiled header (g++ takes
+# a precompiled header only under the options it was built with).
+CXX_FLAGS = ("-std=c++20", "-O1", "-w", "-fPIC", "-pthread")
+PRECOMPILES = CXX is not None and os.path.basename(CXX) == "g++"
+
+
+def prelude_include(prelude: str) -> list:
+    """The arguments that make g++ read `prelude` (an emulation's SHIM, over half of a kernel's
+    compile time read as text) from a header precompiled once a process; where it is none, or the
+    compiler not g++, none (`prelude` is then compiled with each kernel's text). Call under _lock."""
+    if not prelude or not PRECOMPILES:
+        return []
+    header = os.path.join(_folder.name, hashlib.sha256(prelude.encode()).hexdigest()[:20] + ".h")
+    if not os.path.exists(header):
+        with open(header, "w") as f:
+            f.write(prelude)
+        # A header that fails to precompile is read as text (g++ falls back to it), so the
+        # kernel's own compile reports any error.
+        subprocess.run([CXX, *CXX_FLAGS, "-x", "c++-header", header, "-o", header + ".gch"], capture_output=True)
+    return ["-include", header]
+
+
+def build_library(source: str, language: str, prelude: str = ""):
+    """The compiled shared library of `prelude` followed by `source` (cached by their text), with
+    LAUNCHER's `launch`."""
+    digest = hashlib.sha256((prelude + "\0" + source).encode()).hexdigest()[:20]
     with _lock:
         if digest not in _libraries:
             path = os.path.join(_folder.name, digest)
+            include = prelude_include(prelude)
             with open(f"{path}.cc", "w") as f:
-                f.write(source)
-            built = subprocess.run([CXX, "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread", f"{path}.cc", "-o",
-                                    f"{path}.so"], capture_output=True, text=True)
+                f.write(source if include else prelude + source)
+            built = subprocess.run([CXX, *CXX_FLAGS, "-shared", *include, f"{path}.cc", "-o", f"{path}.so"],
+                                   capture_output=True, text=True)
             if built.returncode != 0:
                 raise RuntimeError(f"the {language} source does not compile as C++:\n{built.stderr[-4000:]}")
             library = ctypes.CDLL(f"{path}.so")
@@ -210,10 +234,10 @@ def build_library(source: str, language: str):
 
 
 def run_grid(compose, language: str, inputs, input_parameters: list, output_shapes, output_dtypes,
-             output_parameters: list, grid, threadgroup, shared_bytes: int = 0) -> list:
-    """The outputs (MLX arrays) of the kernel whose whole C++ source is `compose(parameters,
-    arguments)` (its signature's parameters; the launcher's casts of its buffers to them), run over
-    `grid` (in threads) in groups of `threadgroup` threads on `inputs`."""
+             output_parameters: list, grid, threadgroup, shared_bytes: int = 0, prelude: str = "") -> list:
+    """The outputs (MLX arrays) of the kernel whose C++ source is `prelude` followed by
+    `compose(parameters, arguments)` (its signature's parameters; the launcher's casts of its
+    buffers to them), run over `grid` (in threads) in groups of `threadgroup` threads on `inputs`."""
     threads = threadgroup[0]
     assert threadgroup[1:] == (1, 1) and threads % 32 == 0, "one-dimensional groups of whole simdgroups / warps only"
     assert all(g % t == 0 for g, t in zip(grid, threadgroup)), "a grid of whole groups only"
@@ -223,7 +247,7 @@ def run_grid(compose, language: str, inputs, input_parameters: list, output_shap
     parameters = input_parameters + output_parameters
     arguments = ", ".join(f"({p.rsplit(' ', 1)[0]})buffers[{i}]" for i, p in enumerate(parameters))
     buffers = (ctypes.c_void_p * (len(arrays) + len(outputs)))(*[b.ctypes.data for b in arrays + outputs])
-    build_library(compose(parameters, arguments), language).launch(buffers, grid[0] // threads, grid[1], grid[2],
+    build_library(compose(parameters, arguments), language, prelude).launch(buffers, grid[0] // threads, grid[1], grid[2],
                                                                   threads, shared_bytes)
     return [mx.array(o).view(dtype) if dtype == mx.bfloat16 else mx.array(o) for o, dtype in zip(outputs, output_dtypes)]
 
@@ -241,11 +265,11 @@ class EmulatedMetalKernel:
         constants = "\n".join(template_line(name, value) for name, value in template)
 
         def compose(parameters, arguments):
-            return (SHIM + self.header + f"\nvoid kernel({', '.join(parameters + list(ATTRIBUTES))}) {{\n{constants}\n"
+            return (self.header + f"\nvoid kernel({', '.join(parameters + list(ATTRIBUTES))}) {{\n{constants}\n"
                     + self.source + "\n}\n#undef device\n#undef constant\n#undef threadgroup\n#undef thread\n"
                     + launcher("uint3", f"kernel({arguments}, position, t % 32, t / 32)"))
 
         return run_grid(compose, "Metal", inputs,
                         [f"const {address_space(a)}{C_TYPES[a.dtype]}* {n}" for a, n in zip(inputs, self.input_names)],
                         output_shapes, output_dtypes, [f"{C_TYPES[d]}* {n}" for d, n in zip(output_dtypes, self.output_names)],
-                        grid, threadgroup)
+                        grid, threadgroup, prelude=SHIM)
