@@ -2,15 +2,15 @@
 a kernel as MLX 0.32.4's cuda_kernel assembles it (mlx/backend/cuda/custom_kernel.cpp: the header,
 then `namespace mlx::core::cu`, a signature of const input pointers and output pointers, the
 template arguments as constants at the top of the body) as C++ (g++ or clang++, C++20), and runs
-its grid with one CPU thread per CUDA thread, so that the CUDA kernels' arithmetic, indexing and
-combine (the decode GEMVs, the routers, the grouped prefill's GEMMs, routing and combine)
-can be checked against the pure-MLX reference on machines without a GPU.
+its grid with a fiber per CUDA thread (tests/metal_emulation.py's), so that the CUDA kernels'
+arithmetic, indexing and combine (the decode GEMVs, the routers, the grouped prefill's GEMMs,
+routing and combine) can be checked against the pure-MLX reference on machines without a GPU.
 
 What the emulation is: bf16 and fp16 stored and rounded as on the GPU (tests/metal_emulation.py's
 types; bf16x2 arithmetic rounded once a lane, as the hardware does); a warp is 32 threads,
 `__shfl_xor_sync` exchanges their values after all have arrived; `__shared__` memory is one array
-for the block running now (blocks run one after another, their threads at once); the inline PTX
-the kernels use (`prmt`, `dp4a`, a streamed 16-byte load, an empty `asm` that hides a pointer's
+for the block running now (blocks run one after another, their threads in thread order from one
+barrier or warp exchange to the next; a deadlock fails); the inline PTX the kernels use (`prmt`, `dp4a`, a streamed 16-byte load, an empty `asm` that hides a pointer's
 origin, `cp.async` into dynamic shared memory, `mma.sync` m16n8k16 and Hopper's `wgmma` m64nNk16 on
 their fragment layouts and shared-memory descriptor) becomes the C++ of its definition; MLX's grid
 in threads is rounded up to whole blocks, as MLX launches it; a cp.async copy lands when a
@@ -20,7 +20,7 @@ group complete, so that a stage refilled under a pending wgmma, or sums read bef
 come out wrong. What it is not: NVRTC or ptxas (CUDA's rules, registers and spills are
 tests/test_cuda_sources.py's), a wgmma's A registers changed before it completes (taken at its
 issue here), the proxy fence (unseen), a copy that another thread reads without a barrier after the
-wait (caught only as the threads happen to run), nor the GPU's speed or its order of additions.
+wait (seen or not by the threads' fixed order), nor the GPU's speed or its order of additions.
 Outputs start as all-ones bytes (NaN in floating point), so an output a kernel fails to write
 shows as not finite."""
 
@@ -35,17 +35,16 @@ from .metal_emulation import HALF_TYPES, launcher, run_grid
 CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.uint32: "uint32_t",
               mx.int32: "int32_t", mx.uint8: "uint8_t"}
 
-# CUDA's builtins on a CPU. threadIdx / blockIdx are each thread's own; the block barrier and each
-# warp's exchange meet through the barriers metal_emulation's launcher gives each thread.
+# CUDA's builtins on a CPU. threadIdx is each thread's own (in its Own), blockIdx the block's; the
+# block barrier and each warp's exchange meet through the barriers metal_emulation's launcher gives
+# each thread.
 SHIM = HALF_TYPES + r"""
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <functional>
 #include <stdexcept>
 #include <cstddef>
 #include <type_traits>
-#include <thread>
 #include <vector>
 namespace cuda { namespace std { using namespace ::std; } }
 #define __device__
@@ -60,8 +59,29 @@ namespace cuda { namespace std { using namespace ::std; } }
 using __nv_bfloat16 = bfloat16_t;
 using __half = float16_t;
 struct dim3 { unsigned x, y, z; };
-thread_local dim3 threadIdx, blockIdx;
-dim3 blockDim, gridDim;
+dim3 blockIdx, blockDim, gridDim;
+// PTX's asynchronous work in a thread's commit groups (cp.async's, wgmma's): work issued joins
+// the open group, a commit closes it, and a wait_group runs the work of all but the newest PENDING
+// committed groups, oldest first, in the waiting thread.
+struct AsyncGroups {
+  std::vector<std::function<void()>> open;
+  std::vector<std::vector<std::function<void()>>> committed;  // oldest first
+  void commit() { committed.push_back(std::move(open)); open.clear(); }
+  void wait(size_t pending) {
+    for (; committed.size() > pending; committed.erase(committed.begin()))
+      for (const auto& work : committed.front()) work();
+  }
+};
+// What a CUDA thread keeps of its own (fresh for each block): its lane, warp and block barrier, its
+// index, its count of mma calls and its commit groups.
+struct Own {
+  unsigned lane; Lanes* lanes; Barrier* group;
+  dim3 thread_index;
+  unsigned mma_calls = 0;
+  AsyncGroups copies, wgmmas;
+};
+#define threadIdx (own->thread_index)
+inline void __syncthreads() { own->group->arrive_and_wait(); }
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(8) uint2 { unsigned x, y; };
 struct alignas(8) float2 { float x, y; };
@@ -139,29 +159,28 @@ template <typename A, typename B> inline int dp4a(unsigned a, unsigned b) {
   for (int i = 0; i < 4; ++i) sum += int(A(a >> (8 * i))) * int(B(b >> (8 * i)));
   return sum;
 }
-thread_local unsigned char* dynamic_shared;
-inline void __syncthreads() { this_group->arrive_and_wait(); }
+inline unsigned char* dynamic_shared;
 template <typename T> T __shfl_sync(unsigned, T v, int source) {  // every lane of the warp takes part
   static_assert(sizeof(T) <= 16);
-  std::memcpy(this_lanes->values[this_lane], &v, sizeof(T));
-  this_lanes->meet.arrive_and_wait();
+  std::memcpy(own->lanes->values[own->lane], &v, sizeof(T));
+  own->lanes->meet.arrive_and_wait();
   T other;
-  std::memcpy(&other, this_lanes->values[source & 31], sizeof(T));
-  this_lanes->meet.arrive_and_wait();
+  std::memcpy(&other, own->lanes->values[source & 31], sizeof(T));
+  own->lanes->meet.arrive_and_wait();
   return other;
 }
-template <typename T> T __shfl_xor_sync(unsigned mask, T v, int offset) { return __shfl_sync(mask, v, this_lane ^ offset); }
+template <typename T> T __shfl_xor_sync(unsigned mask, T v, int offset) { return __shfl_sync(mask, v, own->lane ^ offset); }
 template <typename Reduce> unsigned reduce_lanes(unsigned v, Reduce reduce) {
-  std::memcpy(this_lanes->values[this_lane], &v, 4);
-  this_lanes->meet.arrive_and_wait();
+  std::memcpy(own->lanes->values[own->lane], &v, 4);
+  own->lanes->meet.arrive_and_wait();
   unsigned r;
-  std::memcpy(&r, this_lanes->values[0], 4);
+  std::memcpy(&r, own->lanes->values[0], 4);
   for (int lane = 1; lane < 32; ++lane) {
     unsigned other;
-    std::memcpy(&other, this_lanes->values[lane], 4);
+    std::memcpy(&other, own->lanes->values[lane], 4);
     r = reduce(r, other);
   }
-  this_lanes->meet.arrive_and_wait();
+  own->lanes->meet.arrive_and_wait();
   return r;
 }
 // The grouped prefill's (moe_prefill.cu): fp16 pairs, shared memory addresses, cp.async, mma.sync,
@@ -187,20 +206,6 @@ inline int atomicAdd(int* address, int value) { return std::atomic_ref<int>(*add
 inline unsigned __cvta_generic_to_shared(const void* p) {
   return unsigned(static_cast<const unsigned char*>(p) - dynamic_shared);
 }
-// PTX's asynchronous work in a thread's commit groups (cp.async's, wgmma's): work issued joins
-// the open group, a commit closes it, and a wait_group runs the work of all but the newest PENDING
-// committed groups, oldest first, in the waiting thread.
-struct AsyncGroups {
-  std::vector<std::function<void()>> open;
-  std::vector<std::vector<std::function<void()>>> committed;  // oldest first
-  void commit() { committed.push_back(std::move(open)); open.clear(); }
-  void wait(size_t pending) {
-    for (; committed.size() > pending; committed.erase(committed.begin()))
-      for (const auto& work : committed.front()) work();
-  }
-  void forget() { open.clear(), committed.clear(); }  // a block's start: what the previous one left
-};
-thread_local AsyncGroups async_copies, async_wgmmas;
 // cp.async.cg of 16 bytes (`bytes` of them copied, the rest zero-filled) in its thread's groups:
 // the destination holds all-ones bytes (NaN in T, nibbles of 15 in packed weights) from the copy's
 // issue until a cp.async.wait_group lets its group complete, so that a kernel that reads a stage
@@ -208,7 +213,7 @@ thread_local AsyncGroups async_copies, async_wgmmas;
 // completes its own copies at its wait; the block's barrier after the wait shows them to the rest.
 inline void cp_async_16(unsigned shared_address, const void* source, unsigned bytes) {
   std::memset(dynamic_shared + shared_address, 0xFF, 16);
-  async_copies.open.push_back([shared_address, source, bytes] {
+  own->copies.open.push_back([shared_address, source, bytes] {
     std::memset(dynamic_shared + shared_address, 0, 16);
     std::memcpy(dynamic_shared + shared_address, source, bytes);
   });
@@ -223,12 +228,11 @@ inline void cp_async_16(unsigned shared_address, const void* source, unsigned by
 struct MmaOperands { unsigned a[32][4], b[32][2]; };
 struct MmaLanes { MmaOperands operands[2]; };
 inline MmaLanes mma_lanes[32];  // per warp of the block running now
-thread_local unsigned mma_calls;
 inline MmaOperands& warp_operands(const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  MmaOperands& x = mma_lanes[threadIdx.x / 32].operands[mma_calls++ & 1];
-  std::memcpy(x.a[this_lane], a, sizeof(a));
-  x.b[this_lane][0] = b0, x.b[this_lane][1] = b1;
-  this_lanes->meet.arrive_and_wait();
+  MmaOperands& x = mma_lanes[threadIdx.x / 32].operands[own->mma_calls++ & 1];
+  std::memcpy(x.a[own->lane], a, sizeof(a));
+  x.b[own->lane][0] = b0, x.b[own->lane][1] = b1;
+  own->lanes->meet.arrive_and_wait();
   return x;
 }
 template <typename T> float value_of(unsigned short bits) { T value; std::memcpy(&value, &bits, 2); return static_cast<float>(value); }
@@ -240,7 +244,7 @@ template <typename T> float a_element(const MmaOperands& x, unsigned row, unsign
 template <typename T>
 void mma_m16n8k16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
   const MmaOperands& x = warp_operands(a, b0, b1);
-  const unsigned g = this_lane / 4, t = this_lane % 4;
+  const unsigned g = own->lane / 4, t = own->lane % 4;
   for (unsigned e = 0; e < 4; ++e) {
     const unsigned row = g + 8 * (e / 2), column = 2 * t + e % 2;
     float sum = 0.f;
@@ -263,8 +267,8 @@ template <typename T, int N>
 void wgmma_m64k16(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long descriptor) {
   if (descriptor >> 62 != 1) throw std::runtime_error("wgmma: only the 128-byte swizzle is emulated");
   const MmaOperands operands = warp_operands(a, 0, 0);  // a copy: the buffer serves later calls
-  const unsigned lane = this_lane;
-  async_wgmmas.open.push_back([operands, lane, descriptor, &d] {
+  const unsigned lane = own->lane;
+  own->wgmmas.open.push_back([operands, lane, descriptor, &d] {
     const unsigned start = (descriptor & 0x3FFF) << 4, stride = ((descriptor >> 32) & 0x3FFF) << 4;
     const unsigned g = lane / 4, t = lane % 4;
     for (unsigned j = 0; j < N / 8; ++j)
@@ -298,13 +302,13 @@ PTX = (
     (r'asm\("" : "\+l"\(\w+\)\);', ""),
     (r'asm volatile\("cp\.async\.cg\.shared\.global(?:\.L2::128B)? \[%0\], \[%1\], 16, %2;\\n" ::"r"\((.*?)\),\s*"l"\((.*?)\),\s*"r"\((.*?)\)\);',
      r"cp_async_16(\1, \2, \3);"),
-    (r'asm volatile\("cp\.async\.commit_group;\\n" ::\);', "async_copies.commit();"),
-    (r'asm volatile\("cp\.async\.wait_group %0;\\n" ::"n"\(([^;]*)\)\);', r"async_copies.wait(\1);"),
+    (r'asm volatile\("cp\.async\.commit_group;\\n" ::\);', "own->copies.commit();"),
+    (r'asm volatile\("cp\.async\.wait_group %0;\\n" ::"n"\(([^;]*)\)\);', r"own->copies.wait(\1);"),
     (r'(?s)asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(?:bf16\.bf16|f16\.f16)\.f32 [^"]*"\s*:.*?\);',
      "mma_m16n8k16<T>(c, a, b0, b1);"),
     (r'MOE_WGMMA_OF\("m64n\d+k16", "b?f16", MOE_N\d+\);', "wgmma_m64k16<T, N>(d, a, descriptor);"),
-    (r'asm volatile\("wgmma\.commit_group\.sync\.aligned;\\n" ::: "memory"\);', "async_wgmmas.commit();"),
-    (r'asm volatile\("wgmma\.wait_group\.sync\.aligned %0;\\n" ::"n"\(N\) : "memory"\);', "async_wgmmas.wait(N);"),
+    (r'asm volatile\("wgmma\.commit_group\.sync\.aligned;\\n" ::: "memory"\);', "own->wgmmas.commit();"),
+    (r'asm volatile\("wgmma\.wait_group\.sync\.aligned %0;\\n" ::"n"\(N\) : "memory"\);', "own->wgmmas.wait(N);"),
     # the register and proxy fences order what the emulation does in program order anyway
     (r'asm volatile\("(?:wgmma\.fence\.sync\.aligned|fence\.proxy\.async\.shared::cta);\\n" ::: "memory"\);', ""),
     (r'asm volatile\("" : "\+[fr]"\(v\[i\]\)\);', ";"),  # a loop's body
@@ -349,8 +353,8 @@ class EmulatedCudaKernel:
                     + ", ".join(parameters) + f") {{\n{constants}\n" + as_cpu_source(self.source) + "\n}\n}\n"
                     + launcher("dim3", f"mlx::core::cu::kernel({arguments})",
                                grid_setup="blockDim = dim3{threads, 1, 1}; gridDim = dim3{groups_x, groups_y, groups_z};",
-                               thread_setup="threadIdx = dim3{t, 0, 0};",
-                               group_setup="blockIdx = position; dynamic_shared = shared.data(); async_copies.forget(); async_wgmmas.forget();"))
+                               thread_setup="mine.thread_index = dim3{t, 0, 0};",
+                               group_setup="blockIdx = position; dynamic_shared = shared.data();"))
 
         # MLX launches ceil(grid / threadgroup) blocks (mlx/backend/cuda/custom_kernel.cpp): a
         # kernel bounds-checks the threads past the grid itself

@@ -1,17 +1,19 @@
 """Our Metal kernel sources run on a CPU: a stand-in for `mx.fast.metal_kernel` that compiles a
-kernel's source as C++ (g++ or clang++, C++20) and runs its grid with one CPU thread per Metal
-thread, so that the Metal decode kernel's arithmetic, indexing and combine can be checked against
-the pure-MLX reference on machines without Apple hardware.
+kernel's source as C++ (g++ or clang++, C++20) and runs its grid with a fiber per Metal thread (on
+one CPU thread, switching at barriers), so that the Metal decode kernel's arithmetic, indexing and
+combine can be checked against the pure-MLX reference on machines without Apple hardware.
 
 What the emulation is: bf16 and fp16 are stored and rounded as on the GPU (round to nearest even
 at every conversion to them); a simdgroup is 32 threads and `simd_sum` adds its lanes' values (in
 lane order: Metal leaves the order open) after all have arrived; `threadgroup` memory is one
-array a threadgroup, whose threads run at once; threadgroups run one after another; an input MLX
-would pass in the `constant` address space is `volatile` (CONSTANT_BELOW), so that handing it on
-as `device` memory fails to compile, as on Metal. What it is not: a Metal compile (attribute
-rules, the other address spaces' conversions and Metal's own math library are not checked), nor
-Apple hardware's speed or its order of additions. Outputs start as all-ones bytes
-(NaN in floating point), so an output a kernel fails to write shows as not finite."""
+array a threadgroup, whose threads run in thread order from one barrier to the next (a kernel
+whose threads all wait at barriers that none of them can complete fails as a deadlock, where a GPU
+would hang); threadgroups run one after another; an input MLX would pass in the `constant` address
+space is `volatile` (CONSTANT_BELOW), so that handing it on as `device` memory fails to compile, as
+on Metal. What it is not: a Metal compile (attribute rules, the other address spaces' conversions
+and Metal's own math library are not checked), nor Apple hardware's speed or its order of
+additions. Outputs start as all-ones bytes (NaN in floating point), so an output a kernel fails to
+write shows as not finite."""
 
 from __future__ import annotations
 
@@ -28,17 +30,21 @@ import numpy as np
 
 CXX = shutil.which("g++") or shutil.which("clang++")
 
-# What both emulations share: bfloat16_t / float16_t (GPU bits, rounded as the GPU rounds), and each
-# thread's lane, its simdgroup's or warp's Lanes and its group's barrier (set by LAUNCHER).
+# What both emulations share: bfloat16_t / float16_t (GPU bits, rounded as the GPU rounds), the
+# fibers the GPU threads run as, their barriers, and each thread's Own state (each emulation defines
+# Own: its lane, its simdgroup's or warp's Lanes, its group's barrier, and what else it keeps).
 HALF_TYPES = r"""
 #include <algorithm>
-#include <barrier>
 #include <cmath>
+#include <csetjmp>
 #include <cstdint>
 #include <cstring>
-#include <thread>
+#include <functional>
+#include <string>
 #include <type_traits>
 #include <vector>
+#include <sys/mman.h>
+#include <ucontext.h>
 struct bfloat16_t {
   uint16_t bits;
   bfloat16_t() = default;
@@ -58,19 +64,110 @@ struct float16_t {
   operator float() const { return static_cast<float>(v); }
   operator float() const volatile { return static_cast<float>(v); }
 };
+// A group's GPU threads are fibers on one CPU thread, each on a stack of its own: a thread runs until
+// it waits at a barrier, then the next one in thread order, so that a barrier costs a few switches in
+// user space (an OS thread a GPU thread, as before, spent as much time in the kernel's futex calls as
+// in the kernels). A fiber's first entry is a ucontext (makecontext); its switches, _setjmp /
+// _longjmp (no signal-mask system call; CXX_FLAGS turn off _FORTIFY_SOURCE, whose longjmp check
+// refuses a jump to another stack).
+struct Own;  // a GPU thread's own state, which each emulation defines
+inline Own* own;  // the running thread's
+struct Fiber {
+  jmp_buf context;
+  ucontext_t start;
+  Own* own;
+  bool started = false, finished = false, progressed = false;
+};
+inline jmp_buf scheduler;
+inline Fiber* running;
+// Back to the scheduler, saying whether the fiber did anything since it was resumed; returns when
+// the scheduler resumes it.
+inline void pause_fiber(bool progressed) {
+  running->progressed = progressed;
+  if (!_setjmp(running->context)) _longjmp(scheduler, 1);
+}
+struct Barrier {  // std::barrier's arrive_and_wait and arrive_and_drop, for fibers
+  unsigned expected, arrived = 0, phase = 0;
+  explicit Barrier(unsigned count) : expected(count) {}
+  void arrive_and_wait() {
+    const unsigned mine = phase;
+    if (++arrived == expected) { arrived = 0, ++phase; return; }
+    pause_fiber(true);
+    while (phase == mine) pause_fiber(false);
+  }
+  void arrive_and_drop() {  // a thread that has returned: the others no longer wait for it
+    if (--expected == arrived && arrived) arrived = 0, ++phase;
+  }
+};
 struct Lanes {  // one simdgroup / warp: what its threads exchange, each in its own slot
-  std::barrier<> meet{32};
+  Barrier meet{32};
   alignas(16) unsigned char values[32][16];
 };
-thread_local Lanes* this_lanes;
-thread_local unsigned this_lane;
-thread_local std::barrier<>* this_group;
+// The fibers of a launch: `body(t)` is GPU thread t's part of a group, run for each group in turn.
+class Fibers {
+ public:
+  Fibers(unsigned threads, std::function<void(unsigned)> body) : fibers_(threads), body_(std::move(body)) {
+    for (unsigned t = 0; t < threads; ++t) {
+      Fiber& fiber = fibers_[t];
+      char* stack = static_cast<char*>(mmap(nullptr, STACK_BYTES, PROT_READ | PROT_WRITE,
+                                            MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+      if (stack == MAP_FAILED) throw std::bad_alloc();
+      mprotect(stack, GUARD_BYTES, PROT_NONE);  // an overflow faults rather than writing another stack
+      stacks_.push_back(stack);
+      getcontext(&fiber.start);
+      fiber.start.uc_stack = {stack, 0, STACK_BYTES};
+      fiber.start.uc_link = nullptr;
+      makecontext(&fiber.start, &Fibers::enter, 0);
+    }
+  }
+  ~Fibers() { for (char* stack : stacks_) munmap(stack, STACK_BYTES); }
+  Fiber& operator[](unsigned t) { return fibers_[t]; }
+  // One group: each unfinished fiber in turn, until all have returned (true) or all wait at
+  // barriers that none of them can complete (false: a deadlock, which would hang a GPU).
+  bool run_group() {
+    for (Fiber& fiber : fibers_) fiber.finished = false;
+    size_t live = fibers_.size(), idle = 0;
+    while (live > 0)
+      for (unsigned t = 0; t < fibers_.size(); ++t) {
+        Fiber& fiber = fibers_[t];
+        if (fiber.finished) continue;
+        running = &fiber, own = fiber.own;
+        if (!_setjmp(scheduler)) {
+          if (fiber.started) _longjmp(fiber.context, 1);
+          fiber.started = true, entering_ = this, entering_thread_ = t;
+          setcontext(&fiber.start);
+        }
+        if (fiber.finished) --live, idle = 0;
+        else if (fiber.progressed) idle = 0;
+        else if (++idle >= live) return false;
+      }
+    return true;
+  }
+
+ private:
+  static constexpr size_t STACK_BYTES = 512 << 10, GUARD_BYTES = 4096;
+  static inline Fibers* entering_;
+  static inline unsigned entering_thread_;
+  static void enter() {  // a fiber's whole life: its part of each group, then back to the scheduler
+    Fibers& fibers = *entering_;
+    const unsigned t = entering_thread_;
+    while (true) {
+      fibers.body_(t);
+      running->finished = true;
+      pause_fiber(true);
+    }
+  }
+  std::vector<Fiber> fibers_;
+  std::vector<char*> stacks_;
+  std::function<void(unsigned)> body_;
+};
 """
 
 # Metal's types and library calls on a CPU. simd_sum and threadgroup_barrier meet the other threads
 # through the barriers the launcher gives each thread; `threadgroup` storage is static (shared by the
 # threadgroup running now).
 SHIM = HALF_TYPES + r"""
+struct Own { unsigned lane; Lanes* lanes; Barrier* group; };
 typedef unsigned int uint;
 typedef unsigned long ulong;
 struct uint3 { uint x, y, z; };
@@ -80,76 +177,73 @@ namespace metal {
 using std::fabs; using std::fma; using std::fmax; using std::fmin; using std::max; using std::min; using std::is_same_v;
 namespace precise { using std::exp; using std::tanh; }
 inline float simd_sum(float v) {
-  std::memcpy(this_lanes->values[this_lane], &v, 4);
-  this_lanes->meet.arrive_and_wait();
+  std::memcpy(own->lanes->values[own->lane], &v, 4);
+  own->lanes->meet.arrive_and_wait();
   float sum = 0.f;
-  for (int lane = 0; lane < 32; ++lane) sum += as_type<float>(*reinterpret_cast<const uint*>(this_lanes->values[lane]));
-  this_lanes->meet.arrive_and_wait();
+  for (int lane = 0; lane < 32; ++lane) sum += as_type<float>(*reinterpret_cast<const uint*>(own->lanes->values[lane]));
+  own->lanes->meet.arrive_and_wait();
   return sum;
 }
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 }
-inline void threadgroup_barrier(metal::mem_flags) { this_group->arrive_and_wait(); }
+inline void threadgroup_barrier(metal::mem_flags) { own->group->arrive_and_wait(); }
 #define device
 #define constant
 #define threadgroup static
 #define thread
 """
 
-# The grid's groups (threadgroups, blocks) one after another, on one CPU thread per GPU thread that
-# lives for the whole launch; each group gets fresh barriers, which a thread leaves
-# (arrive_and_drop) when it returns, so that it no longer holds back the others. Each emulation
-# fills in POSITION (the type of a group's position), GRID_SETUP, THREAD_SETUP, GROUP_SETUP and
-# CALL (the kernel's call, `position` and `t` in scope).
+# The grid's groups (threadgroups, blocks) one after another, each thread a fiber (HALF_TYPES) that
+# lives for the whole launch; each group gets fresh barriers and Own states, and a thread leaves its
+# barriers (arrive_and_drop) when it returns, so that it no longer holds back the others. Returns
+# null, or what went wrong: an exception's message (the first), or a deadlock. Each emulation fills
+# in POSITION (the type of a group's position), GRID_SETUP, GROUP_SETUP, THREAD_SETUP (`mine`, the
+# thread's Own, and `t` in scope) and CALL (the kernel's call, `position` and `t` in scope).
 LAUNCHER = r"""
 #include <memory>
-extern "C" void launch(void** buffers, unsigned groups_x, unsigned groups_y, unsigned groups_z, unsigned threads,
-                       unsigned shared_bytes) {
-  std::barrier<> start(threads + 1), finish(threads + 1);
-  std::unique_ptr<std::barrier<>> group;
-  std::unique_ptr<Lanes[]> lanes;
+extern "C" const char* launch(void** buffers, unsigned groups_x, unsigned groups_y, unsigned groups_z, unsigned threads,
+                              unsigned shared_bytes) {
+  static std::string failure;
+  failure.clear();
   std::vector<unsigned char> shared(shared_bytes + 16);
+  std::vector<Own> owns(threads);
   POSITION position{0, 0, 0};
-  bool done = false;
   GRID_SETUP
-  std::vector<std::thread> running;
-  for (unsigned t = 0; t < threads; ++t)
-    running.emplace_back([&, t] {
-      this_lane = t % 32;
-      THREAD_SETUP
-      while (true) {
-        start.arrive_and_wait();
-        if (done) return;
-        this_lanes = &lanes[t / 32];
-        this_group = group.get();
-        GROUP_SETUP
-        CALL;
-        group->arrive_and_drop();
-        lanes[t / 32].meet.arrive_and_drop();
-        finish.arrive_and_wait();
-      }
-    });
+  Fibers fibers(threads, [&](unsigned t) {
+    try {
+      CALL;
+    } catch (const std::exception& error) {
+      if (failure.empty()) failure = error.what();
+    }
+    own->group->arrive_and_drop();
+    own->lanes->meet.arrive_and_drop();
+  });
+  for (unsigned t = 0; t < threads; ++t) fibers[t].own = &owns[t];
   for (unsigned z = 0; z < groups_z; ++z)
     for (unsigned y = 0; y < groups_y; ++y)
       for (unsigned x = 0; x < groups_x; ++x) {
-        group = std::make_unique<std::barrier<>>(threads);
-        lanes.reset(new Lanes[threads / 32]);
+        Barrier group(threads);
+        std::unique_ptr<Lanes[]> lanes(new Lanes[threads / 32]);
         position = POSITION{x, y, z};
-        start.arrive_and_wait();
-        finish.arrive_and_wait();
+        GROUP_SETUP
+        for (unsigned t = 0; t < threads; ++t) {
+          Own& mine = owns[t] = Own{};
+          mine.lane = t % 32, mine.lanes = &lanes[t / 32], mine.group = &group;
+          THREAD_SETUP
+        }
+        if (!fibers.run_group()) return "deadlock: the group's threads all wait at barriers that none of them can complete";
+        if (!failure.empty()) return failure.c_str();
       }
-  done = true;
-  start.arrive_and_wait();
-  for (auto& thread : running) thread.join();
+  return nullptr;
 }
 """
 
 
-def launcher(position: str, call: str, grid_setup: str = "", thread_setup: str = "", group_setup: str = "") -> str:
+def launcher(position: str, call: str, grid_setup: str = "", group_setup: str = "", thread_setup: str = "") -> str:
     """LAUNCHER filled in (see above)."""
     text = LAUNCHER
-    for name, value in (("POSITION", position), ("GRID_SETUP", grid_setup), ("THREAD_SETUP", thread_setup),
-                        ("GROUP_SETUP", group_setup), ("CALL", call)):
+    for name, value in (("POSITION", position), ("GRID_SETUP", grid_setup), ("GROUP_SETUP", group_setup),
+                        ("THREAD_SETUP", thread_setup), ("CALL", call)):
         text = text.replace(name, value)
     return text
 
@@ -193,7 +287,7 @@ def template_line(name: str, value) -> str:
 
 # g++'s flags for an emulated kernel's library, and for its prelude's precompiled header (g++ takes
 # a precompiled header only under the options it was built with).
-CXX_FLAGS = ("-std=c++20", "-O1", "-w", "-fPIC", "-pthread")
+CXX_FLAGS = ("-std=c++20", "-O1", "-w", "-fPIC", "-U_FORTIFY_SOURCE")
 PRECOMPILES = CXX is not None and os.path.basename(CXX) == "g++"
 
 
@@ -229,6 +323,7 @@ def build_library(source: str, language: str, prelude: str = ""):
                 raise RuntimeError(f"the {language} source does not compile as C++:\n{built.stderr[-4000:]}")
             library = ctypes.CDLL(f"{path}.so")
             library.launch.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_uint] * 5
+            library.launch.restype = ctypes.c_char_p
             _libraries[digest] = library
         return _libraries[digest]
 
@@ -247,8 +342,10 @@ def run_grid(compose, language: str, inputs, input_parameters: list, output_shap
     parameters = input_parameters + output_parameters
     arguments = ", ".join(f"({p.rsplit(' ', 1)[0]})buffers[{i}]" for i, p in enumerate(parameters))
     buffers = (ctypes.c_void_p * (len(arrays) + len(outputs)))(*[b.ctypes.data for b in arrays + outputs])
-    build_library(compose(parameters, arguments), language, prelude).launch(buffers, grid[0] // threads, grid[1], grid[2],
-                                                                  threads, shared_bytes)
+    failure = build_library(compose(parameters, arguments), language, prelude).launch(
+        buffers, grid[0] // threads, grid[1], grid[2], threads, shared_bytes)
+    if failure is not None:
+        raise RuntimeError(f"the emulated {language} kernel failed: {failure.decode()}")
     return [mx.array(o).view(dtype) if dtype == mx.bfloat16 else mx.array(o) for o, dtype in zip(outputs, output_dtypes)]
 
 

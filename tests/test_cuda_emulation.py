@@ -549,3 +549,39 @@ def test_emulated_in_place_dequantisation_is_the_magic_paths_bit_for_bit():
     assert "0x60006200u" in header
     in_place, magic = in_place_and_magic_dequantisation(header.replace("0x60006200u", "0x62006200u"))
     assert not mx.array_equal(in_place, magic).item()
+
+
+def run_emulated_threads(body: str, threads: int = 64):
+    """`body` as a one-block CUDA kernel of `threads` threads writing `out` (one float a thread)."""
+    kernel = EmulatedCudaKernel(["unused"], ["out"], body, "", 0)
+    return kernel(inputs=[mx.zeros((1,))], template=[], grid=(threads, 1, 1), threadgroup=(threads, 1, 1),
+                  output_shapes=[(threads,)], output_dtypes=[mx.float32])[0]
+
+
+def test_the_emulation_reports_a_deadlock_and_a_kernels_exception():
+    # each thread's exchange through its warp and the block barrier, in order: every thread's value
+    ring = run_emulated_threads("""
+      const float mine = float(threadIdx.x);
+      const float next = __shfl_sync(0xffffffffu, mine, (threadIdx.x + 1) % 32);
+      __syncthreads();
+      out[threadIdx.x] = next;""")
+    assert ring.tolist() == [float(32 * (t // 32) + (t + 1) % 32) for t in range(64)]
+    # one lane at the warp's exchange, the rest at the block barrier: a GPU would hang, the emulation
+    # says so (its threads are fibers that all wait)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        run_emulated_threads("""
+          if (threadIdx.x == 0) out[0] = __shfl_sync(0xffffffffu, 1.f, 1);
+          __syncthreads();
+          out[threadIdx.x] = 0.f;""")
+    # threads that return early leave the barrier: the others pass it
+    early = run_emulated_threads("""
+      if (threadIdx.x % 2) return;
+      __syncthreads();
+      out[threadIdx.x] = 1.f;""")
+    assert np.array_equal(np.isnan(np.array(early)), np.arange(64) % 2 == 1)
+    with pytest.raises(RuntimeError, match="only the 128-byte swizzle"):
+        run_emulated_threads("""
+          float d[4] = {};
+          const unsigned a[4] = {};
+          wgmma_m64k16<__nv_bfloat16, 8>(d, a, 0ull);
+          out[threadIdx.x] = d[0];""")
