@@ -60,7 +60,7 @@ WGMMA_SWIZZLE_BYTES = 1024
 # grouped_wgmma's block: RBN weight rows a matrix, a warpgroup (128 threads) for each 64; 256 rows
 # where the k-loop is WGMMA_WIDE_MIN_K deep or more, else 128 (wgmma_block_rows).
 WGMMA_WIDE_MIN_K = 4096
-WGMMA_MIN_TILE = 64
+WGMMA_MIN_TILE = 32
 COMBINE_THREADS = 256
 K_ORDER_THREADS = 256
 ROUTE_THREADS = 1024
@@ -150,7 +150,10 @@ def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
     shapes 203 against 185 TFLOP/s (2048 tokens) and 254 against 235 (8192), level at 512 tokens
     and on Mixtral's shapes, and slower on Qwen3's 16-row tiles. Its down ran slower than grouped's
     (fifteenth session; sixty-eighth stop, item 5) until its activation stages took the 128-byte
-    swizzle (eighty-seventh stop): on an H100 Qwen3 T=2048's down 274-290 against 238-243 TF/s."""
+    swizzle (eighty-seventh stop): on an H100 Qwen3 T=2048's down 274-290 against 238-243 TF/s.
+    32-row tiles take it too since the eighty-ninth stop (an H100: a layer at DeepSeek-V3's shapes
+    and 512 tokens 110-112 against 87 TF/s, Mixtral's at 64 tokens 95 against 76, Qwen3's at 128
+    level; its forward 0.92x dense against 0.83x); at 16 rows its down ran 27 against 31."""
     projection = experts.projections[-1 if stage == "last" else 0]
     wgmma = (stage in ("first", "last") and len(experts.projections) == 3 and projection.bits == 4
              and tile >= WGMMA_MIN_TILE and wgmma_unavailable_reason() is None)
