@@ -357,9 +357,11 @@ def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
         switch(module.WGMMA_SWITCH, "")
         experts = make_case(mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 256, 256, 8, 2, 1, 4).experts
         assert module.wgmma_device() is expected
-        assert module.gemm_kernel(experts, "first", 64) == module.gemm_kernel(experts, "last", 64) == (
-            "grouped_wgmma" if expected else "grouped")
-        assert module.gemm_kernel(experts, "first", 32) == module.gemm_kernel(experts, "last", 32) == "grouped"
+        smallest, below = module.WGMMA_MIN_TILE, module.WGMMA_MIN_TILE // 2
+        for tile in (64, smallest):
+            assert module.gemm_kernel(experts, "first", tile) == module.gemm_kernel(experts, "last", tile) == (
+                "grouped_wgmma" if expected else "grouped")
+        assert module.gemm_kernel(experts, "first", below) == module.gemm_kernel(experts, "last", below) == "grouped"
         # status() says which GEMM gate+up takes, as where the kernel runs
         monkeypatch.setattr(module, "moe_prefill_implementation", lambda *args: Implementation(None, "kernel", "CUDA"))
         monkeypatch.setattr(module.mx.cuda, "is_available", lambda: True)
