@@ -59,7 +59,7 @@ namespace cuda { namespace std { using namespace ::std; } }
 using __nv_bfloat16 = bfloat16_t;
 using __half = float16_t;
 struct dim3 { unsigned x, y, z; };
-dim3 blockIdx, blockDim, gridDim;
+inline dim3 blockIdx, blockDim, gridDim;
 // PTX's asynchronous work in a thread's commit groups (cp.async's, wgmma's): work issued joins
 // the open group, a commit closes it, and a wait_group runs the work of all but the newest PENDING
 // committed groups, oldest first, in the waiting thread.
@@ -362,4 +362,4 @@ class EmulatedCudaKernel:
         return run_grid(compose, "CUDA", inputs,
                         [f"const {CUDA_TYPES[a.dtype]}* {n}" for a, n in zip(inputs, self.input_names)],
                         output_shapes, output_dtypes, [f"{CUDA_TYPES[d]}* {n}" for d, n in zip(output_dtypes, self.output_names)],
-                        grid, threadgroup, self.shared_bytes, prelude=SHIM)
+                        grid, threadgroup, self.shared_bytes, SHIM)

@@ -67,25 +67,18 @@ struct float16_t {
 // A group's GPU threads are fibers on one CPU thread, each on a stack of its own: a thread runs until
 // it waits at a barrier, then the next one in thread order, so that a barrier costs a few switches in
 // user space (an OS thread a GPU thread, as before, spent as much time in the kernel's futex calls as
-// in the kernels). A fiber's first entry is a ucontext (makecontext); its switches, _setjmp /
-// _longjmp (no signal-mask system call; CXX_FLAGS turn off _FORTIFY_SOURCE, whose longjmp check
-// refuses a jump to another stack).
+// in the kernels). The fibers' code is FIBERS, compiled once a process and linked into each kernel.
 struct Own;  // a GPU thread's own state, which each emulation defines
 inline Own* own;  // the running thread's
 struct Fiber {
   jmp_buf context;
   ucontext_t start;
   Own* own;
-  bool started = false, finished = false, progressed = false;
+  bool started, finished, progressed;
 };
-inline jmp_buf scheduler;
-inline Fiber* running;
 // Back to the scheduler, saying whether the fiber did anything since it was resumed; returns when
 // the scheduler resumes it.
-inline void pause_fiber(bool progressed) {
-  running->progressed = progressed;
-  if (!_setjmp(running->context)) _longjmp(scheduler, 1);
-}
+void pause_fiber(bool progressed);
 struct Barrier {  // std::barrier's arrive_and_wait and arrive_and_drop, for fibers
   unsigned expected, arrived = 0, phase = 0;
   explicit Barrier(unsigned count) : expected(count) {}
@@ -103,65 +96,86 @@ struct Lanes {  // one simdgroup / warp: what its threads exchange, each in its 
   Barrier meet{32};
   alignas(16) unsigned char values[32][16];
 };
-// The fibers of a launch: `body(t)` is GPU thread t's part of a group, run for each group in turn.
-class Fibers {
- public:
-  Fibers(unsigned threads, std::function<void(unsigned)> body) : fibers_(threads), body_(std::move(body)) {
-    for (unsigned t = 0; t < threads; ++t) {
-      Fiber& fiber = fibers_[t];
-      char* stack = static_cast<char*>(mmap(nullptr, STACK_BYTES, PROT_READ | PROT_WRITE,
-                                            MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
-      if (stack == MAP_FAILED) throw std::bad_alloc();
-      mprotect(stack, GUARD_BYTES, PROT_NONE);  // an overflow faults rather than writing another stack
-      stacks_.push_back(stack);
-      getcontext(&fiber.start);
-      fiber.start.uc_stack = {stack, 0, STACK_BYTES};
-      fiber.start.uc_link = nullptr;
-      makecontext(&fiber.start, &Fibers::enter, 0);
-    }
-  }
-  ~Fibers() { for (char* stack : stacks_) munmap(stack, STACK_BYTES); }
-  Fiber& operator[](unsigned t) { return fibers_[t]; }
+// The fibers of a launch: `body(context, t)` is GPU thread t's part of a group, run for each group in
+// turn; `fibers[t].own` its Own state.
+struct Fibers {
+  Fibers(unsigned threads, void (*body)(void* context, unsigned t), void* context);
+  ~Fibers();
   // One group: each unfinished fiber in turn, until all have returned (true) or all wait at
   // barriers that none of them can complete (false: a deadlock, which would hang a GPU).
-  bool run_group() {
-    for (Fiber& fiber : fibers_) fiber.finished = false;
-    size_t live = fibers_.size(), idle = 0;
-    while (live > 0)
-      for (unsigned t = 0; t < fibers_.size(); ++t) {
-        Fiber& fiber = fibers_[t];
-        if (fiber.finished) continue;
-        running = &fiber, own = fiber.own;
-        if (!_setjmp(scheduler)) {
-          if (fiber.started) _longjmp(fiber.context, 1);
-          fiber.started = true, entering_ = this, entering_thread_ = t;
-          setcontext(&fiber.start);
-        }
-        if (fiber.finished) --live, idle = 0;
-        else if (fiber.progressed) idle = 0;
-        else if (++idle >= live) return false;
-      }
-    return true;
-  }
-
- private:
-  static constexpr size_t STACK_BYTES = 512 << 10, GUARD_BYTES = 4096;
-  static inline Fibers* entering_;
-  static inline unsigned entering_thread_;
-  static void enter() {  // a fiber's whole life: its part of each group, then back to the scheduler
-    Fibers& fibers = *entering_;
-    const unsigned t = entering_thread_;
-    while (true) {
-      fibers.body_(t);
-      running->finished = true;
-      pause_fiber(true);
-    }
-  }
-  std::vector<Fiber> fibers_;
-  std::vector<char*> stacks_;
-  std::function<void(unsigned)> body_;
+  bool run_group();
+  Fiber* fibers;
+  unsigned threads;
+  void (*body)(void*, unsigned);
+  void* context;
 };
 """
+
+# HALF_TYPES' fibers: a fiber's first entry is a ucontext (makecontext); its switches, _setjmp /
+# _longjmp (no signal-mask system call; CXX_FLAGS turn off _FORTIFY_SOURCE, whose longjmp check
+# refuses a jump to another stack).
+FIBERS = r"""
+#include <new>
+namespace {
+constexpr size_t STACK_BYTES = 512 << 10, GUARD_BYTES = 4096;
+jmp_buf scheduler;
+Fiber* running;
+Fibers* entering;
+unsigned entering_thread;
+void enter() {  // a fiber's whole life: its part of each group, then back to the scheduler
+  Fibers& all = *entering;
+  const unsigned t = entering_thread;
+  while (true) {
+    all.body(all.context, t);
+    running->finished = true;
+    pause_fiber(true);
+  }
+}
+}  // namespace
+void pause_fiber(bool progressed) {
+  running->progressed = progressed;
+  if (!_setjmp(running->context)) _longjmp(scheduler, 1);
+}
+Fibers::Fibers(unsigned threads, void (*body)(void*, unsigned), void* context)
+    : fibers(new Fiber[threads]()), threads(threads), body(body), context(context) {
+  for (unsigned t = 0; t < threads; ++t) {
+    Fiber& fiber = fibers[t];
+    char* stack = static_cast<char*>(mmap(nullptr, STACK_BYTES, PROT_READ | PROT_WRITE,
+                                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+    if (stack == MAP_FAILED) throw std::bad_alloc();
+    mprotect(stack, GUARD_BYTES, PROT_NONE);  // an overflow faults rather than writing another stack
+    getcontext(&fiber.start);
+    fiber.start.uc_stack.ss_sp = stack;
+    fiber.start.uc_stack.ss_size = STACK_BYTES;
+    fiber.start.uc_link = nullptr;
+    makecontext(&fiber.start, enter, 0);
+  }
+}
+Fibers::~Fibers() {
+  for (unsigned t = 0; t < threads; ++t) munmap(fibers[t].start.uc_stack.ss_sp, STACK_BYTES);
+  delete[] fibers;
+}
+bool Fibers::run_group() {
+  for (unsigned t = 0; t < threads; ++t) fibers[t].finished = false;
+  unsigned live = threads, idle = 0;
+  while (live > 0)
+    for (unsigned t = 0; t < threads; ++t) {
+      Fiber& fiber = fibers[t];
+      if (fiber.finished) continue;
+      running = &fiber, own = fiber.own;
+      if (!_setjmp(scheduler)) {
+        if (fiber.started) _longjmp(fiber.context, 1);
+        fiber.started = true, entering = this, entering_thread = t;
+        setcontext(&fiber.start);
+      }
+      if (fiber.finished) --live, idle = 0;
+      else if (fiber.progressed) idle = 0;
+      else if (++idle >= live) return false;
+    }
+  return true;
+}
+"""
+
 
 # Metal's types and library calls on a CPU. simd_sum and threadgroup_barrier meet the other threads
 # through the barriers the launcher gives each thread; `threadgroup` storage is static (shared by the
@@ -200,30 +214,32 @@ inline void threadgroup_barrier(metal::mem_flags) { own->group->arrive_and_wait(
 # in POSITION (the type of a group's position), GRID_SETUP, GROUP_SETUP, THREAD_SETUP (`mine`, the
 # thread's Own, and `t` in scope) and CALL (the kernel's call, `position` and `t` in scope).
 LAUNCHER = r"""
-#include <memory>
+#include <cstdio>
 extern "C" const char* launch(void** buffers, unsigned groups_x, unsigned groups_y, unsigned groups_z, unsigned threads,
                               unsigned shared_bytes) {
-  static std::string failure;
-  failure.clear();
+  static char failure[1024];
+  failure[0] = 0;
   std::vector<unsigned char> shared(shared_bytes + 16);
   std::vector<Own> owns(threads);
+  std::vector<Lanes> lanes(threads / 32);
   POSITION position{0, 0, 0};
   GRID_SETUP
-  Fibers fibers(threads, [&](unsigned t) {
+  auto body = [&](unsigned t) {
     try {
       CALL;
     } catch (const std::exception& error) {
-      if (failure.empty()) failure = error.what();
+      if (!failure[0]) std::snprintf(failure, sizeof failure, "%s", error.what());
     }
     own->group->arrive_and_drop();
     own->lanes->meet.arrive_and_drop();
-  });
-  for (unsigned t = 0; t < threads; ++t) fibers[t].own = &owns[t];
+  };
+  Fibers fibers(threads, [](void* context, unsigned t) { (*static_cast<decltype(body)*>(context))(t); }, &body);
+  for (unsigned t = 0; t < threads; ++t) fibers.fibers[t].own = &owns[t];
   for (unsigned z = 0; z < groups_z; ++z)
     for (unsigned y = 0; y < groups_y; ++y)
       for (unsigned x = 0; x < groups_x; ++x) {
         Barrier group(threads);
-        std::unique_ptr<Lanes[]> lanes(new Lanes[threads / 32]);
+        for (Lanes& warp : lanes) warp.meet = Barrier(32);
         position = POSITION{x, y, z};
         GROUP_SETUP
         for (unsigned t = 0; t < threads; ++t) {
@@ -232,7 +248,7 @@ extern "C" const char* launch(void** buffers, unsigned groups_x, unsigned groups
           THREAD_SETUP
         }
         if (!fibers.run_group()) return "deadlock: the group's threads all wait at barriers that none of them can complete";
-        if (!failure.empty()) return failure.c_str();
+        if (failure[0]) return failure;
       }
   return nullptr;
 }
@@ -293,9 +309,9 @@ PRECOMPILES = CXX is not None and os.path.basename(CXX) == "g++"
 
 def prelude_include(prelude: str) -> list:
     """The arguments that make g++ read `prelude` (an emulation's SHIM, over half of a kernel's
-    compile time read as text) from a header precompiled once a process; where it is none, or the
-    compiler not g++, none (`prelude` is then compiled with each kernel's text). Call under _lock."""
-    if not prelude or not PRECOMPILES:
+    compile time read as text) from a header precompiled once a process; where the compiler is not
+    g++, none (`prelude` is then compiled with each text). Call under _lock."""
+    if not PRECOMPILES:
         return []
     header = os.path.join(_folder.name, hashlib.sha256(prelude.encode()).hexdigest()[:20] + ".h")
     if not os.path.exists(header):
@@ -307,29 +323,37 @@ def prelude_include(prelude: str) -> list:
     return ["-include", header]
 
 
-def build_library(source: str, language: str, prelude: str = ""):
-    """The compiled shared library of `prelude` followed by `source` (cached by their text), with
-    LAUNCHER's `launch`."""
-    digest = hashlib.sha256((prelude + "\0" + source).encode()).hexdigest()[:20]
+def compile_text(text: str, prelude: str, language: str, output: str, *options: str) -> str:
+    """`output`, compiled from `prelude` followed by `text` with `options`, once a process (by
+    their digest). Call under _lock."""
+    path = os.path.join(_folder.name, hashlib.sha256((prelude + "\0" + text + "\0" + output).encode()).hexdigest()[:20])
+    if not os.path.exists(path + output):
+        include = prelude_include(prelude)
+        with open(f"{path}.cc", "w") as f:
+            f.write(text if include else prelude + text)
+        built = subprocess.run([CXX, *CXX_FLAGS, *options, *include, f"{path}.cc", "-o", path + output],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            raise RuntimeError(f"the {language} source does not compile as C++:\n{built.stderr[-4000:]}")
+    return path + output
+
+
+def build_library(source: str, language: str, prelude: str):
+    """The shared library of `prelude` followed by `source` (LAUNCHER's `launch` among them), with
+    FIBERS (compiled once a process), loaded once a process."""
     with _lock:
-        if digest not in _libraries:
-            path = os.path.join(_folder.name, digest)
-            include = prelude_include(prelude)
-            with open(f"{path}.cc", "w") as f:
-                f.write(source if include else prelude + source)
-            built = subprocess.run([CXX, *CXX_FLAGS, "-shared", *include, f"{path}.cc", "-o", f"{path}.so"],
-                                   capture_output=True, text=True)
-            if built.returncode != 0:
-                raise RuntimeError(f"the {language} source does not compile as C++:\n{built.stderr[-4000:]}")
-            library = ctypes.CDLL(f"{path}.so")
+        fibers = compile_text(FIBERS, prelude, language, ".o", "-c")
+        library_path = compile_text(source, prelude, language, ".so", "-shared", fibers)
+        if library_path not in _libraries:
+            library = ctypes.CDLL(library_path)
             library.launch.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_uint] * 5
             library.launch.restype = ctypes.c_char_p
-            _libraries[digest] = library
-        return _libraries[digest]
+            _libraries[library_path] = library
+        return _libraries[library_path]
 
 
 def run_grid(compose, language: str, inputs, input_parameters: list, output_shapes, output_dtypes,
-             output_parameters: list, grid, threadgroup, shared_bytes: int = 0, prelude: str = "") -> list:
+             output_parameters: list, grid, threadgroup, shared_bytes: int, prelude: str) -> list:
     """The outputs (MLX arrays) of the kernel whose C++ source is `prelude` followed by
     `compose(parameters, arguments)` (its signature's parameters; the launcher's casts of its
     buffers to them), run over `grid` (in threads) in groups of `threadgroup` threads on `inputs`."""
@@ -369,4 +393,4 @@ class EmulatedMetalKernel:
         return run_grid(compose, "Metal", inputs,
                         [f"const {address_space(a)}{C_TYPES[a.dtype]}* {n}" for a, n in zip(inputs, self.input_names)],
                         output_shapes, output_dtypes, [f"{C_TYPES[d]}* {n}" for d, n in zip(output_dtypes, self.output_names)],
-                        grid, threadgroup, prelude=SHIM)
+                        grid, threadgroup, 0, SHIM)
