@@ -177,6 +177,7 @@ def take_wgmma(patch, wgmma: bool, rows: int = 128) -> None:
     256 where set) (as tests/parity/test_ops.py's prefill_gemm, for the GPU)."""
     patch.setattr(PREFILL, "wgmma_device", lambda: wgmma)
     patch.setattr(PREFILL, "WGMMA_MIN_TILE", 0)
+    patch.setattr(PREFILL, "WGMMA_WIDE_MIN_TILE", 0)
     if rows == 256:
         patch.setattr(PREFILL, "WGMMA_WIDE_MIN_K", 0)
 

@@ -60,7 +60,10 @@ WGMMA_SWIZZLE_BYTES = 1024
 # grouped_wgmma's block: RBN weight rows a matrix, a warpgroup (128 threads) for each 64; 256 rows
 # where the k-loop is WGMMA_WIDE_MIN_K deep or more, else 128 (wgmma_block_rows).
 WGMMA_WIDE_MIN_K = 4096
-WGMMA_MIN_TILE = 32
+# wgmma takes tiles of WGMMA_MIN_TILE rows or more, and of WGMMA_WIDE_MIN_TILE where the gate+up's
+# input is WGMMA_WIDE_MIN_K wide or more (wgmma_min_tile)
+WGMMA_MIN_TILE = 64
+WGMMA_WIDE_MIN_TILE = 32
 COMBINE_THREADS = 256
 K_ORDER_THREADS = 256
 ROUTE_THREADS = 1024
@@ -139,24 +142,32 @@ def gemm_state() -> dict:
     if unavailable is not None:
         return {"gemm": "grouped", "reason": f"mma.sync: {unavailable}"}
     return {"gemm": "grouped_wgmma", "reason": f"wgmma for the gate+up and down of gated 4-bit experts at tiles of "
-            f"{WGMMA_MIN_TILE} rows or more; mma.sync for the other launches"}
+            f"{WGMMA_MIN_TILE} rows or more ({WGMMA_WIDE_MIN_TILE} where their input is {WGMMA_WIDE_MIN_K} wide or "
+            f"more); mma.sync for the other launches"}
+
+
+def wgmma_min_tile(experts: MoEExperts) -> int:
+    """The smallest tile height whose gate+up and down take wgmma: WGMMA_WIDE_MIN_TILE where the
+    gate+up's input is WGMMA_WIDE_MIN_K wide or more, else WGMMA_MIN_TILE. On an H100 (eighty-ninth
+    stop, against 64 rows everywhere, in one process) 32-row tiles made a layer 1.22-1.25x at
+    DeepSeek-V3's shapes (7168 wide) at 256 / 512 tokens and 1.19x at Mixtral's (4096) at 64
+    tokens, level at Mixtral's 128, but 0.96x at Qwen3's (2048) at 256 tokens; at 16 rows wgmma's
+    down ran 27 against mma.sync's 31 TF/s (Qwen3, 64 tokens)."""
+    return WGMMA_WIDE_MIN_TILE if experts.input_dims >= WGMMA_WIDE_MIN_K else WGMMA_MIN_TILE
 
 
 def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
     """The GEMM (GEMMS) of `stage` at tile height `tile`: grouped_wgmma for the gated first launch
     (gate+up) and the last (down) of gated experts whose projection is 4-bit, at tiles of
-    WGMMA_MIN_TILE rows or more on a GPU with wgmma, where its switch is on (the default), else
+    wgmma_min_tile rows or more on a GPU with wgmma, where its switch is on (the default), else
     grouped. On the H200 (docs/benchmarks.md, fifteenth session) wgmma's gate+up ran at Qwen3's
     shapes 203 against 185 TFLOP/s (2048 tokens) and 254 against 235 (8192), level at 512 tokens
     and on Mixtral's shapes, and slower on Qwen3's 16-row tiles. Its down ran slower than grouped's
     (fifteenth session; sixty-eighth stop, item 5) until its activation stages took the 128-byte
-    swizzle (eighty-seventh stop): on an H100 Qwen3 T=2048's down 274-290 against 238-243 TF/s.
-    32-row tiles take it too since the eighty-ninth stop (an H100: a layer at DeepSeek-V3's shapes
-    and 512 tokens 110-112 against 87 TF/s, Mixtral's at 64 tokens 95 against 76, Qwen3's at 128
-    level; its forward 0.92x dense against 0.83x); at 16 rows its down ran 27 against 31."""
+    swizzle (eighty-seventh stop): on an H100 Qwen3 T=2048's down 274-290 against 238-243 TF/s."""
     projection = experts.projections[-1 if stage == "last" else 0]
     wgmma = (stage in ("first", "last") and len(experts.projections) == 3 and projection.bits == 4
-             and tile >= WGMMA_MIN_TILE and wgmma_unavailable_reason() is None)
+             and tile >= wgmma_min_tile(experts) and wgmma_unavailable_reason() is None)
     return "grouped_wgmma" if wgmma else "grouped"
 
 

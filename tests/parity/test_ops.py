@@ -334,6 +334,7 @@ def prefill_gemm(switch, monkeypatch, wgmma: str) -> None:
         pytest.skip("no Hopper GPU: wgmma needs compute capability 9.0")
     switch(module.WGMMA_SWITCH, "0" if wgmma == "0" else "1")
     monkeypatch.setattr(module, "WGMMA_MIN_TILE", 0)
+    monkeypatch.setattr(module, "WGMMA_WIDE_MIN_TILE", 0)
     if wgmma == "256":
         monkeypatch.setattr(module, "WGMMA_WIDE_MIN_K", 0)
         monkeypatch.setattr(module, "K_ORDER_KERNEL_MIN_VALUES", 0)
@@ -357,11 +358,14 @@ def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
         switch(module.WGMMA_SWITCH, "")
         experts = make_case(mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 256, 256, 8, 2, 1, 4).experts
         assert module.wgmma_device() is expected
-        smallest, below = module.WGMMA_MIN_TILE, module.WGMMA_MIN_TILE // 2
-        for tile in (64, smallest):
-            assert module.gemm_kernel(experts, "first", tile) == module.gemm_kernel(experts, "last", tile) == (
+        # 64-row tiles and up; 32 where the experts' input is WGMMA_WIDE_MIN_K wide (here 256)
+        for wide_min_k, smallest in ((4096, 64), (256, 32)):
+            monkeypatch.setattr(module, "WGMMA_WIDE_MIN_K", wide_min_k)
+            assert module.wgmma_min_tile(experts) == smallest
+            assert module.gemm_kernel(experts, "first", smallest) == module.gemm_kernel(experts, "last", smallest) == (
                 "grouped_wgmma" if expected else "grouped")
-        assert module.gemm_kernel(experts, "first", below) == module.gemm_kernel(experts, "last", below) == "grouped"
+            below = smallest // 2
+            assert module.gemm_kernel(experts, "first", below) == module.gemm_kernel(experts, "last", below) == "grouped"
         # status() says which GEMM gate+up takes, as where the kernel runs
         monkeypatch.setattr(module, "moe_prefill_implementation", lambda *args: Implementation(None, "kernel", "CUDA"))
         monkeypatch.setattr(module.mx.cuda, "is_available", lambda: True)
