@@ -34,6 +34,10 @@ CXX = shutil.which("g++") or shutil.which("clang++")
 # fibers the GPU threads run as, their barriers, and each thread's Own state (each emulation defines
 # Own: its lane, its simdgroup's or warp's Lanes, its group's barrier, and what else it keeps).
 HALF_TYPES = r"""
+#if defined(__APPLE__)  // macOS declares the ucontext calls only under _XOPEN_SOURCE (untested here: no Mac)
+#define _XOPEN_SOURCE 700
+#define _DARWIN_C_SOURCE
+#endif
 #include <algorithm>
 #include <cmath>
 #include <csetjmp>
