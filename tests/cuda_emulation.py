@@ -10,9 +10,10 @@ What the emulation is: bf16 and fp16 stored and rounded as on the GPU (tests/met
 types; bf16x2 arithmetic rounded once a lane, as the hardware does); a warp is 32 threads,
 `__shfl_xor_sync` exchanges their values after all have arrived; `__shared__` memory is one array
 for the block running now (blocks run one after another, their threads in thread order from one
-barrier or warp exchange to the next; a deadlock fails); the inline PTX the kernels use (`prmt`, `dp4a`, a streamed 16-byte load, an empty `asm` that hides a pointer's
-origin, `cp.async` into dynamic shared memory, `mma.sync` m16n8k16 and Hopper's `wgmma` m64nNk16 on
-their fragment layouts and shared-memory descriptor) becomes the C++ of its definition; MLX's grid
+barrier or warp exchange to the next; a deadlock fails); the inline PTX the kernels use (`prmt`,
+`dp4a`, a streamed 16-byte load, an empty `asm` that hides a pointer's origin, `cp.async` into
+dynamic shared memory, `mma.sync` m16n8k16 and Hopper's `wgmma` m64nNk16 on their fragment layouts
+and shared-memory descriptor) becomes the C++ of its definition; MLX's grid
 in threads is rounded up to whole blocks, as MLX launches it; a cp.async copy lands when a
 wait_group lets its group complete, its destination all-ones bytes until then, so that a stage read
 too early reads garbage; a wgmma reads its B and writes its sums when a wait_group lets its commit

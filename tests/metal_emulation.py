@@ -43,8 +43,6 @@ HALF_TYPES = r"""
 #include <csetjmp>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <string>
 #include <type_traits>
 #include <vector>
 #include <sys/mman.h>
