@@ -176,8 +176,7 @@ def take_wgmma(patch, wgmma: bool, rows: int = 128) -> None:
     blocks of `rows` weight rows (moe_prefill.wgmma_block_rows: these cases' widths take 128;
     256 where set) (as tests/parity/test_ops.py's prefill_gemm, for the GPU)."""
     patch.setattr(PREFILL, "wgmma_device", lambda: wgmma)
-    patch.setattr(PREFILL, "WGMMA_MIN_TILE", 0)
-    patch.setattr(PREFILL, "WGMMA_WIDE_MIN_TILE", 0)
+    patch.setattr(PREFILL, "wgmma_min_tile", lambda experts: 0)
     if rows == 256:
         patch.setattr(PREFILL, "WGMMA_WIDE_MIN_K", 0)
 

@@ -333,8 +333,7 @@ def prefill_gemm(switch, monkeypatch, wgmma: str) -> None:
     if wgmma != "0" and not module.wgmma_device():
         pytest.skip("no Hopper GPU: wgmma needs compute capability 9.0")
     switch(module.WGMMA_SWITCH, "0" if wgmma == "0" else "1")
-    monkeypatch.setattr(module, "WGMMA_MIN_TILE", 0)
-    monkeypatch.setattr(module, "WGMMA_WIDE_MIN_TILE", 0)
+    monkeypatch.setattr(module, "wgmma_min_tile", lambda experts: 0)
     if wgmma == "256":
         monkeypatch.setattr(module, "WGMMA_WIDE_MIN_K", 0)
         monkeypatch.setattr(module, "K_ORDER_KERNEL_MIN_VALUES", 0)
