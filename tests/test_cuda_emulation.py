@@ -176,7 +176,7 @@ def take_wgmma(patch, wgmma: bool, rows: int = 128) -> None:
     blocks of `rows` weight rows (moe_prefill.wgmma_block_rows: these cases' widths take 128;
     256 where set) (as tests/parity/test_ops.py's prefill_gemm, for the GPU)."""
     patch.setattr(PREFILL, "wgmma_device", lambda: wgmma)
-    patch.setattr(PREFILL, "wgmma_min_tile", lambda experts: 0)
+    patch.setattr(PREFILL, "wgmma_min_tile", lambda experts, stage: 0)
     if rows == 256:
         patch.setattr(PREFILL, "WGMMA_WIDE_MIN_K", 0)
 
@@ -278,6 +278,18 @@ def test_emulated_cuda_prefill_kernel_matches_ref_with_mixed_widths(emulated_cud
     tile = PREFILL.tile_height(case.indices.size, 8)
     assert [PREFILL.gemm_kernel(case.experts, stage, tile) for stage in ("first", "last")] == (
         ["grouped_wgmma", "grouped"] if gate_up_bits == 4 else ["grouped", "grouped_wgmma"])
+    check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
+
+
+def test_emulated_cuda_prefill_kernel_matches_ref_on_wide_experts_at_16_row_tiles(emulated_cuda_kernels, monkeypatch):
+    # experts as wide as WGMMA_WIDE_MIN_K (lowered to this case's 256) at 16-row tiles, by the
+    # production rule (wgmma_min_tile): the gate+up on wgmma, the down on mma.sync reading its plain rows
+    monkeypatch.setattr(PREFILL, "wgmma_device", lambda: True)
+    monkeypatch.setattr(PREFILL, "WGMMA_WIDE_MIN_K", 256)
+    case = make_case(mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 256, 256, 8, 2, 1, 20, with_weights=True)
+    tile = PREFILL.tile_height(case.indices.size, 8)
+    assert tile == 16
+    assert [PREFILL.gemm_kernel(case.experts, stage, tile) for stage in ("first", "last")] == ["grouped_wgmma", "grouped"]
     check(PREFILL.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 

@@ -74,7 +74,7 @@ def test_wgmma_gate_up_takes_256_row_blocks_where_its_k_loop_is_long(monkeypatch
     for hidden in (PREFILL.WGMMA_WIDE_MIN_K - 64, PREFILL.WGMMA_WIDE_MIN_K):
         case = make_case(mx.bfloat16, (4, 64), True, "swiglu", None, False, hidden, 640, 2, 1, 1, 128, with_weights=True)
         tile = PREFILL.tile_height(case.indices.size, 2)
-        assert tile >= PREFILL.wgmma_min_tile(case.experts) and PREFILL.gemm_kernel(case.experts, "first", tile) == "grouped_wgmma"
+        assert tile >= PREFILL.wgmma_min_tile(case.experts, "first") and PREFILL.gemm_kernel(case.experts, "first", tile) == "grouped_wgmma"
         launch = PREFILL._grouped_launch(case.experts, "first", tile, 1, mx.bfloat16, "grouped_wgmma")
         section, shared, bounds = created[-1]
         weight_bytes = 2 * dict(launch.template)["RBN"] * PREFILL.BLOCK_K // 2

@@ -60,8 +60,8 @@ WGMMA_SWIZZLE_BYTES = 1024
 # grouped_wgmma's block: RBN weight rows a matrix, a warpgroup (128 threads) for each 64; 256 rows
 # where the k-loop is WGMMA_WIDE_MIN_K deep or more, else 128 (wgmma_block_rows).
 WGMMA_WIDE_MIN_K = 4096
-# wgmma takes tiles of WGMMA_MIN_TILE rows or more, and of WGMMA_WIDE_MIN_TILE where the gate+up's
-# input is WGMMA_WIDE_MIN_K wide or more (wgmma_min_tile)
+# wgmma takes tiles of WGMMA_MIN_TILE rows or more; where the gate+up's input is WGMMA_WIDE_MIN_K
+# wide or more, the down's of WGMMA_WIDE_MIN_TILE and the gate+up's of every height (wgmma_min_tile)
 WGMMA_MIN_TILE = 64
 WGMMA_WIDE_MIN_TILE = 32
 COMBINE_THREADS = 256
@@ -142,18 +142,23 @@ def gemm_state() -> dict:
     if unavailable is not None:
         return {"gemm": "grouped", "reason": f"mma.sync: {unavailable}"}
     return {"gemm": "grouped_wgmma", "reason": f"wgmma for the gate+up and down of gated 4-bit experts at tiles of "
-            f"{WGMMA_MIN_TILE} rows or more ({WGMMA_WIDE_MIN_TILE} where their input is {WGMMA_WIDE_MIN_K} wide or "
-            f"more); mma.sync for the other launches"}
+            f"{WGMMA_MIN_TILE} rows or more (where their input is {WGMMA_WIDE_MIN_K} wide or more: the down's of "
+            f"{WGMMA_WIDE_MIN_TILE}, the gate+up's of any height); mma.sync for the other launches"}
 
 
-def wgmma_min_tile(experts: MoEExperts) -> int:
-    """The smallest tile height whose gate+up and down take wgmma: WGMMA_WIDE_MIN_TILE where the
-    gate+up's input is WGMMA_WIDE_MIN_K wide or more, else WGMMA_MIN_TILE. On an H100 (eighty-ninth
-    stop, against 64 rows everywhere, in one process) 32-row tiles made a layer 1.22-1.25x at
-    DeepSeek-V3's shapes (7168 wide) at 256 / 512 tokens and 1.19x at Mixtral's (4096) at 64
-    tokens, level at Mixtral's 128, but 0.96x at Qwen3's (2048) at 256 tokens; at 16 rows wgmma's
-    down ran 27 against mma.sync's 31 TF/s (Qwen3, 64 tokens)."""
-    return WGMMA_WIDE_MIN_TILE if experts.input_dims >= WGMMA_WIDE_MIN_K else WGMMA_MIN_TILE
+def wgmma_min_tile(experts: MoEExperts, stage: str) -> int:
+    """The smallest tile height whose launch `stage` ("first": the gate+up, "last": the down) takes
+    wgmma: where the gate+up's input is WGMMA_WIDE_MIN_K wide or more, any height for the gate+up
+    and WGMMA_WIDE_MIN_TILE for the down; elsewhere WGMMA_MIN_TILE for both. On H100s, in one
+    process: 32-row tiles made a layer 1.22-1.25x at DeepSeek-V3's shapes (7168 wide) at 256 / 512
+    tokens and 1.19x at Mixtral's (4096) at 64 tokens, level at Mixtral's 128, but 0.96x at Qwen3's
+    (2048) at 256 tokens (eighty-ninth stop); at 16-row tiles the gate+up on wgmma made a layer
+    2.7-3.2x at DeepSeek-V3's 16-128 tokens, 2.1x at 4096 x 768 experts' 32 and 1.8-2.1x at
+    Mixtral's 8 / 16, but 0.97-1.03x at Qwen3's 8-64, and the down on wgmma ran 0.92-0.95x at
+    DeepSeek-V3's and Mixtral's (ninetieth stop)."""
+    if experts.input_dims < WGMMA_WIDE_MIN_K:
+        return WGMMA_MIN_TILE
+    return TILES[0] if stage == "first" else WGMMA_WIDE_MIN_TILE
 
 
 def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
@@ -167,7 +172,7 @@ def gemm_kernel(experts: MoEExperts, stage: str, tile: int) -> str:
     swizzle (eighty-seventh stop): on an H100 Qwen3 T=2048's down 274-290 against 238-243 TF/s."""
     projection = experts.projections[-1 if stage == "last" else 0]
     wgmma = (stage in ("first", "last") and len(experts.projections) == 3 and projection.bits == 4
-             and tile >= wgmma_min_tile(experts) and wgmma_unavailable_reason() is None)
+             and tile >= wgmma_min_tile(experts, stage) and wgmma_unavailable_reason() is None)
     return "grouped_wgmma" if wgmma else "grouped"
 
 

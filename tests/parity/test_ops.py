@@ -333,7 +333,7 @@ def prefill_gemm(switch, monkeypatch, wgmma: str) -> None:
     if wgmma != "0" and not module.wgmma_device():
         pytest.skip("no Hopper GPU: wgmma needs compute capability 9.0")
     switch(module.WGMMA_SWITCH, "0" if wgmma == "0" else "1")
-    monkeypatch.setattr(module, "wgmma_min_tile", lambda experts: 0)
+    monkeypatch.setattr(module, "wgmma_min_tile", lambda experts, stage: 0)
     if wgmma == "256":
         monkeypatch.setattr(module, "WGMMA_WIDE_MIN_K", 0)
         monkeypatch.setattr(module, "K_ORDER_KERNEL_MIN_VALUES", 0)
@@ -357,14 +357,14 @@ def test_wgmma_is_taken_on_hopper_only(monkeypatch, switch, info, expected):
         switch(module.WGMMA_SWITCH, "")
         experts = make_case(mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, 256, 256, 8, 2, 1, 4).experts
         assert module.wgmma_device() is expected
-        # 64-row tiles and up; 32 where the experts' input is WGMMA_WIDE_MIN_K wide (here 256)
-        for wide_min_k, smallest in ((4096, 64), (256, 32)):
+        # 64-row tiles and up; where the experts' input is WGMMA_WIDE_MIN_K wide (here 256), the down's
+        # from 32 rows and the gate+up's at every height
+        wgmma = "grouped_wgmma" if expected else "grouped"
+        for wide_min_k, smallest in ((4096, {"first": 64, "last": 64}), (256, {"first": 16, "last": 32})):
             monkeypatch.setattr(module, "WGMMA_WIDE_MIN_K", wide_min_k)
-            assert module.wgmma_min_tile(experts) == smallest
-            assert module.gemm_kernel(experts, "first", smallest) == module.gemm_kernel(experts, "last", smallest) == (
-                "grouped_wgmma" if expected else "grouped")
-            below = smallest // 2
-            assert module.gemm_kernel(experts, "first", below) == module.gemm_kernel(experts, "last", below) == "grouped"
+            for stage, tile in smallest.items():
+                assert module.wgmma_min_tile(experts, stage) == tile
+                assert [module.gemm_kernel(experts, stage, rows) for rows in (tile // 2, tile)] == ["grouped", wgmma]
         # status() says which GEMM gate+up takes, as where the kernel runs
         monkeypatch.setattr(module, "moe_prefill_implementation", lambda *args: Implementation(None, "kernel", "CUDA"))
         monkeypatch.setattr(module.mx.cuda, "is_available", lambda: True)
@@ -482,6 +482,21 @@ def test_cuda_prefill_kernel_matches_ref_on_large_cases(cuda_device, switch, mon
     assert cuda_unsupported_reason(case.experts, dtype) is None
     assert tile_height(case.indices.size, 8) == tile
     check(moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
+
+
+@pytest.mark.parametrize("tokens, tile, gemms", [(20, 16, ["grouped_wgmma", "grouped"]), (100, 32, ["grouped_wgmma"] * 2),
+                                                  (600, 64, ["grouped_wgmma"] * 2)])
+def test_cuda_prefill_kernel_matches_ref_on_experts_4096_wide(cuda_device, switch, tokens, tile, gemms):
+    # the production rule (wgmma_min_tile) at WGMMA_WIDE_MIN_K: on Hopper the gate+up on wgmma at
+    # every tile height, the down from 32 rows
+    module = sys.modules["mlx_moe_fix.kernels.moe_prefill"]  # the package's name is the dispatcher's
+    switch(module.WGMMA_SWITCH, "")
+    case = make_case(mx.bfloat16, (4, 64), True, "swiglu", 0.25, False, module.WGMMA_WIDE_MIN_K, 256, 8, 2, 1, tokens,
+                     with_weights=True)
+    assert module.tile_height(case.indices.size, 8) == tile
+    expected = gemms if module.wgmma_device() else ["grouped", "grouped"]
+    assert [module.gemm_kernel(case.experts, stage, tile) for stage in ("first", "last")] == expected
+    check(module.moe_prefill_kernel, case, float32_oracle(moe_prefill_reference, case))
 
 
 # FP4 experts against bf16: mxfp4 (gpt-oss's, DeepSeek-V4's), nvfp4 (Inkling's, its per-expert
