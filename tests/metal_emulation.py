@@ -342,16 +342,17 @@ def compile_text(text: str, prelude: str, language: str, output: str, *options: 
 
 def build_library(source: str, language: str, prelude: str):
     """The shared library of `prelude` followed by `source` (LAUNCHER's `launch` among them), with
-    FIBERS (compiled once a process), loaded once a process."""
+    FIBERS (compiled once a process), loaded once a process: a launch of a kernel already loaded
+    finds it by its text, without digests or file checks."""
+    key = (prelude, source)
     with _lock:
-        fibers = compile_text(FIBERS, prelude, language, ".o", "-c")
-        library_path = compile_text(source, prelude, language, ".so", "-shared", fibers)
-        if library_path not in _libraries:
-            library = ctypes.CDLL(library_path)
+        if key not in _libraries:
+            fibers = compile_text(FIBERS, prelude, language, ".o", "-c")
+            library = ctypes.CDLL(compile_text(source, prelude, language, ".so", "-shared", fibers))
             library.launch.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_uint] * 5
             library.launch.restype = ctypes.c_char_p
-            _libraries[library_path] = library
-        return _libraries[library_path]
+            _libraries[key] = library
+        return _libraries[key]
 
 
 def run_grid(compose, language: str, inputs, input_parameters: list, output_shapes, output_dtypes,
