@@ -18,6 +18,9 @@
 #     TIMELINE=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh # batch-1 decode / dense, in bursts
 #     BATCHED=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh  # batched decode / dense, in bursts
 #     RATES=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh    # the prefill GEMMs' own rates
+#     FORWARDS=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh # one forward / dense and stock
+#     BUDGET=560 RATES=1 FORWARDS=1 BATCHED=1 SAVE_PTX_CACHE=1 SKIP_KERNELS=1 SKIP_MODELS=1 \
+#         TESTS_SELECT="cuda and prefill" scripts/gpu-check.sh   # all within 560 s, in this file's order
 #
 # (the *_ARGS replace the defaults below; see `python3 -m benchmarks.kernels --help` and
 # `python3 -m benchmarks.models --help`). Each part runs under a time limit (TESTS_TIMEOUT,
@@ -26,6 +29,12 @@
 #
 # Writes tests.log, kernels.json, kernels.log, models.json, models.log and summary.md under
 # ${OUT:-/tmp/gpu-check}. Exits non-zero if a part failed or ran out of time.
+#
+# BUDGET (seconds, from this script's start): a device call's time, which ends the command
+# whatever runs then. Each part's limit is cut to what is left of it, less BUDGET_RESERVE (30 s:
+# the summary and SAVE_PTX_CACHE's packing), and a part that would get less than 30 s is not run
+# (said in the summary, and the exit status is non-zero), so that the parts run so far and the
+# saved cache come back whole.
 set -u -o pipefail
 
 out=${OUT:-/tmp/gpu-check}
@@ -54,11 +63,26 @@ python3 -c 'import mlx.core as mx, sys; sys.exit(0 if mx.cuda.is_available() els
 statuses=()
 failed=0
 
+# part_limit LIMIT: LIMIT, or what is left of BUDGET (less BUDGET_RESERVE) where that is less.
+part_limit() {
+    local left
+    [ -z "${BUDGET:-}" ] && { echo "$1"; return; }
+    left=$((BUDGET - SECONDS - ${BUDGET_RESERVE:-30}))
+    echo $((left < $1 ? left : $1))
+}
+
 # run_part NAME LIMIT COMMAND...: COMMAND's output goes to $out/NAME.log only; the console gets
 # one status line, and the log's tail when the part fails.
 run_part() {
-    local name=$1 limit=$2
+    local name=$1 limit
+    limit=$(part_limit "$2")
     shift 2
+    if [ "$limit" -lt 30 ]; then
+        statuses+=("$name: not run (BUDGET spent)")
+        echo "== $name: not run (BUDGET spent)" >&2
+        failed=1
+        return
+    fi
     echo "== $name (limit ${limit}s): $*" >&2
     local start=$SECONDS rc
     rm -f "$out/$name.json" # a JSON left by an earlier run must not pass for this one's
@@ -94,7 +118,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     # SHARDS more processes at the same time, into tests-references.log.
     if [ -n "${REFERENCES_TOO:-}" ]; then
         MLX_MOE_FIX_CUDA_DECODE=0 MLX_MOE_FIX_CUDA_PREFILL=0 MLX_MOE_FIX_CUDA_ROUTER=0 MLX_ENABLE_TF32=0 \
-            MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} timeout -s INT -k 15 "$TESTS_TIMEOUT" \
+            MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} timeout -s INT -k 15 "$(part_limit "$TESTS_TIMEOUT")" \
             scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rfEs -p no:cacheprovider --tb=short \
             -k "${TESTS_SELECT:-$default_select}" >"$out/tests-references.log" 2>&1 &
         references_pid=$!
@@ -113,6 +137,21 @@ if [ -z "${SKIP_KERNELS:-}" ]; then
     # shellcheck disable=SC2086  # the *_ARGS are word lists
     run_part kernels "$KERNELS_TIMEOUT" python3 -m benchmarks.kernels $KERNELS_ARGS \
         --json "$out/kernels.json"
+fi
+if [ -n "${RATES:-}" ]; then
+    # RATES=1: the prefill GEMMs' own rates (issue 4's TFLOP/s, on our kernels' summed time as
+    # CUPTI traces them; benchmarks/gpu_timeline.py) at RATES_CASES, shape:tokens comma-separated.
+    run_part rates "${RATES_TIMEOUT:-150}" python3 -m benchmarks.gpu_timeline --parts prefill \
+        --cases "${RATES_CASES:-qwen3:2048,mixtral:2048,qwen3:512,mixtral:512,qwen3:8192}" --launches 4
+    statuses+=("prefill own rates: $out/rates.log")
+fi
+if [ -n "${FORWARDS:-}" ]; then
+    # FORWARDS=1: one forward of each of FORWARD_MODELS (comma-separated) at FORWARD_PROMPTS against
+    # its dense equivalent, and stock up to 512 tokens (benchmarks/prefill_forward.py; issue 4's
+    # end to end).
+    run_part forwards "${FORWARDS_TIMEOUT:-300}" bash -c "for model in \$(echo ${FORWARD_MODELS:-qwen3_moe,mixtral} | tr , ' '); do
+        python3 -m benchmarks.prefill_forward --model \$model --prompts ${FORWARD_PROMPTS:-512,2048} --reps 3 --rounds 2 || exit 1; done"
+    statuses+=("one forward per model: $out/forwards.log")
 fi
 if [ -n "${DECODE:-}" ]; then
     # DECODE=1: the decode benchmarks (issue 5): the expert block at the Qwen3 and Mixtral shapes
@@ -137,13 +176,6 @@ if [ -n "${BATCHED:-}" ]; then
     run_part batched "${BATCHED_TIMEOUT:-300}" bash -c "for model in \$(echo ${BATCHED_MODELS:-qwen3_moe,mixtral} | tr , ' '); do
         python3 -m benchmarks.batched_timeline --model \$model || exit 1; done"
     statuses+=("batched decode timelines: $out/batched.log")
-fi
-if [ -n "${RATES:-}" ]; then
-    # RATES=1: the prefill GEMMs' own rates (issue 4's TFLOP/s, on our kernels' summed time as
-    # CUPTI traces them; benchmarks/gpu_timeline.py) at RATES_CASES, shape:tokens comma-separated.
-    run_part rates "${RATES_TIMEOUT:-150}" python3 -m benchmarks.gpu_timeline --parts prefill \
-        --cases "${RATES_CASES:-qwen3:2048,mixtral:2048,qwen3:512,mixtral:512,qwen3:8192}" --launches 4
-    statuses+=("prefill own rates: $out/rates.log")
 fi
 if [ -z "${SKIP_MODELS:-}" ]; then
     # shellcheck disable=SC2086
