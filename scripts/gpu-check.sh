@@ -72,7 +72,7 @@ part_limit() {
 }
 
 # run_part NAME LIMIT COMMAND...: COMMAND's output goes to $out/NAME.log only; the console gets
-# one status line, and the log's tail when the part fails.
+# one status line, and the log's tail when the part fails. Returns 1 where BUDGET left it unrun.
 run_part() {
     local name=$1 limit
     limit=$(part_limit "$2")
@@ -81,7 +81,7 @@ run_part() {
         statuses+=("$name: not run (BUDGET spent)")
         echo "== $name: not run (BUDGET spent)" >&2
         failed=1
-        return
+        return 1
     fi
     echo "== $name (limit ${limit}s): $*" >&2
     local start=$SECONDS rc
@@ -97,6 +97,16 @@ run_part() {
         echo "-- last lines of $out/$name.log:" >&2
         tail -n 20 "$out/$name.log" >&2
     fi
+    return 0
+}
+
+# run_per_model NAME LIMIT MODELS COMMAND...: run_part of `COMMAND --model M` for each M of MODELS
+# (comma-separated) in turn, stopping at the first that fails.
+run_per_model() {
+    local name=$1 limit=$2 models=$3
+    shift 3
+    run_part "$name" "$limit" bash -c 'models=$1; shift; for model in ${models//,/ }; do "$@" --model "$model" || exit 1; done' \
+        _ "$models" "$@"
 }
 
 if [ -z "${SKIP_TESTS:-}" ]; then
@@ -142,16 +152,16 @@ if [ -n "${RATES:-}" ]; then
     # RATES=1: the prefill GEMMs' own rates (issue 4's TFLOP/s, on our kernels' summed time as
     # CUPTI traces them; benchmarks/gpu_timeline.py) at RATES_CASES, shape:tokens comma-separated.
     run_part rates "${RATES_TIMEOUT:-150}" python3 -m benchmarks.gpu_timeline --parts prefill \
-        --cases "${RATES_CASES:-qwen3:2048,mixtral:2048,qwen3:512,mixtral:512,qwen3:8192}" --launches 4
-    statuses+=("prefill own rates: $out/rates.log")
+        --cases "${RATES_CASES:-qwen3:2048,mixtral:2048,qwen3:512,mixtral:512,qwen3:8192}" --launches 4 &&
+        statuses+=("prefill own rates: $out/rates.log")
 fi
 if [ -n "${FORWARDS:-}" ]; then
     # FORWARDS=1: one forward of each of FORWARD_MODELS (comma-separated) at FORWARD_PROMPTS against
     # its dense equivalent, and stock up to 512 tokens (benchmarks/prefill_forward.py; issue 4's
     # end to end).
-    run_part forwards "${FORWARDS_TIMEOUT:-300}" bash -c "for model in \$(echo ${FORWARD_MODELS:-qwen3_moe,mixtral} | tr , ' '); do
-        python3 -m benchmarks.prefill_forward --model \$model --prompts ${FORWARD_PROMPTS:-512,2048} --reps 3 --rounds 2 || exit 1; done"
-    statuses+=("one forward per model: $out/forwards.log")
+    run_per_model forwards "${FORWARDS_TIMEOUT:-300}" "${FORWARD_MODELS:-qwen3_moe,mixtral}" python3 -m benchmarks.prefill_forward \
+        --prompts "${FORWARD_PROMPTS:-512,2048}" --reps 3 --rounds 2 &&
+        statuses+=("one forward per model: $out/forwards.log")
 fi
 if [ -n "${DECODE:-}" ]; then
     # DECODE=1: the decode benchmarks (issue 5): the expert block at the Qwen3 and Mixtral shapes
@@ -160,22 +170,21 @@ if [ -n "${DECODE:-}" ]; then
     run_part decode "${DECODE_TIMEOUT:-360}" bash -c "python3 -m benchmarks.decode_split &&
         python3 -m benchmarks.decode_split --hidden 4096 --ffn 14336 --experts 8 --top-k 2 --layers 16 &&
         python3 -m benchmarks.decode_graph --models qwen3_moe,mixtral &&
-        python3 -m benchmarks.decode_attribution ${ATTRIBUTION_ARGS:---models qwen3_moe --decode-tokens 32}"
-    statuses+=("decode tables: $out/decode.log")
+        python3 -m benchmarks.decode_attribution ${ATTRIBUTION_ARGS:---models qwen3_moe --decode-tokens 32}" &&
+        statuses+=("decode tables: $out/decode.log")
 fi
 if [ -n "${TIMELINE:-}" ]; then
     # TIMELINE=1: batch-1 decode of each model against its dense equivalent, the variants taking
     # turns in bursts (benchmarks/decode_timeline.py); TIMELINE_MODELS, comma-separated.
-    run_part timeline "${TIMELINE_TIMEOUT:-420}" bash -c "for model in \$(echo ${TIMELINE_MODELS:-qwen3_moe,inkling,deepseek_v4} | tr , ' '); do
-        python3 -m benchmarks.decode_timeline --model \$model --deepseek-layers 6 --cycles ${TIMELINE_CYCLES:-12} || exit 1; done"
-    statuses+=("decode timelines: $out/timeline.log")
+    run_per_model timeline "${TIMELINE_TIMEOUT:-420}" "${TIMELINE_MODELS:-qwen3_moe,inkling,deepseek_v4}" \
+        python3 -m benchmarks.decode_timeline --deepseek-layers 6 --cycles "${TIMELINE_CYCLES:-12}" &&
+        statuses+=("decode timelines: $out/timeline.log")
 fi
 if [ -n "${BATCHED:-}" ]; then
     # BATCHED=1: BatchGenerator decode at batch 1, 4 and 16 of each model against its dense
     # equivalent, in turns of bursts (benchmarks/batched_timeline.py); BATCHED_MODELS, comma-separated.
-    run_part batched "${BATCHED_TIMEOUT:-300}" bash -c "for model in \$(echo ${BATCHED_MODELS:-qwen3_moe,mixtral} | tr , ' '); do
-        python3 -m benchmarks.batched_timeline --model \$model || exit 1; done"
-    statuses+=("batched decode timelines: $out/batched.log")
+    run_per_model batched "${BATCHED_TIMEOUT:-300}" "${BATCHED_MODELS:-qwen3_moe,mixtral}" python3 -m benchmarks.batched_timeline &&
+        statuses+=("batched decode timelines: $out/batched.log")
 fi
 if [ -z "${SKIP_MODELS:-}" ]; then
     # shellcheck disable=SC2086
