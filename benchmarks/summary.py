@@ -118,10 +118,16 @@ def kernels_report(result: Dict[str, Any]) -> str:
 
 
 def tests_line(path: str) -> str:
-    """pytest's closing line ('12 passed, 2 skipped in 40.1s')."""
+    """scripts/pytest-shards.sh's closing line, each shard's pytest closing line ('shard 0/2: 12
+    passed in 40.1s;shard 1/2: ...'); a log without it was cut short (gpu-check.sh kills the
+    part at its limit), and its last line is only where one shard stood then."""
     with open(path) as f:
         lines = [line.strip() for line in f if line.strip()]
-    return lines[-1] if lines else "(empty log)"
+    if not lines:
+        return "(empty log)"
+    if not lines[-1].startswith("shard "):
+        return f"INCOMPLETE (the shards' closing line is missing: the run was cut short); last line: {lines[-1]}"
+    return lines[-1]
 
 
 def load(path: str) -> Optional[Dict[str, Any]]:

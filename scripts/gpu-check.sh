@@ -128,14 +128,20 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     # SHARDS more processes at the same time, into tests-references.log.
     if [ -n "${REFERENCES_TOO:-}" ]; then
         MLX_MOE_FIX_CUDA_DECODE=0 MLX_MOE_FIX_CUDA_PREFILL=0 MLX_MOE_FIX_CUDA_ROUTER=0 MLX_ENABLE_TF32=0 \
-            MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} timeout -s INT -k 15 "$(part_limit "$TESTS_TIMEOUT")" \
+            SHARD_LOGS="$out/tests-references-shards" MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} timeout -s INT -k 15 "$(part_limit "$TESTS_TIMEOUT")" \
             scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rfEs -p no:cacheprovider --tb=short \
             -k "${TESTS_SELECT:-$default_select}" >"$out/tests-references.log" 2>&1 &
         references_pid=$!
     fi
-    MLX_ENABLE_TF32=0 MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} run_part tests "$TESTS_TIMEOUT" \
+    # Each shard's log under tests-shards/ as it runs: a part killed at its limit prints none of them.
+    MLX_ENABLE_TF32=0 MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} SHARD_LOGS="$out/tests-shards" run_part tests "$TESTS_TIMEOUT" \
         scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rfEs -p no:cacheprovider --tb=short \
         -k "${TESTS_SELECT:-$default_select}"
+    if [[ ${statuses[-1]} != "tests: exit 0 "* && ${statuses[-1]} != *"not run"* ]]; then
+        for shard_log in "$out"/tests-shards/*.log; do
+            [ -e "$shard_log" ] && statuses+=("tests ${shard_log##*/}: $(grep -v '^\s*$' "$shard_log" | tail -n 1)")
+        done
+    fi
     if [ -n "${REFERENCES_TOO:-}" ]; then
         wait "$references_pid"
         rc=$?

@@ -101,7 +101,7 @@ def test_models_smoke_writes_every_model(outputs):
 
 def test_summary_reads_both(outputs, tmp_path):
     log = tmp_path / "tests.log"
-    log.write_text("...\n3 passed in 1.00s\n")
+    log.write_text("---- shard 0/1 (exit 0)\n...\n3 passed in 1.00s\nshard 0/1: 3 passed in 1.00s\n")
     text = run_module(
         "benchmarks.summary",
         "--tests",
@@ -111,8 +111,18 @@ def test_summary_reads_both(outputs, tmp_path):
         "--models",
         outputs["models"][0],
     )
-    assert "parity tests: 3 passed in 1.00s" in text
+    assert "parity tests: shard 0/1: 3 passed in 1.00s" in text
     assert "| tiny" in text and "| deepseek_v3" in text
+
+
+def test_summary_says_a_cut_short_tests_log_is_incomplete(tmp_path):
+    from benchmarks.summary import tests_line
+
+    # what gpu-check.sh's SIGKILL left at the ninety-second stop: shard 0's log, no closing line
+    log = tmp_path / "tests.log"
+    log.write_text("---- shard 0/8 (exit 2)\n......\n6 passed, 607 deselected in 225.02s (0:03:45)\n")
+    assert tests_line(str(log)).startswith("INCOMPLETE")
+    assert "6 passed, 607 deselected" in tests_line(str(log))
 
 
 def test_decode_split_smoke_prints_its_table():
