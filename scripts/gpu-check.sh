@@ -27,7 +27,8 @@
 # KERNELS_TIMEOUT, MODELS_TIMEOUT, seconds); the benchmarks write their JSON as they go, so a
 # part cut short keeps what it finished.
 #
-# Writes tests.log, kernels.json, kernels.log, models.json, models.log and summary.md under
+# Writes tests.log (each test shard's own log in tests-shards/), kernels.json, kernels.log,
+# models.json, models.log and summary.md under
 # ${OUT:-/tmp/gpu-check}. Exits non-zero if a part failed or ran out of time.
 #
 # BUDGET (seconds, from this script's start): a device call's time, which ends the command
