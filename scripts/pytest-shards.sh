@@ -14,7 +14,14 @@ for ((i = 0; i < count; i++)); do
     MLX_MOE_FIX_SHARD=$i/$count python3 -m pytest "$@" >"$dir/$i.log" 2>&1 &
     pids+=($!)
 done
-trap 'kill -INT "${pids[@]}" 2>/dev/null' INT TERM
+# A shard inside a long C call (MLX compiling a kernel) does not stop at SIGINT until the call
+# returns, and one still running when gpu-check.sh's SIGKILL ends this script goes on beside the
+# parts that follow, skewing their timings: SHARD_KILL_AFTER seconds (10) after the signal a
+# watchdog kills the shards (its own process group under -m: it outlives this script killed first).
+# Under -m each shard is a process group too (its pid negated names it): the signals reach its
+# children.
+groups=("${pids[@]/#/-}")
+trap 'kill -INT -- "${groups[@]}" 2>/dev/null; (sleep "${SHARD_KILL_AFTER:-10}"; kill -KILL -- "${groups[@]}" 2>/dev/null) &' INT TERM
 failed=0
 closing=()
 for i in "${!pids[@]}"; do
