@@ -55,7 +55,7 @@ def test_shards_that_ignore_sigint_are_killed_after_shard_kill_after(tmp_path):
     fake = tmp_path / "bin" / "python3"
     fake.parent.mkdir()
     fake.write_text('#!/usr/bin/env bash\ntrap "" INT\necho "stuck shard $MLX_MOE_FIX_SHARD"\n'
-                    f'sleep 60 & echo $! > {tmp_path}/child-$RANDOM\nwait\n')
+                    f'sleep 60 & echo $! > {tmp_path}/child-$$\nwait\n')
     fake.chmod(0o755)
     env = dict(os.environ, SHARD_KILL_AFTER="1", PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     result = subprocess.run(
