@@ -109,19 +109,6 @@ run_per_model() {
         _ "$models" "$@"
 }
 
-# add_killed_shards NAME LOG DIR: where LOG lacks pytest-shards.sh's closing line (the part was
-# killed before it printed the shards' logs), the shards' own logs from DIR appended to it, and
-# each one's last line in the summary.
-add_killed_shards() {
-    local name=$1 log=$2 dir=$3 shard_log
-    grep -v '^\s*$' "$log" | tail -n 1 | grep -q '^shard ' && return 0
-    for shard_log in "$dir"/*.log; do
-        [ -e "$shard_log" ] || continue
-        { echo "---- shard ${shard_log##*/} (its own log: the part was killed before printing it)"; cat "$shard_log"; } >>"$log"
-        statuses+=("$name, shard ${shard_log##*/}: $(grep -v '^\s*$' "$shard_log" | tail -n 1)")
-    done
-}
-
 if [ -z "${SKIP_TESTS:-}" ]; then
     # Default: the kernels against their float32 oracles (computed on the CPU, so no MLX JIT of
     # stock's kernels per shape: ~80 s with 8 examples per hypothesis test on the H200).
@@ -139,27 +126,24 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     # alone take ~1 min each in one process).
     # REFERENCES_TOO=1: the same selection with every CUDA kernel switched off (the references) in
     # SHARDS more processes at the same time, into tests-references.log.
-    # Each shard's log kept as it runs (pytest-shards.sh's SHARD_LOGS), outside $out: a call
-    # returns 8 files. A part killed at its limit prints none of them; add_killed_shards then does.
-    shard_logs=$(mktemp -d)
+    # timeout's SIGKILL comes 15 s after its SIGINT, after pytest-shards.sh's own kill of shards
+    # that outlive the SIGINT (SHARD_KILL_AFTER, 10 s): it still prints their logs.
     if [ -n "${REFERENCES_TOO:-}" ]; then
         MLX_MOE_FIX_CUDA_DECODE=0 MLX_MOE_FIX_CUDA_PREFILL=0 MLX_MOE_FIX_CUDA_ROUTER=0 MLX_ENABLE_TF32=0 \
-            SHARD_LOGS="$shard_logs/references" MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} timeout -s INT -k 15 "$(part_limit "$TESTS_TIMEOUT")" \
+            MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} timeout -s INT -k 15 "$(part_limit "$TESTS_TIMEOUT")" \
             scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rfEs -p no:cacheprovider --tb=short \
             -k "${TESTS_SELECT:-$default_select}" >"$out/tests-references.log" 2>&1 &
         references_pid=$!
     fi
-    MLX_ENABLE_TF32=0 MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} SHARD_LOGS="$shard_logs/tests" run_part tests "$TESTS_TIMEOUT" \
+    MLX_ENABLE_TF32=0 MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} run_part tests "$TESTS_TIMEOUT" \
         scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rfEs -p no:cacheprovider --tb=short \
-        -k "${TESTS_SELECT:-$default_select}" && add_killed_shards tests "$out/tests.log" "$shard_logs/tests"
+        -k "${TESTS_SELECT:-$default_select}"
     if [ -n "${REFERENCES_TOO:-}" ]; then
         wait "$references_pid"
         rc=$?
-        add_killed_shards "tests with the references" "$out/tests-references.log" "$shard_logs/references"
         statuses+=("tests with the references: exit $rc ($(tail -n 1 "$out/tests-references.log"))")
         [ "$rc" -ne 0 ] && failed=1
     fi
-    rm -rf "$shard_logs"
 fi
 if [ -z "${SKIP_KERNELS:-}" ]; then
     # shellcheck disable=SC2086  # the *_ARGS are word lists

@@ -2,13 +2,10 @@
 # pytest-shards.sh N PYTEST_ARGS...: N pytest processes side by side, each with every N-th test
 # (MLX_MOE_FIX_SHARD in tests/conftest.py); their logs one after another, then one line with each
 # shard's closing line. Exits non-zero if a shard failed. SIGINT / SIGTERM reach every shard.
-# SHARD_LOGS=DIR keeps each shard's log as DIR/<shard>.log, written as the shard runs, so that a
-# run killed before it prints them (gpu-check.sh's SIGKILL 15 s after its SIGINT) still leaves them.
 set -u -m # -m: background shards keep SIGINT (a script's background jobs ignore it otherwise)
 count=$1
 shift
-dir=${SHARD_LOGS:-$(mktemp -d)}
-mkdir -p "$dir" && rm -f "$dir"/*.log
+dir=$(mktemp -d)
 pids=()
 for ((i = 0; i < count; i++)); do
     MLX_MOE_FIX_SHARD=$i/$count python3 -m pytest "$@" >"$dir/$i.log" 2>&1 &
@@ -36,6 +33,6 @@ for i in "${!pids[@]}"; do
     cat "$dir/$i.log"
     closing+=("shard $i/$count: $(grep -v '^\s*$' "$dir/$i.log" | tail -n 1)")
 done
-[ -z "${SHARD_LOGS:-}" ] && rm -rf "$dir"
+rm -rf "$dir"
 (IFS=';'; echo "${closing[*]}")
 exit "$failed"
