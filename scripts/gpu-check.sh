@@ -128,9 +128,14 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     # SHARDS more processes at the same time, into tests-references.log.
     # timeout's SIGKILL comes 15 s after its SIGINT, after pytest-shards.sh's own kill of shards
     # that outlive the SIGINT (SHARD_KILL_AFTER, 10 s): it still prints their logs.
-    if [ -n "${REFERENCES_TOO:-}" ]; then
+    references_pid=
+    references_limit=$(part_limit "$TESTS_TIMEOUT")
+    if [ -n "${REFERENCES_TOO:-}" ] && [ "$references_limit" -lt 30 ]; then
+        statuses+=("tests with the references: not run (BUDGET spent)")
+        failed=1
+    elif [ -n "${REFERENCES_TOO:-}" ]; then
         MLX_MOE_FIX_CUDA_DECODE=0 MLX_MOE_FIX_CUDA_PREFILL=0 MLX_MOE_FIX_CUDA_ROUTER=0 MLX_ENABLE_TF32=0 \
-            MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} timeout -s INT -k 15 "$(part_limit "$TESTS_TIMEOUT")" \
+            MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} timeout -s INT -k 15 "$references_limit" \
             scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rfEs -p no:cacheprovider --tb=short \
             -k "${TESTS_SELECT:-$default_select}" >"$out/tests-references.log" 2>&1 &
         references_pid=$!
@@ -138,7 +143,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     MLX_ENABLE_TF32=0 MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} run_part tests "$TESTS_TIMEOUT" \
         scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rfEs -p no:cacheprovider --tb=short \
         -k "${TESTS_SELECT:-$default_select}"
-    if [ -n "${REFERENCES_TOO:-}" ]; then
+    if [ -n "$references_pid" ]; then
         wait "$references_pid"
         rc=$?
         statuses+=("tests with the references: exit $rc ($(tail -n 1 "$out/tests-references.log"))")
