@@ -63,26 +63,31 @@ python3 -c 'import mlx.core as mx, sys; sys.exit(0 if mx.cuda.is_available() els
 statuses=()
 failed=0
 
-# part_limit LIMIT: LIMIT, or what is left of BUDGET (less BUDGET_RESERVE) where that is less.
-part_limit() {
+# budget_part NAME LIMIT: sets part_seconds to LIMIT, or to what is left of BUDGET (less
+# BUDGET_RESERVE) where that is less; where that is under 30 s, records NAME as not run and
+# returns 1.
+budget_part() {
     local left
-    [ -z "${BUDGET:-}" ] && { echo "$1"; return; }
-    left=$((BUDGET - SECONDS - ${BUDGET_RESERVE:-30}))
-    echo $((left < $1 ? left : $1))
+    part_seconds=$2
+    if [ -n "${BUDGET:-}" ]; then
+        left=$((BUDGET - SECONDS - ${BUDGET_RESERVE:-30}))
+        [ "$left" -lt "$part_seconds" ] && part_seconds=$left
+    fi
+    if [ "$part_seconds" -lt 30 ]; then
+        statuses+=("$1: not run (BUDGET spent)")
+        echo "== $1: not run (BUDGET spent)" >&2
+        failed=1
+        return 1
+    fi
 }
 
 # run_part NAME LIMIT COMMAND...: COMMAND's output goes to $out/NAME.log only; the console gets
 # one status line, and the log's tail when the part fails. Returns 1 where BUDGET left it unrun.
 run_part() {
     local name=$1 limit
-    limit=$(part_limit "$2")
+    budget_part "$name" "$2" || return 1
+    limit=$part_seconds
     shift 2
-    if [ "$limit" -lt 30 ]; then
-        statuses+=("$name: not run (BUDGET spent)")
-        echo "== $name: not run (BUDGET spent)" >&2
-        failed=1
-        return 1
-    fi
     echo "== $name (limit ${limit}s): $*" >&2
     local start=$SECONDS rc
     rm -f "$out/$name.json" # a JSON left by an earlier run must not pass for this one's
@@ -129,13 +134,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     # timeout's SIGKILL comes 15 s after its SIGINT, after pytest-shards.sh's own kill of shards
     # that outlive the SIGINT (SHARD_KILL_AFTER, 10 s): it still prints their logs.
     references_pid=
-    references_limit=$(part_limit "$TESTS_TIMEOUT")
-    if [ -n "${REFERENCES_TOO:-}" ] && [ "$references_limit" -lt 30 ]; then
-        statuses+=("tests with the references: not run (BUDGET spent)")
-        failed=1
-    elif [ -n "${REFERENCES_TOO:-}" ]; then
+    if [ -n "${REFERENCES_TOO:-}" ] && budget_part "tests with the references" "$TESTS_TIMEOUT"; then
         MLX_MOE_FIX_CUDA_DECODE=0 MLX_MOE_FIX_CUDA_PREFILL=0 MLX_MOE_FIX_CUDA_ROUTER=0 MLX_ENABLE_TF32=0 \
-            MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} timeout -s INT -k 15 "$references_limit" \
+            MLX_MOE_FIX_EXAMPLES=${EXAMPLES:-8} timeout -s INT -k 15 "$part_seconds" \
             scripts/pytest-shards.sh "${SHARDS:-1}" tests/parity -q -rfEs -p no:cacheprovider --tb=short \
             -k "${TESTS_SELECT:-$default_select}" >"$out/tests-references.log" 2>&1 &
         references_pid=$!
