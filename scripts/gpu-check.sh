@@ -19,6 +19,7 @@
 #     BATCHED=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh  # batched decode / dense, in bursts
 #     RATES=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh    # the prefill GEMMs' own rates
 #     FORWARDS=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh # one forward / dense and stock
+#     MEMORY=1 SKIP_TESTS=1 SKIP_KERNELS=1 SKIP_MODELS=1 scripts/gpu-check.sh   # a layer's prefill bytes, stock and ours
 #     BUDGET=560 RATES=1 FORWARDS=1 BATCHED=1 SAVE_PTX_CACHE=1 SKIP_KERNELS=1 SKIP_MODELS=1 \
 #         TESTS_SELECT="cuda and prefill" scripts/gpu-check.sh   # all within 560 s, in this file's order
 #
@@ -162,6 +163,14 @@ if [ -n "${RATES:-}" ]; then
     run_part rates "${RATES_TIMEOUT:-150}" python3 -m benchmarks.gpu_timeline --parts prefill \
         --cases "${RATES_CASES:-qwen3:2048,mixtral:2048,qwen3:512,mixtral:512,qwen3:8192}" --launches 4 &&
         statuses+=("prefill own rates: $out/rates.log")
+fi
+if [ -n "${MEMORY:-}" ]; then
+    # MEMORY=1: what one layer's prefill allocates above the resident memory, stock's and ours, at
+    # MEMORY_CASES (benchmarks/prefill_memory.py; issue 4's "peak memory within stock + O(tokens x
+    # hidden)").
+    run_part memory "${MEMORY_TIMEOUT:-120}" python3 -m benchmarks.prefill_memory \
+        --cases "${MEMORY_CASES:-qwen3:512,qwen3:2048,qwen3:8192,mixtral:512,mixtral:2048}" &&
+        statuses+=("prefill memory: $out/memory.log")
 fi
 if [ -n "${FORWARDS:-}" ]; then
     # FORWARDS=1: one forward of each of FORWARD_MODELS (comma-separated) at FORWARD_PROMPTS against

@@ -485,6 +485,19 @@ def test_prefill_forward_smoke_times_every_variant(tmp_path):
     assert "prefill compiled per shape, patched: off (cpu: only the CUDA kernels' calls are compiled)" in out
 
 
+def test_prefill_memory_gives_each_case_stock_and_patched_bytes(capsys):
+    from benchmarks.prefill_memory import main
+
+    main(["--cases", "small:64,small:512"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+    assert [row[:2] for row in rows] == [["small T=64", "reference"], ["small T=512", "reference"]]
+    for row in rows:  # the CPU's patched calls run the reference: stock's graph, stock's bytes
+        stock, patched, weights = float(row[2]), float(row[3]), float(row[6])
+        assert stock > 0 and abs(patched - stock) <= 0.01 * stock and weights > 0
+    assert float(rows[1][2]) > 4 * float(rows[0][2])  # a prefill's bytes grow with its tokens
+
+
 def test_prefill_forward_names_the_kernels_a_first_call_added_to_the_caches(tmp_path):
     from benchmarks.prefill_forward import cache_additions, cache_files
 

@@ -1,0 +1,69 @@
+"""Issue 4's memory criterion ("no dequantised copy of the expert weights: peak memory stays within
+stock + O(tokens x hidden)") for the CUDA prefill path, on any machine: its graph evaluated on the
+CPU with each kernel replaced by a stand-in that allocates the kernel's outputs while its inputs
+are alive (what MLX's cuda_kernel allocates: our kernels' only scratch is shared memory), against
+stock's prefill of the same layer. benchmarks/prefill_memory.py measures both on a GPU."""
+
+import sys
+
+import mlx.core as mx
+import pytest
+
+import mlx_moe_fix.kernels  # noqa: F401  loads the op modules (their names are the dispatchers')
+from benchmarks.prefill_memory import build_case, stock_and_patched_bytes
+
+PREFILL = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
+
+pytestmark = pytest.mark.usefixtures("cpu_device")
+
+
+class AllocatingKernel:
+    """Called as a cuda_kernel object: returns zero outputs of the launch's shapes and dtypes,
+    allocated in a node that holds every input, so outputs and inputs are alive together as around
+    a launch."""
+
+    def __init__(self, *unused):
+        pass
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, **unused):
+        outputs = [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return mx.depends(outputs, list(inputs))
+
+
+def assert_within_stock_plus_activations(case, patched, activations_allowed: float):
+    stock, ours = stock_and_patched_bytes(case, patched)
+    assert ours <= stock + activations_allowed * case.activations, (
+        f"the prefill allocates {ours / 1e6:.2f} MB, stock {stock / 1e6:.2f} MB: more than "
+        f"{activations_allowed} x the {case.activations / 1e6:.2f} MB of activations over stock")
+    return stock, ours
+
+
+@pytest.fixture
+def allocating_kernels(monkeypatch):
+    monkeypatch.setattr(PREFILL, "cuda_kernel_object", AllocatingKernel)
+
+
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma.sync", "wgmma"])
+@pytest.mark.parametrize("tokens", [128, 1024])
+def test_cuda_prefill_allocates_no_more_than_stock(allocating_kernels, monkeypatch, wgmma, tokens):
+    monkeypatch.setattr(PREFILL, "wgmma_device", lambda: wgmma)
+    case = build_case("small", tokens)
+    tile = PREFILL.tile_height(case.indices.size, case.experts.num_experts)
+    assert (PREFILL.gemm_kernel(case.experts, "first", tile) == "grouped_wgmma") == wgmma
+    stock, ours = assert_within_stock_plus_activations(case, PREFILL.moe_prefill_kernel, 0)
+    assert ours > case.activations  # the stand-ins allocated: at least the combined output and more
+
+
+def test_the_memory_check_finds_a_dequantised_copy_of_the_experts(allocating_kernels):
+    # at few tokens a layer's weights outweigh its activations: a bf16 copy of them shows
+    case = build_case("small", 128)
+    projections = [case.layer[name] for name in ("gate_proj", "up_proj", "down_proj")]
+
+    def dequantising(x, indices, experts, weights):
+        # as a kernel path that dequantised the experts to bf16 for its GEMMs would
+        copies = [mx.dequantize(p.weight, p.scales, p.biases, p.group_size, p.bits).astype(mx.bfloat16)
+                  for p in projections]
+        return mx.depends([PREFILL.moe_prefill_kernel(x, indices, experts, weights)], copies)[0]
+
+    with pytest.raises(AssertionError, match="more than 0 x"):
+        assert_within_stock_plus_activations(case, dequantising, 0)
