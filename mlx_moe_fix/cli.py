@@ -28,6 +28,11 @@ def markdown_table(headers: list, rows: list) -> str:
     return "\n".join(out)
 
 
+def target_reason(reason: str, status: dict) -> str:
+    """A target's reason, the reason apply() patched nothing said once above the tables."""
+    return "the reason above" if reason and reason == status["why_not_applied"] else reason
+
+
 def show_status(as_json: bool) -> int:
     status = mlx_moe_fix.status()
     if as_json:
@@ -49,7 +54,8 @@ def show_status(as_json: bool) -> int:
     cache = status["cuda_kernel_cache"]
     print(f"CUDA kernels' compiled code kept in MLX's PTX cache: {'on' if cache['on'] else 'off'} ({cache['reason']})")
     print()
-    print(markdown_table(["target", "state", "why"], [[t["target"], t["state"], t["reason"]] for t in status["targets"]]))
+    print(markdown_table(["target", "state", "why"], [[t["target"], t["state"], target_reason(t["reason"], status)]
+                                                      for t in status["targets"]]))
     print()
     print("activations recognised: " + ", ".join(status["activations"]))
     return 0

@@ -752,6 +752,23 @@ def test_demo_says_why_calls_stay_on_upstreams_code(capsys):
     assert "SwitchGLU prefill: upstream's code: activation" in out and "TanhGate" in out, out
 
 
+def test_status_command_gives_the_reason_nothing_was_patched_once(monkeypatch, capsys):
+    from mlx_moe_fix import cli
+
+    why = "no kernel of ours runs here"
+    status = mlx_moe_fix.status()
+    status["why_not_applied"] = why
+    status["targets"] = [{**t, "state": "not applied", "reason": why} for t in status["targets"]]
+    status["targets"][0]["reason"] = "a reason of its own"
+    monkeypatch.setattr(mlx_moe_fix, "status", lambda: status)
+    assert cli.show_status(False) == 0
+    out = capsys.readouterr().out
+    assert out.count(why) == 1 and f"not applied: {why}" in out
+    rows = [line for line in out.splitlines() if "| not applied |" in line]
+    assert len(rows) == len(status["targets"]) and "a reason of its own" in rows[0]
+    assert all(row.rstrip(" |").endswith("the reason above") for row in rows[1:])
+
+
 def save_vlm_checkpoint(folder):
     """A small random glm4v_moe checkpoint (vision tower and MoE language model) written as
     mlx-vlm's converter writes one; mlx-lm has no glm4v_moe, so the demo loads it through mlx-vlm."""
