@@ -27,8 +27,9 @@ from .switch_glu import experts_of, quantized_switch_glu
 from .timing import environment, environment_line, fmt, log, markdown_table
 
 MB = 1e6
-# (hidden, intermediate, experts, top-k): prefill_ab's, and a small one for the CPU
-CASE_SHAPES = {**SHAPES, "small": (256, 128, 16, 4)}
+# (hidden, intermediate, experts, top-k): prefill_ab's, and small ones for the CPU (with many
+# experts, few tokens pad most of their rows: the grid's worst case, moe_prefill.grid_tiles)
+CASE_SHAPES = {**SHAPES, "small": (256, 128, 16, 4), "small_256_experts": (256, 128, 256, 8)}
 
 
 def extra_peak_bytes(call) -> int:

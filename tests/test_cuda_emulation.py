@@ -39,7 +39,7 @@ from .metal_emulation import CXX
 from .parity.cases import GATED_KINDS, describe, make_case
 from .parity.test_greedy_tokens import N_TOKENS, assert_tokens_match_stock, record_stock_run
 from .parity.test_ops import assert_kernel_reads_every_fp4_code, check, float32_oracle
-from .parity.test_routing import assert_routes
+from .parity.test_routing import assert_routes, most_tiles_routing
 from .parity.tolerance import assert_close, relative_error
 from .test_metal_emulation import CASES
 
@@ -208,6 +208,17 @@ def test_emulated_cuda_route_kernel_routes_in_many_blocks(monkeypatch, chunk_off
     else:
         with pytest.raises(AssertionError, match="every pair exactly once"):
             assert_routes(experts, num_experts, tile, *routing)
+
+
+@pytest.mark.parametrize("num_experts, pairs, tile", [(256, 128, 16), (40, 100, 64), (8, 300, 32)])
+def test_emulated_cuda_route_kernel_fills_the_grid_in_its_worst_case(monkeypatch, num_experts, pairs, tile):
+    # test_routing's worst case on the emulation, in blocks of 64 pairs: every tile of the grid used
+    monkeypatch.setattr(PREFILL, "cuda_kernel_object", emulated_kernel())
+    monkeypatch.setattr(PREFILL, "ROUTE_PAIRS_PER_BLOCK", 64)
+    experts = most_tiles_routing(num_experts, pairs, tile)
+    row_pair, tile_expert, tiles = PREFILL.route_kernel(mx.array(experts), num_experts, tile)
+    assert_routes(experts, num_experts, tile, row_pair, tile_expert, tiles)
+    assert (np.array(tile_expert) >= 0).all()
 
 
 @pytest.mark.parametrize("name", ["bf16 8-bit/64 clamped swiglu binding, biased", "bf16 4-bit/64 swiglu, 64-row tiles"])

@@ -251,8 +251,11 @@ def tile_height(pairs: int, num_experts: int) -> int:
 
 
 def grid_tiles(pairs: int, num_experts: int, tile: int) -> int:
-    """The most tiles any routing of `pairs` pairs can fill: the grid's size, known on the host."""
-    return pairs // tile + num_experts
+    """The most tiles any routing of `pairs` pairs can fill: the grid's size, known on the host.
+    At most min(experts, pairs) experts have pairs, and each pads its run by at most tile - 1
+    rows: at a few tokens with many experts this is well under pairs / tile + experts (DeepSeek-V3
+    at 16 tokens: 128 tiles, not 264), and so is the gate+up's output, allocated whole."""
+    return (pairs + min(num_experts, pairs) * (tile - 1)) // tile
 
 
 def route_kernel(flat_indices: mx.array, num_experts: int, tile: int = TILES[0]):

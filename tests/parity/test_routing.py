@@ -66,3 +66,33 @@ def assert_routes(experts: np.ndarray, num_experts: int, tile: int, row_pair, ti
         assert len(valid) and (experts[valid] == tile_expert[index]).all(), "a tile holds one expert's pairs"
         assert (rows[: len(valid)] >= 0).all(), "padding only at the end of a tile"
     assert (np.diff(tile_expert[used]) >= 0).all(), "tiles in expert order"
+
+
+def most_tiles_routing(num_experts: int, pairs: int, tile: int) -> np.ndarray:
+    """A routing that fills the most tiles `pairs` pairs can: each of min(experts, pairs) experts
+    one pair past whole tiles (the rest of the pairs in whole tiles, the last few with expert 0)."""
+    used = min(num_experts, pairs)
+    counts = np.ones(used, dtype=np.int64)
+    whole, rest = divmod(pairs - used, tile)
+    counts += tile * np.bincount(np.arange(whole) % used, minlength=used)
+    counts[0] += rest
+    return np.repeat(np.arange(used), counts).astype(np.uint32)
+
+
+@pytest.mark.parametrize("num_experts, pairs, tile", [(256, 64, 16), (256, 128, 16), (256, 1024, 16), (40, 100, 64),
+                                                      (8, 9, 32), (3, 600, 64)])
+def test_route_fills_the_grid_in_its_worst_case(route, num_experts, pairs, tile):
+    # the grid (grid_tiles) is sized for the worst case and no larger: that routing uses every tile
+    experts = most_tiles_routing(num_experts, pairs, tile)
+    assert len(experts) == pairs
+    row_pair, tile_expert, tiles = route(mx.array(experts), num_experts, tile)
+    assert tiles == PREFILL.grid_tiles(pairs, num_experts, tile)
+    assert_routes(experts, num_experts, tile, row_pair, tile_expert, tiles)
+    assert (np.array(tile_expert) >= 0).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(counts=st.lists(st.integers(0, 300), min_size=1, max_size=300), tile=st.sampled_from(TILES))
+def test_no_routing_fills_more_tiles_than_the_grid(counts, tile):
+    pairs = sum(counts)
+    assert sum(-(-c // tile) for c in counts) <= PREFILL.grid_tiles(pairs, len(counts), tile)

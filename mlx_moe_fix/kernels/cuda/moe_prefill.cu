@@ -852,7 +852,7 @@ __device__ __forceinline__ void pin(unsigned (&v)[N]) {
 // waiting on another block; the blocks then share the writes. Rows within a run come in atomic
 // order: each row's result is independent of the others, so the outputs do not depend on it.
 // inputs: indices [pairs] (the expert of each pair), sizes = pairs, experts, tiles (the grid's
-//         worst case, pairs / TILE + experts), chunk
+//         worst case, moe_prefill.grid_tiles), chunk
 // outputs: row_pair [tiles * TILE] (pair, -1: padding), tile_expert [tiles] (-1: unused)
 // Template constants: TILE, MAX_EXPERTS (the shared arrays' size; the launcher checks experts and
 // launches 32-warp blocks, a thread an expert in the scan).
