@@ -1,5 +1,5 @@
 """Ninety-fifth stop (docs/benchmarks.md, items 1-2): what the CUDA prefill path's graph allocates
-on the CPU, each kernel replaced by tests/test_prefill_memory.py's stand-in (its launch's outputs,
+on the CPU, each kernel replaced by tests/parity/test_prefill_memory.py's stand-in (its launch's outputs,
 allocated while its inputs are alive), against stock's prefill of the same layer, with the GEMMs
 on mma.sync and on wgmma. A case is shape:tokens, the shape a name of
 benchmarks.prefill_memory.CASE_SHAPES or hidden x intermediate x experts x top-k.
@@ -12,7 +12,7 @@ import mlx.core as mx
 mx.set_default_device(mx.cpu)
 import mlx_moe_fix.kernels  # noqa: E402,F401
 from benchmarks import prefill_memory  # noqa: E402
-from tests.test_prefill_memory import AllocatingKernel  # noqa: E402
+from tests.parity.test_prefill_memory import AllocatingKernel  # noqa: E402
 
 PREFILL = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
 PREFILL.cuda_kernel_object = AllocatingKernel

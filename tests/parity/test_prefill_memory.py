@@ -4,8 +4,8 @@ CPU with each kernel replaced by a stand-in that allocates the kernel's outputs 
 are alive (what MLX's cuda_kernel allocates: our kernels' only scratch is shared memory), against
 stock's prefill of the same layer. Beyond stock's bytes it may take only the padding rows of the
 gate+up's output, which is allocated for the grid's worst case (moe_prefill.grid_tiles: at most
-tile - 1 rows for each expert with pairs, so fewer than 64 rows a pair). benchmarks/prefill_memory.py
-measures both on a GPU."""
+tile - 1 rows for each expert with pairs, so fewer than 64 rows a pair). On a CUDA GPU the same
+bound on the kernels themselves; benchmarks/prefill_memory.py measures full-size layers there."""
 
 import sys
 
@@ -16,9 +16,6 @@ import mlx_moe_fix.kernels  # noqa: F401  loads the op modules (their names are 
 from benchmarks.prefill_memory import build_case, stock_and_patched_bytes
 
 PREFILL = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
-
-pytestmark = pytest.mark.usefixtures("cpu_device")
-
 
 class AllocatingKernel:
     """Called as a cuda_kernel object: returns zero outputs of the launch's shapes and dtypes,
@@ -49,7 +46,8 @@ def assert_within_stock_and_padding(case, patched):
 
 
 @pytest.fixture
-def allocating_kernels(monkeypatch):
+def allocating_kernels(cpu_device, monkeypatch):
+    """The CUDA path's kernels as AllocatingKernels, on the CPU."""
     monkeypatch.setattr(PREFILL, "cuda_kernel_object", AllocatingKernel)
 
 
@@ -66,6 +64,12 @@ def test_cuda_prefill_allocates_stocks_bytes_and_its_grids_padding_at_most(alloc
     assert ours > case.activations  # the stand-ins allocated: at least the combined output and more
     if tokens >= 128:  # where the experts' runs fill most of their tiles, under stock's bytes
         assert ours < stock
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, tokens", [("small", 1024), ("small_256_experts", 64)])
+def test_cuda_prefill_kernels_allocate_stocks_bytes_and_their_grids_padding_at_most(cuda_kernels, shape, tokens):
+    assert_within_stock_and_padding(build_case(shape, tokens), PREFILL.moe_prefill_kernel)
 
 
 def test_the_memory_check_finds_a_dequantised_copy_of_the_experts(allocating_kernels):
