@@ -17,6 +17,7 @@ from benchmarks.prefill_memory import build_case, stock_and_patched_bytes
 
 PREFILL = sys.modules["mlx_moe_fix.kernels.moe_prefill"]
 
+
 class AllocatingKernel:
     """Called as a cuda_kernel object: returns zero outputs of the launch's shapes and dtypes,
     allocated in a node that holds every input, so outputs and inputs are alive together as around
@@ -39,9 +40,10 @@ def padding_bytes(case) -> int:
 
 def assert_within_stock_and_padding(case, patched):
     stock, ours = stock_and_patched_bytes(case, patched)
-    assert ours <= stock + padding_bytes(case), (
+    padding = padding_bytes(case)
+    assert ours <= stock + padding, (
         f"the prefill allocates {ours / 1e6:.2f} MB, stock {stock / 1e6:.2f} MB: more than the "
-        f"{padding_bytes(case) / 1e6:.2f} MB of the grid's padding rows over stock")
+        f"{padding / 1e6:.2f} MB of the grid's padding rows over stock")
     return stock, ours
 
 
